@@ -1,0 +1,91 @@
+//! Command-line definitions (clap only; validation lives in `config`).
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+/// vhost-user-blk backend: serve a disk image to QEMU, cloud-hypervisor or libblkio.
+#[derive(Debug, Parser)]
+#[command(name = "vublk", version, about, long_about = None)]
+pub struct Args {
+    /// Listen on this UNIX socket path (created; a stale socket file is replaced).
+    #[arg(long, value_name = "PATH")]
+    pub socket_path: Option<PathBuf>,
+
+    /// Serve an already listening UNIX socket inherited as file descriptor N.
+    #[arg(long, value_name = "N")]
+    pub fd: Option<i32>,
+
+    /// Disk image (or block device) to serve.
+    #[arg(long, value_name = "PATH")]
+    pub blk_file: Option<PathBuf>,
+
+    /// Image format.
+    #[arg(long, value_enum, default_value_t = Format::Raw)]
+    pub format: Format,
+
+    /// Serve the image read-only (guest writes fail with an I/O error).
+    #[arg(long)]
+    pub read_only: bool,
+
+    /// Print the backend's capabilities as JSON and exit.
+    #[arg(long)]
+    pub print_capabilities: bool,
+
+    /// Number of virtqueues (1-16); each gets its own thread and io_uring.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub num_queues: u32,
+
+    /// Maximum virtqueue size (power of two, 2-1024).
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub queue_size: u32,
+
+    /// Logical block size reported to the guest (512 or 4096).
+    #[arg(long, value_name = "BYTES", default_value_t = 512)]
+    pub logical_block_size: u32,
+
+    /// Serial number returned for GET_ID (at most 20 bytes; default derived from the file).
+    #[arg(long, value_name = "STR")]
+    pub serial: Option<String>,
+
+    /// Host cache mode: none = O_DIRECT with a volatile write cache (FLUSH = fdatasync),
+    /// writeback = page cache with a volatile write cache, writethrough = every write durable.
+    #[arg(long, value_enum, default_value_t = CacheMode::None)]
+    pub cache: CacheMode,
+
+    /// I/O engine; io_uring falls back to threads when the kernel forbids it.
+    #[arg(long, value_enum, default_value_t = AioMode::IoUring)]
+    pub aio: AioMode,
+
+    /// Log level: error, warn, info, debug or trace.
+    #[arg(long, value_name = "LEVEL", default_value = "info")]
+    pub log_level: String,
+}
+
+/// Image formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Raw image: guest sector N is byte N*512 of the file.
+    Raw,
+}
+
+/// Host cache modes (QEMU's names and meanings).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CacheMode {
+    /// O_DIRECT; the guest sees a volatile write cache that FLUSH empties.
+    None,
+    /// Page cache; the guest sees a volatile write cache that FLUSH empties.
+    Writeback,
+    /// Page cache; every write is durable before it completes; no volatile cache.
+    Writethrough,
+}
+
+/// I/O engines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AioMode {
+    /// One io_uring per queue.
+    #[value(name = "io_uring")]
+    IoUring,
+    /// Blocking system calls on the queue's own thread.
+    Threads,
+}

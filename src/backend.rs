@@ -1,0 +1,205 @@
+//! vhost-user glue: features, protocol features, config space, and event dispatch to the
+//! per-queue workers.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use log::{info, warn};
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringRwLock};
+use virtio_bindings::virtio_blk::*;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::device::Device;
+use crate::worker::QueueWorker;
+
+type Mem = GuestMemoryMmap<()>;
+
+/// Event id of a queue's engine completion eventfd. vhost-user-backend reserves
+/// 0..=num_queues on every worker thread (queues, then the exit event).
+pub fn completion_event_id(num_queues: u16) -> u64 {
+    u64::from(num_queues) + 1
+}
+
+/// The vhost-user-blk backend for one connection.
+pub struct VhostUserBlkBackend {
+    dev: Arc<Device>,
+    workers: Vec<Mutex<QueueWorker>>,
+    acked_features: AtomicU64,
+}
+
+impl VhostUserBlkBackend {
+    pub fn new(dev: Arc<Device>, workers: Vec<QueueWorker>) -> Self {
+        VhostUserBlkBackend {
+            dev,
+            workers: workers.into_iter().map(Mutex::new).collect(),
+            acked_features: AtomicU64::new(0),
+        }
+    }
+
+    fn worker(&self, i: usize) -> Option<MutexGuard<'_, QueueWorker>> {
+        // A poisoned worker means a bug already logged by the panic; keep serving others.
+        self.workers
+            .get(i)
+            .map(|w| w.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Engine eventfds to register with each queue's epoll loop.
+    pub fn engine_event_fds(&self) -> Vec<Option<i32>> {
+        (0..self.workers.len())
+            .map(|i| self.worker(i).and_then(|w| w.engine_event_fd()))
+            .collect()
+    }
+
+    /// Finish every in-flight request on every queue.
+    pub fn drain_all(&self) {
+        for i in 0..self.workers.len() {
+            if let Some(mut w) = self.worker(i) {
+                w.drain();
+            }
+        }
+    }
+
+    pub fn log_stats(&self) {
+        for i in 0..self.workers.len() {
+            if let Some(w) = self.worker(i) {
+                let s = w.stats;
+                if s.requests > 0 {
+                    info!(
+                        "queue {i}: {} requests, {} errors, {} bounced",
+                        s.requests, s.errors, s.bounced
+                    );
+                }
+            }
+        }
+    }
+
+    pub fn device_features(&self) -> u64 {
+        let mut f = (1 << VIRTIO_F_VERSION_1)
+            | (1 << VIRTIO_RING_F_EVENT_IDX)
+            | (1 << VIRTIO_RING_F_INDIRECT_DESC)
+            | (1 << VIRTIO_BLK_F_SIZE_MAX)
+            | (1 << VIRTIO_BLK_F_SEG_MAX)
+            | (1 << VIRTIO_BLK_F_BLK_SIZE)
+            | (1 << VIRTIO_BLK_F_TOPOLOGY)
+            | (1 << VIRTIO_BLK_F_FLUSH)
+            | (1 << VIRTIO_BLK_F_CONFIG_WCE)
+            | (1 << VIRTIO_BLK_F_MQ)
+            | (1 << VIRTIO_BLK_F_DISCARD)
+            | (1 << VIRTIO_BLK_F_WRITE_ZEROES)
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        if self.dev.params.read_only {
+            f |= 1 << VIRTIO_BLK_F_RO;
+        }
+        f
+    }
+}
+
+impl VhostUserBackend for VhostUserBlkBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock<GuestMemoryAtomic<Mem>>;
+
+    fn num_queues(&self) -> usize {
+        self.workers.len()
+    }
+
+    fn max_queue_size(&self) -> usize {
+        usize::from(self.dev.params.queue_size)
+    }
+
+    fn features(&self) -> u64 {
+        self.device_features()
+    }
+
+    fn acked_features(&self, features: u64) {
+        self.acked_features.store(features, Ordering::Relaxed);
+        // 5.2.5.1: a driver that did not negotiate FLUSH cannot make writes durable, so the
+        // device must behave as write-through for it.
+        if features & (1 << VIRTIO_BLK_F_FLUSH) == 0 && self.dev.writeback() {
+            warn!(
+                "driver did not negotiate FLUSH: switching to write-through so writes stay durable"
+            );
+            self.dev.set_writeback(false);
+        }
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+    }
+
+    fn set_event_idx(&self, _enabled: bool) {}
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        self.dev.read_config(offset, size)
+    }
+
+    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
+        self.dev
+            .write_config(offset, buf)
+            .map_err(|m| io::Error::new(io::ErrorKind::InvalidInput, m))
+    }
+
+    fn update_memory(&self, mem: GuestMemoryAtomic<Mem>) -> io::Result<()> {
+        for i in 0..self.workers.len() {
+            if let Some(mut w) = self.worker(i) {
+                w.set_memory(mem.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// One thread per queue: queue i is handled by thread i.
+    fn queues_per_thread(&self) -> Vec<u64> {
+        (0..self.workers.len()).map(|i| 1u64 << i).collect()
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    }
+
+    /// GET_VRING_BASE: answer only after the queue's in-flight requests have completed.
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        if let Some(mut w) = self.worker(queue_index as usize) {
+            w.drain();
+        }
+        Ok(())
+    }
+
+    fn reset_device(&self) {
+        self.drain_all();
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[Self::Vring],
+        thread_id: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "unexpected event set",
+            ));
+        }
+        let Some(mut w) = self.worker(thread_id) else {
+            return Ok(());
+        };
+        if u64::from(device_event) == completion_event_id(self.workers.len() as u16) {
+            w.handle_completions();
+        } else if let Some(vring) = vrings.get(usize::from(device_event)) {
+            w.handle_kick(vring);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,186 @@
+//! Validated configuration: every option conflict is rejected here with a message that names
+//! the option, so `main` can print one line and exit with status 2.
+
+use std::path::PathBuf;
+
+use crate::args::{AioMode, Args, CacheMode, Format};
+
+/// Most queues we serve; each queue costs a thread and an io_uring.
+pub const MAX_NUM_QUEUES: u32 = 16;
+/// Largest split-ring size the virtio spec allows is 32768; we bound it so per-queue state
+/// (one in-flight slot per descriptor head) stays small.
+pub const MAX_QUEUE_SIZE: u32 = 1024;
+/// GET_ID returns at most 20 bytes (virtio spec 5.2.6, VIRTIO_BLK_ID_BYTES).
+pub const SERIAL_MAX_BYTES: usize = 20;
+
+/// Where the vhost-user socket comes from.
+#[derive(Debug, Clone)]
+pub enum Socket {
+    /// Create and listen on this path.
+    Path(PathBuf),
+    /// An inherited listening socket.
+    Fd(i32),
+}
+
+/// Everything the daemon needs, checked.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub socket: Socket,
+    pub blk_file: PathBuf,
+    pub format: Format,
+    pub read_only: bool,
+    pub num_queues: u16,
+    pub queue_size: u16,
+    pub logical_block_size: u32,
+    pub serial: Option<String>,
+    pub cache: CacheMode,
+    pub aio: AioMode,
+    pub log_level: log::LevelFilter,
+}
+
+/// A rejected option: the message names it.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+fn bad(msg: impl Into<String>) -> ConfigError {
+    ConfigError(msg.into())
+}
+
+impl Config {
+    /// Validate parsed arguments. `--print-capabilities` is handled before this.
+    pub fn from_args(args: &Args) -> Result<Self, ConfigError> {
+        let socket = match (&args.socket_path, args.fd) {
+            (Some(_), Some(_)) => {
+                return Err(bad("--socket-path and --fd are mutually exclusive"));
+            }
+            (None, None) => return Err(bad("one of --socket-path or --fd is required")),
+            (Some(p), None) => {
+                if p.as_os_str().is_empty() {
+                    return Err(bad("--socket-path must not be empty"));
+                }
+                Socket::Path(p.clone())
+            }
+            (None, Some(fd)) => {
+                if fd < 0 {
+                    return Err(bad(format!("--fd {fd}: must be a non-negative descriptor")));
+                }
+                Socket::Fd(fd)
+            }
+        };
+        let blk_file = args
+            .blk_file
+            .clone()
+            .ok_or_else(|| bad("--blk-file is required"))?;
+        if !(1..=MAX_NUM_QUEUES).contains(&args.num_queues) {
+            return Err(bad(format!(
+                "--num-queues {}: must be between 1 and {MAX_NUM_QUEUES}",
+                args.num_queues
+            )));
+        }
+        if !(2..=MAX_QUEUE_SIZE).contains(&args.queue_size) || !args.queue_size.is_power_of_two() {
+            return Err(bad(format!(
+                "--queue-size {}: must be a power of two between 2 and {MAX_QUEUE_SIZE}",
+                args.queue_size
+            )));
+        }
+        if args.logical_block_size != 512 && args.logical_block_size != 4096 {
+            return Err(bad(format!(
+                "--logical-block-size {}: must be 512 or 4096",
+                args.logical_block_size
+            )));
+        }
+        if let Some(s) = &args.serial {
+            if s.len() > SERIAL_MAX_BYTES {
+                return Err(bad(format!(
+                    "--serial: {} bytes is longer than the {SERIAL_MAX_BYTES} bytes GET_ID can carry",
+                    s.len()
+                )));
+            }
+        }
+        let log_level = args.log_level.parse::<log::LevelFilter>().map_err(|_| {
+            bad(format!(
+                "--log-level {}: must be one of off, error, warn, info, debug, trace",
+                args.log_level
+            ))
+        })?;
+        Ok(Config {
+            socket,
+            blk_file,
+            format: args.format,
+            read_only: args.read_only,
+            num_queues: args.num_queues as u16,
+            queue_size: args.queue_size as u16,
+            logical_block_size: args.logical_block_size,
+            serial: args.serial.clone(),
+            cache: args.cache,
+            aio: args.aio,
+            log_level,
+        })
+    }
+}
+
+/// The JSON printed by `--print-capabilities` (QEMU vhost-user backend program conventions).
+pub fn capabilities_json() -> &'static str {
+    "{\n  \"type\": \"block\",\n  \"features\": [\n    \"read-only\",\n    \"blk-file\"\n  ]\n}"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn parse(extra: &[&str]) -> Result<Config, ConfigError> {
+        let mut v = vec!["vublk"];
+        v.extend_from_slice(extra);
+        Config::from_args(&Args::try_parse_from(v).unwrap())
+    }
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let c = parse(&["--socket-path", "/tmp/s", "--blk-file", "/tmp/f"]).unwrap();
+        assert_eq!(c.num_queues, 1);
+        assert_eq!(c.queue_size, 256);
+        assert_eq!(c.logical_block_size, 512);
+        assert_eq!(c.cache, CacheMode::None);
+        assert_eq!(c.aio, AioMode::IoUring);
+        assert!(!c.read_only);
+    }
+
+    #[test]
+    fn socket_path_and_fd_conflict() {
+        let e = parse(&["--socket-path", "/s", "--fd", "3", "--blk-file", "/f"]).unwrap_err();
+        assert!(e.0.contains("--socket-path") && e.0.contains("--fd"), "{e}");
+    }
+
+    #[test]
+    fn missing_socket_is_rejected() {
+        let e = parse(&["--blk-file", "/f"]).unwrap_err();
+        assert!(e.0.contains("--socket-path"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_values_name_the_option() {
+        for (args, opt) in [
+            (vec!["--num-queues", "17"], "--num-queues"),
+            (vec!["--num-queues", "0"], "--num-queues"),
+            (vec!["--queue-size", "1025"], "--queue-size"),
+            (vec!["--queue-size", "100"], "--queue-size"),
+            (vec!["--logical-block-size", "1024"], "--logical-block-size"),
+            (vec!["--serial", "123456789012345678901"], "--serial"),
+            (vec!["--log-level", "loud"], "--log-level"),
+        ] {
+            let mut all = vec!["--socket-path", "/s", "--blk-file", "/f"];
+            all.extend(args);
+            let e = parse(&all).unwrap_err();
+            assert!(e.0.contains(opt), "{e}");
+        }
+    }
+
+    #[test]
+    fn capabilities_are_valid_json_naming_block() {
+        let s = capabilities_json();
+        assert!(s.contains("\"type\": \"block\""));
+        assert!(s.contains("\"read-only\"") && s.contains("\"blk-file\""));
+    }
+}

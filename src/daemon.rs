@@ -1,0 +1,355 @@
+//! The daemon: open the image, listen (path or inherited fd), serve one frontend at a time
+//! and the next after it disconnects, and shut down cleanly on SIGTERM/SIGINT.
+
+use std::io;
+use std::os::fd::FromRawFd;
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use log::{error, info, warn};
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+
+use crate::args::{AioMode, CacheMode};
+use crate::backend::{completion_event_id, VhostUserBlkBackend};
+use crate::config::{Config, Socket};
+use crate::device::{Device, DeviceParams};
+use crate::image::{open_raw, OpenError};
+use crate::io::align::{self, ProbeSource};
+use crate::io::{Engine, SyncEngine, UringEngine};
+use crate::worker::QueueWorker;
+
+/// Start-up failures; each names what the operator should check.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Image(#[from] OpenError),
+    #[error("socket path {0} is in use by another process (is another vublk serving it?)")]
+    SocketBusy(PathBuf),
+    #[error("socket path {0} exists and is not a socket; refusing to replace it")]
+    NotASocket(PathBuf),
+    #[error("cannot listen on {path}")]
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("--fd {0} is not an open socket")]
+    BadFd(i32),
+    #[error("cannot create the I/O engine")]
+    Engine(#[source] io::Error),
+    #[error("vhost-user daemon error: {0}")]
+    Vhost(String),
+    #[error("cannot set up signal handling")]
+    Signals(#[source] io::Error),
+}
+
+/// Open the image and build the shared device.
+pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
+    let direct = cfg.cache == CacheMode::None;
+    let img = open_raw(&cfg.blk_file, cfg.read_only, direct, cfg.logical_block_size)?;
+    let (dio, source) = align::probe(&img.file, direct);
+    if source != ProbeSource::NotDirect {
+        info!(
+            "O_DIRECT alignment: memory {} bytes, offset {} bytes (from {:?})",
+            dio.mem, dio.offset, source
+        );
+    }
+    if dio.offset > cfg.logical_block_size as usize {
+        warn!(
+            "the image needs {}-byte aligned direct I/O but the guest is told {}-byte blocks; \
+             requests smaller than {} bytes will fail: use --logical-block-size 4096 or --cache writeback",
+            dio.offset, cfg.logical_block_size, dio.offset
+        );
+    }
+    let serial = match &cfg.serial {
+        Some(s) => s.as_bytes().to_vec(),
+        None => default_serial(img.dev_ino),
+    };
+    let params = DeviceParams {
+        size_bytes: img.size_bytes,
+        logical_block_size: cfg.logical_block_size,
+        read_only: cfg.read_only,
+        num_queues: cfg.num_queues,
+        queue_size: cfg.queue_size,
+        cache: cfg.cache,
+        align: dio,
+        serial,
+    };
+    info!(
+        "serving {} ({} bytes, cache={:?}, {})",
+        cfg.blk_file.display(),
+        img.size_bytes,
+        cfg.cache,
+        if cfg.read_only {
+            "read-only"
+        } else {
+            "read-write"
+        }
+    );
+    Ok(Arc::new(Device::new(img.file, params)))
+}
+
+/// Serial derived from the file's identity: stable across restarts, distinct per file.
+fn default_serial((dev, ino): (u64, u64)) -> Vec<u8> {
+    let mut s = format!("vublk{:x}{:x}", dev, ino).into_bytes();
+    s.truncate(crate::config::SERIAL_MAX_BYTES);
+    s
+}
+
+/// Pick the engine; io_uring falls back to threads (once, with one warning line).
+pub fn make_engine(aio: AioMode, entries: u32, warned: &mut bool) -> Result<Engine, DaemonError> {
+    if aio == AioMode::Threads {
+        return Ok(Engine::Sync(SyncEngine::new()));
+    }
+    match UringEngine::new(entries) {
+        Ok(e) => Ok(Engine::Uring(e)),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::ENOSYS)) => {
+            if !*warned {
+                warn!("io_uring is not available ({e}); falling back to --aio threads");
+                *warned = true;
+            }
+            Ok(Engine::Sync(SyncEngine::new()))
+        }
+        Err(e) => Err(DaemonError::Engine(e)),
+    }
+}
+
+/// Check the socket path: refuse a live socket or a non-socket; remove a stale socket.
+fn prepare_socket_path(path: &Path) -> Result<(), DaemonError> {
+    match std::fs::symlink_metadata(path) {
+        Err(_) => Ok(()),
+        Ok(m) if !m.file_type().is_socket() => Err(DaemonError::NotASocket(path.to_owned())),
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => Err(DaemonError::SocketBusy(path.to_owned())),
+            Err(_) => {
+                info!("removing stale socket {}", path.display());
+                std::fs::remove_file(path).map_err(|e| DaemonError::Listen {
+                    path: path.to_owned(),
+                    source: e,
+                })
+            }
+        },
+    }
+}
+
+fn listen(socket: &Socket) -> Result<Listener, DaemonError> {
+    match socket {
+        Socket::Path(p) => {
+            prepare_socket_path(p)?;
+            let l = Listener::new(p, true).map_err(|e| DaemonError::Listen {
+                path: p.clone(),
+                source: io::Error::other(e.to_string()),
+            })?;
+            info!("listening on {}", p.display());
+            Ok(l)
+        }
+        Socket::Fd(fd) => {
+            // SAFETY: fstat on an arbitrary integer is harmless; we only adopt the fd if it is
+            // an open socket.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: valid out pointer.
+            let ok = unsafe { libc::fstat(*fd, &mut st) } == 0
+                && (st.st_mode & libc::S_IFMT) == libc::S_IFSOCK;
+            if !ok {
+                return Err(DaemonError::BadFd(*fd));
+            }
+            info!("listening on inherited fd {fd}");
+            // SAFETY: the operator handed us this descriptor (--fd) and it is a socket; we
+            // take ownership of it.
+            Ok(unsafe { Listener::from_raw_fd(*fd) })
+        }
+    }
+}
+
+/// Shared between the serving thread and the signal thread.
+#[derive(Default)]
+struct Phase {
+    stop: bool,
+    connection: Option<ShutdownHandle>,
+}
+
+/// Run until SIGTERM/SIGINT. Returns Ok on a clean shutdown.
+pub fn run(cfg: Config) -> Result<(), DaemonError> {
+    // Block the signals in every thread; the main thread waits for them with sigwait.
+    let sigs = block_signals().map_err(DaemonError::Signals)?;
+    let dev = open_device(&cfg)?;
+    let mut listener = listen(&cfg.socket)?;
+    let phase = Arc::new(Mutex::new(Phase::default()));
+
+    let serve_phase = phase.clone();
+    let serve_dev = dev.clone();
+    let serve_cfg = cfg.clone();
+    let server = std::thread::Builder::new()
+        .name("vublk-serve".into())
+        .spawn(move || serve_loop(&serve_cfg, serve_dev, &mut listener, &serve_phase))
+        .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+
+    let sig = wait_signal(&sigs);
+    info!("received {}, shutting down", signal_name(sig));
+    {
+        let mut p = phase.lock().unwrap_or_else(|e| e.into_inner());
+        p.stop = true;
+        match p.connection.take() {
+            Some(h) => h.shutdown(),
+            None => {
+                // Idle: nothing in flight. Flush and leave; the serving thread may be blocked
+                // in accept().
+                flush(&dev);
+                info!("exiting");
+                return Ok(());
+            }
+        }
+    }
+    let r = server
+        .join()
+        .map_err(|_| DaemonError::Vhost("serving thread panicked".into()))?;
+    flush(&dev);
+    info!("exiting");
+    r
+}
+
+fn flush(dev: &Device) {
+    if !dev.params.read_only {
+        if let Err(e) = dev.file.sync_data() {
+            error!("final flush failed: {e}");
+        }
+    }
+}
+
+fn serve_loop(
+    cfg: &Config,
+    dev: Arc<Device>,
+    listener: &mut Listener,
+    phase: &Mutex<Phase>,
+) -> Result<(), DaemonError> {
+    let mut warned = false;
+    loop {
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
+        let mut workers = Vec::with_capacity(usize::from(cfg.num_queues));
+        for q in 0..cfg.num_queues {
+            let engine = make_engine(cfg.aio, u32::from(cfg.queue_size) * 2, &mut warned)?;
+            if q == 0 {
+                info!("I/O engine: {}", engine.name());
+            }
+            workers.push(QueueWorker::new(q, dev.clone(), engine, mem.clone()));
+        }
+        let backend = Arc::new(VhostUserBlkBackend::new(dev.clone(), workers));
+        let mut daemon = VhostUserDaemon::new("vublk".into(), backend.clone(), mem)
+            .map_err(|e| DaemonError::Vhost(e.to_string()))?;
+        let handlers = daemon.get_epoll_handlers();
+        for (i, fd) in backend.engine_event_fds().into_iter().enumerate() {
+            if let (Some(fd), Some(h)) = (fd, handlers.get(i)) {
+                h.register_listener(fd, EventSet::IN, completion_event_id(cfg.num_queues))
+                    .map_err(|e| DaemonError::Vhost(format!("register completion eventfd: {e}")))?;
+            }
+        }
+        if let Err(e) = daemon.start(listener) {
+            error!("accepting a connection failed: {e}");
+            continue;
+        }
+        {
+            let mut p = phase.lock().unwrap_or_else(|e| e.into_inner());
+            if p.stop {
+                daemon.request_shutdown();
+            } else {
+                p.connection = daemon.shutdown_handle();
+            }
+        }
+        info!("frontend connected");
+        match daemon.wait() {
+            Ok(()) => info!("frontend disconnected"),
+            Err(e) => warn!("frontend session ended: {e}"),
+        }
+        // Complete what the guest had in flight before its memory goes away, then stop the
+        // queue threads.
+        backend.drain_all();
+        backend.log_stats();
+        drop(daemon);
+        let stop = {
+            let mut p = phase.lock().unwrap_or_else(|e| e.into_inner());
+            p.connection = None;
+            p.stop
+        };
+        if stop {
+            return Ok(());
+        }
+    }
+}
+
+fn block_signals() -> io::Result<libc::sigset_t> {
+    // SAFETY: sigset manipulation on a local, then pthread_sigmask for this thread (inherited
+    // by threads spawned afterwards).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        let r = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if r != 0 {
+            return Err(io::Error::from_raw_os_error(r));
+        }
+        Ok(set)
+    }
+}
+
+fn wait_signal(set: &libc::sigset_t) -> i32 {
+    loop {
+        let mut sig: libc::c_int = 0;
+        // SAFETY: set is initialised, sig is a valid out pointer.
+        let r = unsafe { libc::sigwait(set, &mut sig) };
+        if r == 0 {
+            return sig;
+        }
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        _ => "signal",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_serial_fits_get_id() {
+        let s = default_serial((u64::MAX, u64::MAX));
+        assert!(s.len() <= 20);
+        assert!(s.starts_with(b"vublk"));
+        assert_ne!(default_serial((1, 2)), default_serial((1, 3)));
+    }
+
+    #[test]
+    fn non_socket_path_is_refused() {
+        let p = std::env::temp_dir().join(format!("vublk-notsock-{}", std::process::id()));
+        std::fs::write(&p, b"x").unwrap();
+        assert!(matches!(
+            prepare_socket_path(&p),
+            Err(DaemonError::NotASocket(_))
+        ));
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn live_socket_is_busy_and_stale_one_is_removed() {
+        let p = std::env::temp_dir().join(format!("vublk-sock-{}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        let l = std::os::unix::net::UnixListener::bind(&p).unwrap();
+        assert!(matches!(
+            prepare_socket_path(&p),
+            Err(DaemonError::SocketBusy(_))
+        ));
+        drop(l);
+        prepare_socket_path(&p).unwrap();
+        assert!(!p.exists());
+    }
+}

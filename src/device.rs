@@ -1,0 +1,233 @@
+//! The virtio-blk device model shared by all queues: limits, config space, the guest-visible
+//! write cache state, and the open image. No vhost-user here.
+
+use std::fs::File;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::args::CacheMode;
+use crate::io::align::DioAlign;
+use crate::virtio_blk::{DeviceLimits, ID_BYTES, SECTOR_SHIFT};
+
+/// Largest single guest segment we accept (config size_max): 1 MiB keeps one iovec's worth of
+/// bounce buffer pooled.
+pub const SIZE_MAX_BYTES: u32 = 1 << 20;
+/// Ranges per DISCARD / WRITE_ZEROES request.
+pub const MAX_RANGES: u32 = 32;
+/// Sectors per range: 4 Mi sectors = 2 GiB, comfortably inside i64 fallocate arithmetic.
+pub const MAX_RANGE_SECTORS: u32 = 1 << 22;
+/// Bytes of struct virtio_blk_config we serve, up to and including write_zeroes_may_unmap and
+/// its padding (5.2.4).
+pub const CONFIG_LEN: usize = 60;
+/// Offset of the `writeback` byte in the config space (5.2.4), writable with CONFIG_WCE.
+pub const CONFIG_WRITEBACK_OFFSET: usize = 32;
+
+/// Device parameters fixed at start-up.
+#[derive(Debug, Clone)]
+pub struct DeviceParams {
+    pub size_bytes: u64,
+    pub logical_block_size: u32,
+    pub read_only: bool,
+    pub num_queues: u16,
+    pub queue_size: u16,
+    pub cache: CacheMode,
+    pub align: DioAlign,
+    pub serial: Vec<u8>,
+}
+
+/// The block device as the guest sees it.
+#[derive(Debug)]
+pub struct Device {
+    pub file: File,
+    pub params: DeviceParams,
+    pub limits: DeviceLimits,
+    /// Guest-visible volatile write cache (WCE). Off means every write is durable on completion.
+    writeback: AtomicBool,
+    /// The filesystem refused FALLOC_FL_ZERO_RANGE once; use the fallback from then on.
+    pub no_zero_range: AtomicBool,
+}
+
+impl Device {
+    pub fn new(file: File, params: DeviceParams) -> Self {
+        let lbs = u64::from(params.logical_block_size);
+        let capacity_sectors = (params.size_bytes / lbs * lbs) >> SECTOR_SHIFT;
+        let limits = DeviceLimits {
+            capacity_sectors,
+            logical_block_size: params.logical_block_size,
+            read_only: params.read_only,
+            seg_max: u32::from(params.queue_size) - 2,
+            max_discard_sectors: MAX_RANGE_SECTORS,
+            max_discard_seg: MAX_RANGES,
+            max_write_zeroes_sectors: MAX_RANGE_SECTORS,
+            max_write_zeroes_seg: MAX_RANGES,
+        };
+        let writeback = params.cache != CacheMode::Writethrough;
+        Device {
+            file,
+            params,
+            limits,
+            writeback: AtomicBool::new(writeback),
+            no_zero_range: AtomicBool::new(false),
+        }
+    }
+
+    /// Is the guest-visible write cache on (FLUSH needed for durability)?
+    pub fn writeback(&self) -> bool {
+        self.writeback.load(Ordering::Relaxed)
+    }
+
+    pub fn set_writeback(&self, on: bool) {
+        self.writeback.store(on, Ordering::Relaxed);
+    }
+
+    /// Serial for GET_ID, padded with zeros to 20 bytes.
+    pub fn id_bytes(&self) -> [u8; ID_BYTES] {
+        let mut id = [0u8; ID_BYTES];
+        let n = self.params.serial.len().min(ID_BYTES);
+        id[..n].copy_from_slice(&self.params.serial[..n]);
+        id
+    }
+
+    /// struct virtio_blk_config, little-endian (5.2.4).
+    pub fn config_space(&self) -> [u8; CONFIG_LEN] {
+        let p = &self.params;
+        let mut c = [0u8; CONFIG_LEN];
+        let put32 = |c: &mut [u8; CONFIG_LEN], off: usize, v: u32| {
+            c[off..off + 4].copy_from_slice(&v.to_le_bytes())
+        };
+        c[0..8].copy_from_slice(&self.limits.capacity_sectors.to_le_bytes());
+        put32(&mut c, 8, SIZE_MAX_BYTES);
+        put32(&mut c, 12, self.limits.seg_max);
+        // geometry (16..20) left zero: not offered.
+        put32(&mut c, 20, p.logical_block_size);
+        // topology: physical block = max(logical, what O_DIRECT needs), as an exponent of
+        // logical blocks; min_io_size in logical blocks; opt_io_size 0 = none.
+        let phys = (p.align.offset as u32).max(p.logical_block_size);
+        c[24] = (phys / p.logical_block_size).trailing_zeros() as u8;
+        c[25] = 0;
+        c[26..28].copy_from_slice(&1u16.to_le_bytes());
+        put32(&mut c, 28, 0);
+        c[CONFIG_WRITEBACK_OFFSET] = u8::from(self.writeback());
+        c[34..36].copy_from_slice(&p.num_queues.to_le_bytes());
+        put32(&mut c, 36, MAX_RANGE_SECTORS);
+        put32(&mut c, 40, MAX_RANGES);
+        put32(&mut c, 44, phys >> SECTOR_SHIFT);
+        put32(&mut c, 48, MAX_RANGE_SECTORS);
+        put32(&mut c, 52, MAX_RANGES);
+        c[56] = 1; // write_zeroes_may_unmap
+        c
+    }
+
+    /// The slice of the config space a GET_CONFIG asks for (zeros past the end).
+    pub fn read_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let c = self.config_space();
+        // A frontend may ask for a larger struct than we know; bound the answer.
+        let size = (size as usize).min(256);
+        let mut out = vec![0u8; size];
+        let off = offset as usize;
+        if off < CONFIG_LEN {
+            let n = (CONFIG_LEN - off).min(size);
+            out[..n].copy_from_slice(&c[off..off + n]);
+        }
+        out
+    }
+
+    /// SET_CONFIG: only the writeback byte is writable (CONFIG_WCE).
+    pub fn write_config(&self, offset: u32, data: &[u8]) -> Result<(), &'static str> {
+        let off = offset as usize;
+        let end = off
+            .checked_add(data.len())
+            .ok_or("config write out of range")?;
+        if off > CONFIG_WRITEBACK_OFFSET || end <= CONFIG_WRITEBACK_OFFSET || end > CONFIG_LEN {
+            return Err("only the writeback field of the config space is writable");
+        }
+        let wce = data[CONFIG_WRITEBACK_OFFSET - off];
+        if wce > 1 {
+            return Err("writeback must be 0 or 1");
+        }
+        self.set_writeback(wce == 1);
+        log::info!(
+            "guest set write cache to {}",
+            if wce == 1 {
+                "writeback"
+            } else {
+                "writethrough"
+            }
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev(cache: CacheMode, lbs: u32) -> Device {
+        Device::new(
+            File::open("/dev/null").unwrap(),
+            DeviceParams {
+                size_bytes: (1 << 30) + 1000,
+                logical_block_size: lbs,
+                read_only: false,
+                num_queues: 4,
+                queue_size: 256,
+                cache,
+                align: DioAlign {
+                    mem: 512,
+                    offset: 4096,
+                },
+                serial: b"abc".to_vec(),
+            },
+        )
+    }
+
+    #[test]
+    fn config_space_layout() {
+        let d = dev(CacheMode::None, 512);
+        let c = d.config_space();
+        // 1000 trailing bytes hold one whole 512-byte sector more.
+        assert_eq!(
+            u64::from_le_bytes(c[0..8].try_into().unwrap()),
+            (1 << 30) / 512 + 1
+        );
+        assert_eq!(u32::from_le_bytes(c[12..16].try_into().unwrap()), 254);
+        assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 512);
+        assert_eq!(c[24], 3, "4096-byte physical blocks over 512-byte logical");
+        assert_eq!(c[32], 1, "cache=none offers a volatile write cache");
+        assert_eq!(u16::from_le_bytes([c[34], c[35]]), 4);
+    }
+
+    #[test]
+    fn writethrough_offers_no_write_cache_and_wce_toggles() {
+        let d = dev(CacheMode::Writethrough, 4096);
+        assert_eq!(d.config_space()[32], 0);
+        d.write_config(32, &[1]).unwrap();
+        assert!(d.writeback());
+        assert_eq!(d.read_config(32, 1), vec![1]);
+        d.write_config(32, &[0]).unwrap();
+        assert!(!d.writeback());
+        assert!(d.write_config(0, &[0; 8]).is_err());
+        assert!(d.write_config(32, &[7]).is_err());
+    }
+
+    #[test]
+    fn capacity_rounds_down_to_logical_blocks() {
+        let d = dev(CacheMode::None, 4096);
+        assert_eq!(d.limits.capacity_sectors % 8, 0);
+    }
+
+    #[test]
+    fn read_config_pads_and_bounds() {
+        let d = dev(CacheMode::None, 512);
+        assert_eq!(d.read_config(56, 8), vec![1, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(d.read_config(1000, 4), vec![0; 4]);
+        assert_eq!(d.read_config(0, 1 << 20).len(), 256);
+    }
+
+    #[test]
+    fn id_is_padded() {
+        let d = dev(CacheMode::None, 512);
+        let id = d.id_bytes();
+        assert_eq!(&id[..3], b"abc");
+        assert!(id[3..].iter().all(|&b| b == 0));
+    }
+}

@@ -1,0 +1,6 @@
+//! Disk images. Formats know nothing of virtio or io_uring; for raw images the guest's byte
+//! N is the file's byte N, so there is nothing to plan.
+
+mod raw;
+
+pub use raw::{open_raw, OpenError, RawImage};

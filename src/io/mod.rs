@@ -1,0 +1,107 @@
+//! I/O engines: io_uring, and blocking system calls on the queue's own thread. Both take the
+//! same [`Op`]s and report through the same [`Completion`]s, so the worker has one completion
+//! path. Knows files and iovecs, nothing of image formats or virtio.
+
+pub mod align;
+pub mod bounce;
+mod sync;
+mod uring;
+
+use std::io;
+use std::os::fd::RawFd;
+
+pub use sync::SyncEngine;
+pub use uring::UringEngine;
+
+/// One operation on the image file. The pointers inside must stay valid until its
+/// completion is reaped (the worker's in-flight slot owns them).
+#[derive(Clone, Copy, Debug)]
+pub enum Op {
+    Readv {
+        iov: *const libc::iovec,
+        iovcnt: u32,
+        offset: u64,
+    },
+    Writev {
+        iov: *const libc::iovec,
+        iovcnt: u32,
+        offset: u64,
+        /// Durable before completion (RWF_DSYNC): write-through.
+        dsync: bool,
+    },
+    Fdatasync,
+    Fallocate {
+        mode: i32,
+        offset: u64,
+        len: u64,
+    },
+}
+
+/// A finished operation: `result` is bytes transferred, 0, or a negative errno.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    pub user_data: u64,
+    pub result: i32,
+}
+
+/// Which engine a queue uses.
+pub enum Engine {
+    Uring(UringEngine),
+    Sync(SyncEngine),
+}
+
+impl Engine {
+    /// # Safety
+    /// Every pointer in `op` must stay valid, and the buffers it describes must not be
+    /// touched by anything else, until the completion with `user_data` has been reaped.
+    pub unsafe fn push(&mut self, fd: RawFd, op: &Op, user_data: u64) -> io::Result<()> {
+        match self {
+            // SAFETY: forwarded contract.
+            Engine::Uring(e) => unsafe { e.push(fd, op, user_data) },
+            // SAFETY: forwarded contract.
+            Engine::Sync(e) => unsafe { e.push(fd, op, user_data) },
+        }
+    }
+
+    /// Hand queued operations to the kernel.
+    pub fn submit(&mut self) -> io::Result<()> {
+        match self {
+            Engine::Uring(e) => e.submit(),
+            Engine::Sync(_) => Ok(()),
+        }
+    }
+
+    /// Submit and block until at least one operation completes (used when draining).
+    pub fn wait_one(&mut self) -> io::Result<()> {
+        match self {
+            Engine::Uring(e) => e.wait_one(),
+            Engine::Sync(_) => Ok(()),
+        }
+    }
+
+    /// Move finished operations into `out`.
+    pub fn reap(&mut self, out: &mut Vec<Completion>) {
+        match self {
+            Engine::Uring(e) => e.reap(out),
+            Engine::Sync(e) => e.reap(out),
+        }
+    }
+
+    /// The eventfd signalled on completions, if the engine completes asynchronously.
+    pub fn event_fd(&self) -> Option<RawFd> {
+        match self {
+            Engine::Uring(e) => Some(e.event_fd()),
+            Engine::Sync(_) => None,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Engine::Uring(_) => "io_uring",
+            Engine::Sync(_) => "threads",
+        }
+    }
+}
+
+#[cfg(test)]
+mod conformance;

@@ -1,0 +1,57 @@
+//! vublk entry point: parse, validate, run, and report errors on one line each.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use vublk::args::Args;
+use vublk::config::{capabilities_json, Config};
+
+/// Exit status for bad command-line input.
+const EXIT_USAGE: u8 = 2;
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            // One line naming the option, not clap's multi-line usage block.
+            let msg = e.render().to_string();
+            let first = msg.lines().next().unwrap_or("invalid arguments");
+            eprintln!("vublk: {}", first.trim_start_matches("error: "));
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    if args.print_capabilities {
+        println!("{}", capabilities_json());
+        return ExitCode::SUCCESS;
+    }
+    let cfg = match Config::from_args(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("vublk: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    env_logger::Builder::new()
+        .filter_level(cfg.log_level)
+        .format_target(false)
+        .init();
+    match vublk::daemon::run(cfg) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let mut msg = format!("vublk: {e}");
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(&format!(": {s}"));
+                src = s.source();
+            }
+            eprintln!("{msg}");
+            ExitCode::FAILURE
+        }
+    }
+}

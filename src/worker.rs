@@ -1,0 +1,607 @@
+//! Per-queue data plane: pop chains, parse, submit to the queue's engine, reap completions,
+//! write status, add to the used ring, and signal the guest as EVENT_IDX allows.
+//!
+//! Each queue has its own thread (the vhost-user-backend epoll loop) and its own worker; the
+//! only shared state is the read-only [`Device`].
+
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use log::{debug, error, warn};
+use vhost_user_backend::{VringRwLock, VringT};
+use virtio_queue::QueueT;
+use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
+
+use crate::device::Device;
+use crate::io::align::iovecs_aligned;
+use crate::io::bounce::{AlignedBuf, BouncePool};
+use crate::io::{Completion, Engine, Op};
+use crate::virtio_blk::{parse_request, status, Desc, Request, RequestError, RequestType};
+
+type Mem = GuestMemoryMmap<()>;
+
+/// What an engine operation was, packed into io_uring user_data with the slot index.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+enum OpKind {
+    Read = 1,
+    Write = 2,
+    Flush = 3,
+    Discard = 4,
+    ZeroRange = 5,
+    PunchZero = 6,
+}
+
+impl OpKind {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => OpKind::Read,
+            2 => OpKind::Write,
+            3 => OpKind::Flush,
+            4 => OpKind::Discard,
+            5 => OpKind::ZeroRange,
+            6 => OpKind::PunchZero,
+            _ => return None,
+        })
+    }
+}
+
+fn user_data(slot: u16, kind: OpKind, range: u32) -> u64 {
+    u64::from(slot) | (u64::from(kind as u8) << 16) | (u64::from(range) << 32)
+}
+
+fn decode(ud: u64) -> (u16, Option<OpKind>, u32) {
+    (
+        ud as u16,
+        OpKind::from_u8((ud >> 16) as u8),
+        (ud >> 32) as u32,
+    )
+}
+
+/// One request in flight. Owns everything the kernel may reference until completion.
+struct Slot {
+    head: u16,
+    req: Request,
+    /// Keeps guest memory mapped while the kernel uses it, even if the frontend removes the
+    /// region meanwhile.
+    mem: Option<Arc<Mem>>,
+    iov: Vec<libc::iovec>,
+    bounce: Option<AlignedBuf>,
+    pending: u32,
+    status: u8,
+    /// Bytes written into device-writable buffers, status byte included.
+    used_len: u32,
+    expect_bytes: u64,
+}
+
+// SAFETY: the raw pointers in `iov` point into guest memory kept alive by `mem`, or into
+// `bounce`; the slot is only used by the queue's own thread (behind the worker's mutex).
+unsafe impl Send for Slot {}
+
+impl Slot {
+    fn new() -> Self {
+        Slot {
+            head: 0,
+            req: Request::default(),
+            mem: None,
+            iov: Vec::new(),
+            bounce: None,
+            pending: 0,
+            status: status::OK,
+            used_len: 0,
+            expect_bytes: 0,
+        }
+    }
+}
+
+/// Per-queue counters, for logs and later stats.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct QueueStats {
+    pub requests: u64,
+    pub errors: u64,
+    pub bounced: u64,
+}
+
+/// The data plane of one virtqueue.
+pub struct QueueWorker {
+    index: u16,
+    dev: Arc<Device>,
+    engine: Engine,
+    mem: GuestMemoryAtomic<Mem>,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    vring: Option<VringRwLock<GuestMemoryAtomic<Mem>>>,
+    completions: Vec<Completion>,
+    /// We stopped popping because every slot is in use; resume on the next completion.
+    stalled: bool,
+    bounce: BouncePool,
+    pub stats: QueueStats,
+}
+
+impl QueueWorker {
+    pub fn new(index: u16, dev: Arc<Device>, engine: Engine, mem: GuestMemoryAtomic<Mem>) -> Self {
+        let n = usize::from(dev.params.queue_size);
+        let bounce = BouncePool::new(dev.params.align.bounce_align());
+        QueueWorker {
+            index,
+            dev,
+            engine,
+            mem,
+            slots: (0..n).map(|_| Slot::new()).collect(),
+            free: (0..n as u16).rev().collect(),
+            vring: None,
+            completions: Vec::with_capacity(n),
+            stalled: false,
+            bounce,
+            stats: QueueStats::default(),
+        }
+    }
+
+    pub fn engine_event_fd(&self) -> Option<i32> {
+        self.engine.event_fd()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    pub fn set_memory(&mut self, mem: GuestMemoryAtomic<Mem>) {
+        self.mem = mem;
+    }
+
+    /// The guest kicked: process every available chain.
+    pub fn handle_kick(&mut self, vring: &VringRwLock<GuestMemoryAtomic<Mem>>) {
+        if self.vring.is_none() {
+            self.vring = Some(vring.clone());
+        }
+        self.process_queue(vring);
+    }
+
+    /// The engine's eventfd fired: reap and complete.
+    pub fn handle_completions(&mut self) {
+        let Some(vring) = self.vring.clone() else {
+            return;
+        };
+        self.reap_and_complete(&vring);
+        if self.stalled {
+            self.process_queue(&vring);
+        }
+    }
+
+    /// Wait for every in-flight request and complete it (queue stop, disconnect, shutdown).
+    pub fn drain(&mut self) {
+        let Some(vring) = self.vring.clone() else {
+            return;
+        };
+        while self.in_flight() > 0 {
+            if let Err(e) = self.engine.wait_one() {
+                error!(
+                    "queue {}: waiting for in-flight requests failed: {e}",
+                    self.index
+                );
+                break;
+            }
+            self.reap_and_complete(&vring);
+        }
+        self.stalled = false;
+    }
+
+    fn process_queue(&mut self, vring: &VringRwLock<GuestMemoryAtomic<Mem>>) {
+        let mem = self.mem.memory().into_inner();
+        let mut state = vring.get_mut();
+        let mut completed_inline = false;
+        loop {
+            if let Err(e) = state.disable_notification() {
+                warn!("queue {}: disable notification: {e}", self.index);
+            }
+            loop {
+                if self.free.is_empty() {
+                    self.stalled = true;
+                    break;
+                }
+                let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) else {
+                    break;
+                };
+                let head = chain.head_index();
+                let descs = chain.map(|d| Desc {
+                    addr: d.addr().0,
+                    len: d.len(),
+                    write_only: d.is_write_only(),
+                });
+                if let Some(used) = self.start_request(head, descs, &mem) {
+                    // Finished without I/O (error, GET_ID, no-op flush).
+                    if let Err(e) = state.add_used(head, used) {
+                        warn!("queue {}: add_used: {e}", self.index);
+                    }
+                    completed_inline = true;
+                }
+            }
+            if self.stalled {
+                break;
+            }
+            match state.enable_notification() {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(e) => {
+                    warn!("queue {}: enable notification: {e}", self.index);
+                    break;
+                }
+            }
+        }
+        if let Err(e) = self.engine.submit() {
+            error!("queue {}: submit: {e}", self.index);
+        }
+        drop(state);
+        if completed_inline {
+            self.signal(vring);
+        }
+        // The blocking engine has finished already; complete without waiting for an event.
+        self.reap_and_complete(vring);
+    }
+
+    /// Parse and submit one chain. Returns Some(used_len) when it completed immediately.
+    fn start_request(
+        &mut self,
+        head: u16,
+        descs: impl Iterator<Item = Desc>,
+        mem: &Arc<Mem>,
+    ) -> Option<u32> {
+        self.stats.requests += 1;
+        let idx = self.free.pop()?;
+        let slot = &mut self.slots[usize::from(idx)];
+        slot.head = head;
+        slot.pending = 0;
+        slot.status = status::OK;
+        slot.used_len = 1;
+        slot.expect_bytes = 0;
+        slot.iov.clear();
+        if let Err(e) = parse_request(&**mem, descs, &self.dev.limits, &mut slot.req) {
+            self.stats.errors += 1;
+            debug!("queue {}: request {head} refused: {e}", self.index);
+            let used = match e {
+                RequestError::NoStatus => 0,
+                _ => {
+                    let _ = mem.write_obj(e.status(), slot.req.status_addr);
+                    1
+                }
+            };
+            self.free.push(idx);
+            return Some(used);
+        }
+        slot.mem = Some(mem.clone());
+        match self.submit_request(idx) {
+            Ok(true) => None,
+            Ok(false) => {
+                // Nothing to submit: complete now.
+                Some(self.finish(idx))
+            }
+            Err(e) => {
+                error!("queue {}: submitting request failed: {e}", self.index);
+                let slot = &mut self.slots[usize::from(idx)];
+                slot.status = status::IOERR;
+                if slot.pending == 0 {
+                    Some(self.finish(idx))
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    /// Push the request's operations. Ok(false) when there is nothing to wait for.
+    fn submit_request(&mut self, idx: u16) -> std::io::Result<bool> {
+        let fd = self.dev.file.as_raw_fd();
+        let direct = self.dev.params.cache == crate::args::CacheMode::None;
+        let align = self.dev.params.align;
+        let writeback = self.dev.writeback();
+        let slot = &mut self.slots[usize::from(idx)];
+        let Some(mem) = slot.mem.clone() else {
+            return Ok(false);
+        };
+        match slot.req.kind {
+            RequestType::In | RequestType::Out => {
+                let is_read = slot.req.kind == RequestType::In;
+                let offset = slot.req.offset_bytes();
+                slot.used_len = if is_read {
+                    slot.req.data_len as u32 + 1
+                } else {
+                    1
+                };
+                slot.expect_bytes = slot.req.data_len;
+                if slot.req.data_len == 0 {
+                    return Ok(false);
+                }
+                for seg in &slot.req.data {
+                    for vs in mem.get_slices(seg.addr, seg.len as usize) {
+                        let vs =
+                            vs.map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+                        slot.iov.push(libc::iovec {
+                            iov_base: vs.ptr_guard_mut().as_ptr().cast(),
+                            iov_len: vs.len(),
+                        });
+                    }
+                }
+                if direct && !iovecs_aligned(&slot.iov, offset, align) {
+                    self.stats.bounced += 1;
+                    let len = slot.req.data_len as usize;
+                    let mut buf = self.bounce.get(len)?;
+                    if !is_read {
+                        let dst = &mut buf.as_mut_slice()[..len];
+                        let mut done = 0;
+                        for seg in &slot.req.data {
+                            let n = seg.len as usize;
+                            mem.read_slice(&mut dst[done..done + n], seg.addr)
+                                .map_err(|_| {
+                                    std::io::Error::from(std::io::ErrorKind::InvalidInput)
+                                })?;
+                            done += n;
+                        }
+                    }
+                    slot.iov.clear();
+                    slot.iov.push(libc::iovec {
+                        iov_base: buf.as_mut_ptr().cast(),
+                        iov_len: len,
+                    });
+                    slot.bounce = Some(buf);
+                }
+                let op = if is_read {
+                    Op::Readv {
+                        iov: slot.iov.as_ptr(),
+                        iovcnt: slot.iov.len() as u32,
+                        offset,
+                    }
+                } else {
+                    Op::Writev {
+                        iov: slot.iov.as_ptr(),
+                        iovcnt: slot.iov.len() as u32,
+                        offset,
+                        dsync: !writeback,
+                    }
+                };
+                let kind = if is_read { OpKind::Read } else { OpKind::Write };
+                slot.pending = 1;
+                // SAFETY: the iovecs point into guest memory kept mapped by slot.mem or into
+                // slot.bounce; the slot is not reused until this completion is reaped.
+                unsafe { self.engine.push(fd, &op, user_data(idx, kind, 0))? };
+                Ok(true)
+            }
+            RequestType::Flush => {
+                if !writeback {
+                    // Write-through: every completed write is already durable.
+                    return Ok(false);
+                }
+                slot.pending = 1;
+                // SAFETY: no buffers.
+                unsafe {
+                    self.engine
+                        .push(fd, &Op::Fdatasync, user_data(idx, OpKind::Flush, 0))?
+                };
+                Ok(true)
+            }
+            RequestType::GetId => {
+                let id = self.dev.id_bytes();
+                let mut done = 0usize;
+                for seg in &slot.req.data {
+                    if done == id.len() {
+                        break;
+                    }
+                    let n = (seg.len as usize).min(id.len() - done);
+                    if mem.write_slice(&id[done..done + n], seg.addr).is_err() {
+                        slot.status = status::IOERR;
+                        break;
+                    }
+                    done += n;
+                }
+                slot.used_len = done as u32 + 1;
+                Ok(false)
+            }
+            RequestType::Discard | RequestType::WriteZeroes => {
+                let discard = slot.req.kind == RequestType::Discard;
+                let no_zero_range = self
+                    .dev
+                    .no_zero_range
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                for (i, r) in slot.req.ranges.iter().enumerate() {
+                    let (mode, kind) = if discard {
+                        (
+                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                            OpKind::Discard,
+                        )
+                    } else if r.unmap {
+                        (
+                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                            OpKind::PunchZero,
+                        )
+                    } else if no_zero_range {
+                        // Known unsupported: go straight to the fallback at completion.
+                        slot.pending += 1;
+                        let c = Completion {
+                            user_data: user_data(idx, OpKind::ZeroRange, i as u32),
+                            result: -libc::EOPNOTSUPP,
+                        };
+                        self.completions.push(c);
+                        continue;
+                    } else {
+                        (
+                            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                            OpKind::ZeroRange,
+                        )
+                    };
+                    let op = Op::Fallocate {
+                        mode,
+                        offset: r.offset_bytes,
+                        len: r.len_bytes,
+                    };
+                    slot.pending += 1;
+                    // SAFETY: no buffers.
+                    unsafe { self.engine.push(fd, &op, user_data(idx, kind, i as u32))? };
+                }
+                Ok(slot.pending > 0)
+            }
+        }
+    }
+
+    fn reap_and_complete(&mut self, vring: &VringRwLock<GuestMemoryAtomic<Mem>>) {
+        self.engine.reap(&mut self.completions);
+        if self.completions.is_empty() {
+            return;
+        }
+        let mut done = std::mem::take(&mut self.completions);
+        let mut state = vring.get_mut();
+        let mut any = false;
+        for c in done.drain(..) {
+            if let Some((head, used)) = self.complete_op(c) {
+                if let Err(e) = state.add_used(head, used) {
+                    warn!("queue {}: add_used: {e}", self.index);
+                }
+                any = true;
+            }
+        }
+        // Fallback paths may have queued more completions meanwhile; keep them.
+        done.append(&mut self.completions);
+        self.completions = done;
+        drop(state);
+        if any {
+            self.signal(vring);
+        }
+    }
+
+    /// Account one finished operation; Some((head, used_len)) when its request is done.
+    fn complete_op(&mut self, c: Completion) -> Option<(u16, u32)> {
+        let (idx, kind, range) = decode(c.user_data);
+        let slot = self.slots.get_mut(usize::from(idx))?;
+        if slot.pending == 0 {
+            error!("queue {}: completion for idle slot {idx}", self.index);
+            return None;
+        }
+        let mut res = c.result;
+        match kind {
+            Some(OpKind::Read) | Some(OpKind::Write) => {
+                if res >= 0 && res as u64 != slot.expect_bytes {
+                    warn!(
+                        "queue {}: short {:?} of {res} bytes, expected {}",
+                        self.index, kind, slot.expect_bytes
+                    );
+                    res = -libc::EIO;
+                }
+            }
+            Some(OpKind::Discard) if res == -libc::EOPNOTSUPP => {
+                // Discard is a hint (5.2.6.2: the device may do nothing).
+                res = 0;
+            }
+            Some(OpKind::ZeroRange) | Some(OpKind::PunchZero) if res == -libc::EOPNOTSUPP => {
+                if kind == Some(OpKind::ZeroRange) {
+                    self.dev
+                        .no_zero_range
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                res = match slot.req.ranges.get(range as usize) {
+                    Some(r) => {
+                        zero_fallback(&self.dev, r.offset_bytes, r.len_bytes, &mut self.bounce)
+                    }
+                    None => -libc::EIO,
+                };
+            }
+            _ => {}
+        }
+        if res < 0 {
+            let err = std::io::Error::from_raw_os_error(-res);
+            error!("queue {}: {:?} failed: {err}", self.index, kind);
+            self.stats.errors += 1;
+            slot.status = status::IOERR;
+        }
+        slot.pending -= 1;
+        if slot.pending > 0 {
+            return None;
+        }
+        let head = slot.head;
+        Some((head, self.finish(idx)))
+    }
+
+    /// Copy bounced read data out, write the status byte, free the slot.
+    fn finish(&mut self, idx: u16) -> u32 {
+        let slot = &mut self.slots[usize::from(idx)];
+        let mem = slot.mem.take();
+        if let Some(buf) = slot.bounce.take() {
+            if slot.req.kind == RequestType::In && slot.status == status::OK {
+                if let Some(mem) = &mem {
+                    let mut done = 0usize;
+                    for seg in &slot.req.data {
+                        let n = seg.len as usize;
+                        if mem
+                            .write_slice(&buf.as_slice()[done..done + n], seg.addr)
+                            .is_err()
+                        {
+                            slot.status = status::IOERR;
+                            break;
+                        }
+                        done += n;
+                    }
+                }
+            }
+            self.bounce.put(buf);
+        }
+        if slot.status != status::OK && slot.req.kind == RequestType::In {
+            slot.used_len = 1;
+        }
+        if let Some(mem) = &mem {
+            let _ = mem.write_obj(slot.status, slot.req.status_addr);
+        }
+        slot.iov.clear();
+        self.free.push(idx);
+        slot.used_len
+    }
+
+    fn signal(&self, vring: &VringRwLock<GuestMemoryAtomic<Mem>>) {
+        match vring.needs_notification() {
+            Ok(true) | Err(_) => {
+                if let Err(e) = vring.signal_used_queue() {
+                    debug!("queue {}: signal: {e}", self.index);
+                }
+            }
+            Ok(false) => {}
+        }
+    }
+}
+
+/// Zero a range when the filesystem lacks FALLOC_FL_ZERO_RANGE (or punch-hole): punch and
+/// re-allocate, else write zeroes. Rare; runs on the queue thread.
+fn zero_fallback(dev: &Device, offset: u64, len: u64, pool: &mut BouncePool) -> i32 {
+    let fd = dev.file.as_raw_fd();
+    // SAFETY: plain syscalls on our descriptor.
+    let punched = unsafe {
+        libc::fallocate(
+            fd,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as i64,
+            len as i64,
+        ) == 0
+            && libc::fallocate(fd, libc::FALLOC_FL_KEEP_SIZE, offset as i64, len as i64) == 0
+    };
+    if punched {
+        return 0;
+    }
+    const CHUNK: u64 = 1 << 20;
+    let mut buf = match pool.get(CHUNK as usize) {
+        Ok(b) => b,
+        Err(_) => return -libc::ENOMEM,
+    };
+    buf.as_mut_slice().fill(0);
+    let mut off = offset;
+    let end = offset + len;
+    let mut ret = 0;
+    while off < end {
+        let n = (end - off).min(CHUNK) as usize;
+        // SAFETY: buf holds at least CHUNK bytes.
+        let r = unsafe { libc::pwrite(fd, buf.as_mut_ptr().cast(), n, off as i64) };
+        if r <= 0 {
+            ret = -std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO);
+            break;
+        }
+        off += r as u64;
+    }
+    pool.put(buf);
+    ret
+}
