@@ -73,8 +73,8 @@ impl VhostUserBlkBackend {
                 let s = w.stats;
                 if s.requests > 0 {
                     info!(
-                        "queue {i}: {} requests, {} errors, {} bounced",
-                        s.requests, s.errors, s.bounced
+                        "queue {i}: {} requests, {} errors, {} bounced, {} read-modify-writes",
+                        s.requests, s.errors, s.bounced, s.read_modify_writes
                     );
                 }
             }

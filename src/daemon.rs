@@ -61,9 +61,11 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
     }
     if dio.offset > cfg.logical_block_size as usize {
         warn!(
-            "the image needs {}-byte aligned direct I/O but the guest is told {}-byte blocks; \
-             requests smaller than {} bytes will fail: use --logical-block-size 4096 or --cache writeback",
-            dio.offset, cfg.logical_block_size, dio.offset
+            "the image needs {}-byte aligned direct I/O but the guest is told {}-byte blocks: \
+             smaller writes are read-modify-written (slow); consider --logical-block-size {}",
+            dio.offset,
+            cfg.logical_block_size,
+            dio.offset.min(4096)
         );
     }
     let serial = match &cfg.serial {
@@ -228,16 +230,18 @@ fn serve_loop(
     phase: &Mutex<Phase>,
 ) -> Result<(), DaemonError> {
     let mut warned = false;
+    let mut first = true;
     loop {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
         let mut workers = Vec::with_capacity(usize::from(cfg.num_queues));
         for q in 0..cfg.num_queues {
             let engine = make_engine(cfg.aio, u32::from(cfg.queue_size) * 2, &mut warned)?;
-            if q == 0 {
+            if q == 0 && first {
                 info!("I/O engine: {}", engine.name());
             }
             workers.push(QueueWorker::new(q, dev.clone(), engine, mem.clone()));
         }
+        first = false;
         let backend = Arc::new(VhostUserBlkBackend::new(dev.clone(), workers));
         let mut daemon = VhostUserDaemon::new("vublk".into(), backend.clone(), mem)
             .map_err(|e| DaemonError::Vhost(e.to_string()))?;
@@ -263,6 +267,10 @@ fn serve_loop(
         info!("frontend connected");
         match daemon.wait() {
             Ok(()) => info!("frontend disconnected"),
+            // libblkio and QEMU just close the socket when they are done.
+            Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => info!("frontend disconnected"),
             Err(e) => warn!("frontend session ended: {e}"),
         }
         // Complete what the guest had in flight before its memory goes away, then stop the

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::args::CacheMode;
 use crate::io::align::DioAlign;
+use crate::io::ranges::RangeLocks;
 use crate::virtio_blk::{DeviceLimits, ID_BYTES, SECTOR_SHIFT};
 
 /// Largest single guest segment we accept (config size_max): 1 MiB keeps one iovec's worth of
@@ -44,6 +45,9 @@ pub struct Device {
     writeback: AtomicBool,
     /// The filesystem refused FALLOC_FL_ZERO_RANGE once; use the fallback from then on.
     pub no_zero_range: AtomicBool,
+    /// Present when a guest block is smaller than the file's direct-I/O block, so sub-block
+    /// writes are read-modify-written and must be serialised against overlapping writes.
+    pub write_ranges: Option<RangeLocks>,
 }
 
 impl Device {
@@ -61,13 +65,21 @@ impl Device {
             max_write_zeroes_seg: MAX_RANGES,
         };
         let writeback = params.cache != CacheMode::Writethrough;
+        let rmw_possible = params.cache == CacheMode::None
+            && params.align.offset > params.logical_block_size as usize;
         Device {
+            write_ranges: rmw_possible.then(RangeLocks::default),
             file,
             params,
             limits,
             writeback: AtomicBool::new(writeback),
             no_zero_range: AtomicBool::new(false),
         }
+    }
+
+    /// Direct I/O: the file is opened O_DIRECT.
+    pub fn direct(&self) -> bool {
+        self.params.cache == CacheMode::None
     }
 
     /// Is the guest-visible write cache on (FLUSH needed for durability)?

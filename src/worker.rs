@@ -15,6 +15,7 @@ use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend,
 use crate::device::Device;
 use crate::io::align::iovecs_aligned;
 use crate::io::bounce::{AlignedBuf, BouncePool};
+use crate::io::ranges::Holder;
 use crate::io::{Completion, Engine, Op};
 use crate::virtio_blk::{parse_request, status, Desc, Request, RequestError, RequestType};
 
@@ -67,6 +68,10 @@ struct Slot {
     mem: Option<Arc<Mem>>,
     iov: Vec<libc::iovec>,
     bounce: Option<AlignedBuf>,
+    /// Where the request's data starts inside `bounce` (sub-block reads read whole blocks).
+    bounce_skip: usize,
+    /// Key of the write range this request holds (see `io::ranges`).
+    range_key: Option<u64>,
     pending: u32,
     status: u8,
     /// Bytes written into device-writable buffers, status byte included.
@@ -86,6 +91,8 @@ impl Slot {
             mem: None,
             iov: Vec::new(),
             bounce: None,
+            bounce_skip: 0,
+            range_key: None,
             pending: 0,
             status: status::OK,
             used_len: 0,
@@ -100,6 +107,7 @@ pub struct QueueStats {
     pub requests: u64,
     pub errors: u64,
     pub bounced: u64,
+    pub read_modify_writes: u64,
 }
 
 /// The data plane of one virtqueue.
@@ -112,6 +120,8 @@ pub struct QueueWorker {
     free: Vec<u16>,
     vring: Option<VringRwLock<GuestMemoryAtomic<Mem>>>,
     completions: Vec<Completion>,
+    /// Requests finished while the vring was not at hand: (head, used_len) to add.
+    deferred_used: Vec<(u16, u32)>,
     /// We stopped popping because every slot is in use; resume on the next completion.
     stalled: bool,
     bounce: BouncePool,
@@ -131,6 +141,7 @@ impl QueueWorker {
             free: (0..n as u16).rev().collect(),
             vring: None,
             completions: Vec::with_capacity(n),
+            deferred_used: Vec::with_capacity(n),
             stalled: false,
             bounce,
             stats: QueueStats::default(),
@@ -189,7 +200,6 @@ impl QueueWorker {
     fn process_queue(&mut self, vring: &VringRwLock<GuestMemoryAtomic<Mem>>) {
         let mem = self.mem.memory().into_inner();
         let mut state = vring.get_mut();
-        let mut completed_inline = false;
         loop {
             if let Err(e) = state.disable_notification() {
                 warn!("queue {}: disable notification: {e}", self.index);
@@ -209,11 +219,8 @@ impl QueueWorker {
                     write_only: d.is_write_only(),
                 });
                 if let Some(used) = self.start_request(head, descs, &mem) {
-                    // Finished without I/O (error, GET_ID, no-op flush).
-                    if let Err(e) = state.add_used(head, used) {
-                        warn!("queue {}: add_used: {e}", self.index);
-                    }
-                    completed_inline = true;
+                    // Finished without asynchronous I/O (error, GET_ID, no-op flush, RMW).
+                    self.deferred_used.push((head, used));
                 }
             }
             if self.stalled {
@@ -231,8 +238,14 @@ impl QueueWorker {
         if let Err(e) = self.engine.submit() {
             error!("queue {}: submit: {e}", self.index);
         }
+        let completed = !self.deferred_used.is_empty();
+        for (head, used) in self.deferred_used.drain(..) {
+            if let Err(e) = state.add_used(head, used) {
+                warn!("queue {}: add_used: {e}", self.index);
+            }
+        }
         drop(state);
-        if completed_inline {
+        if completed {
             self.signal(vring);
         }
         // The blocking engine has finished already; complete without waiting for an event.
@@ -254,6 +267,8 @@ impl QueueWorker {
         slot.status = status::OK;
         slot.used_len = 1;
         slot.expect_bytes = 0;
+        slot.bounce_skip = 0;
+        slot.range_key = None;
         slot.iov.clear();
         if let Err(e) = parse_request(&**mem, descs, &self.dev.limits, &mut slot.req) {
             self.stats.errors += 1;
@@ -291,80 +306,13 @@ impl QueueWorker {
     /// Push the request's operations. Ok(false) when there is nothing to wait for.
     fn submit_request(&mut self, idx: u16) -> std::io::Result<bool> {
         let fd = self.dev.file.as_raw_fd();
-        let direct = self.dev.params.cache == crate::args::CacheMode::None;
-        let align = self.dev.params.align;
         let writeback = self.dev.writeback();
         let slot = &mut self.slots[usize::from(idx)];
         let Some(mem) = slot.mem.clone() else {
             return Ok(false);
         };
         match slot.req.kind {
-            RequestType::In | RequestType::Out => {
-                let is_read = slot.req.kind == RequestType::In;
-                let offset = slot.req.offset_bytes();
-                slot.used_len = if is_read {
-                    slot.req.data_len as u32 + 1
-                } else {
-                    1
-                };
-                slot.expect_bytes = slot.req.data_len;
-                if slot.req.data_len == 0 {
-                    return Ok(false);
-                }
-                for seg in &slot.req.data {
-                    for vs in mem.get_slices(seg.addr, seg.len as usize) {
-                        let vs =
-                            vs.map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-                        slot.iov.push(libc::iovec {
-                            iov_base: vs.ptr_guard_mut().as_ptr().cast(),
-                            iov_len: vs.len(),
-                        });
-                    }
-                }
-                if direct && !iovecs_aligned(&slot.iov, offset, align) {
-                    self.stats.bounced += 1;
-                    let len = slot.req.data_len as usize;
-                    let mut buf = self.bounce.get(len)?;
-                    if !is_read {
-                        let dst = &mut buf.as_mut_slice()[..len];
-                        let mut done = 0;
-                        for seg in &slot.req.data {
-                            let n = seg.len as usize;
-                            mem.read_slice(&mut dst[done..done + n], seg.addr)
-                                .map_err(|_| {
-                                    std::io::Error::from(std::io::ErrorKind::InvalidInput)
-                                })?;
-                            done += n;
-                        }
-                    }
-                    slot.iov.clear();
-                    slot.iov.push(libc::iovec {
-                        iov_base: buf.as_mut_ptr().cast(),
-                        iov_len: len,
-                    });
-                    slot.bounce = Some(buf);
-                }
-                let op = if is_read {
-                    Op::Readv {
-                        iov: slot.iov.as_ptr(),
-                        iovcnt: slot.iov.len() as u32,
-                        offset,
-                    }
-                } else {
-                    Op::Writev {
-                        iov: slot.iov.as_ptr(),
-                        iovcnt: slot.iov.len() as u32,
-                        offset,
-                        dsync: !writeback,
-                    }
-                };
-                let kind = if is_read { OpKind::Read } else { OpKind::Write };
-                slot.pending = 1;
-                // SAFETY: the iovecs point into guest memory kept mapped by slot.mem or into
-                // slot.bounce; the slot is not reused until this completion is reaped.
-                unsafe { self.engine.push(fd, &op, user_data(idx, kind, 0))? };
-                Ok(true)
-            }
+            RequestType::In | RequestType::Out => self.submit_rw(idx, mem),
             RequestType::Flush => {
                 if !writeback {
                     // Write-through: every completed write is already durable.
@@ -441,28 +389,226 @@ impl QueueWorker {
         }
     }
 
-    fn reap_and_complete(&mut self, vring: &VringRwLock<GuestMemoryAtomic<Mem>>) {
-        self.engine.reap(&mut self.completions);
-        if self.completions.is_empty() {
-            return;
+    /// Read or write: zero-copy iovecs into guest memory, bounced where O_DIRECT needs it,
+    /// read-modify-written where the guest block is smaller than the file's.
+    fn submit_rw(&mut self, idx: u16, mem: Arc<Mem>) -> std::io::Result<bool> {
+        let fd = self.dev.file.as_raw_fd();
+        let direct = self.dev.direct();
+        let align = self.dev.params.align;
+        let writeback = self.dev.writeback();
+        let (is_read, offset, len) = {
+            let slot = &mut self.slots[usize::from(idx)];
+            let is_read = slot.req.kind == RequestType::In;
+            slot.used_len = if is_read {
+                slot.req.data_len as u32 + 1
+            } else {
+                1
+            };
+            slot.expect_bytes = slot.req.data_len;
+            (is_read, slot.req.offset_bytes(), slot.req.data_len)
+        };
+        if len == 0 {
+            return Ok(false);
         }
-        let mut done = std::mem::take(&mut self.completions);
-        let mut state = vring.get_mut();
-        let mut any = false;
-        for c in done.drain(..) {
-            if let Some((head, used)) = self.complete_op(c) {
-                if let Err(e) = state.add_used(head, used) {
-                    warn!("queue {}: add_used: {e}", self.index);
-                }
-                any = true;
+        let block = align.offset as u64;
+        let sub_block = direct && (offset % block != 0 || len % block != 0);
+        if sub_block && !is_read {
+            self.read_modify_write(idx, &mem);
+            return Ok(false);
+        }
+        if !is_read && self.dev.write_ranges.is_some() {
+            let key = self.acquire_range(offset, offset + len, Holder::Write);
+            self.slots[usize::from(idx)].range_key = key;
+        }
+        let slot = &mut self.slots[usize::from(idx)];
+        for seg in &slot.req.data {
+            for vs in mem.get_slices(seg.addr, seg.len as usize) {
+                let vs = vs.map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+                slot.iov.push(libc::iovec {
+                    iov_base: vs.ptr_guard_mut().as_ptr().cast(),
+                    iov_len: vs.len(),
+                });
             }
         }
-        // Fallback paths may have queued more completions meanwhile; keep them.
-        done.append(&mut self.completions);
-        self.completions = done;
+        let mut io_offset = offset;
+        if direct && (sub_block || !iovecs_aligned(&slot.iov, offset, align)) {
+            self.stats.bounced += 1;
+            // Sub-block reads read the whole file blocks around the request.
+            let (start, end) = block_span(offset, len, block);
+            if end > self.dev.params.size_bytes {
+                error!("queue {}: read of {len} bytes at {offset} needs file blocks past the end of the image", self.index);
+                slot.status = status::IOERR;
+                return Ok(false);
+            }
+            let span = (end - start) as usize;
+            let mut buf = self.bounce.get(span)?;
+            if !is_read {
+                copy_from_guest(&mem, &slot.req.data, &mut buf.as_mut_slice()[..span])?;
+            }
+            slot.iov.clear();
+            slot.iov.push(libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: span,
+            });
+            slot.bounce = Some(buf);
+            slot.bounce_skip = (offset - start) as usize;
+            slot.expect_bytes = span as u64;
+            io_offset = start;
+        }
+        let (op, kind) = if is_read {
+            let op = Op::Readv {
+                iov: slot.iov.as_ptr(),
+                iovcnt: slot.iov.len() as u32,
+                offset: io_offset,
+            };
+            (op, OpKind::Read)
+        } else {
+            let op = Op::Writev {
+                iov: slot.iov.as_ptr(),
+                iovcnt: slot.iov.len() as u32,
+                offset: io_offset,
+                dsync: !writeback,
+            };
+            (op, OpKind::Write)
+        };
+        slot.pending = 1;
+        // SAFETY: the iovecs point into guest memory kept mapped by slot.mem or into
+        // slot.bounce; the slot is not reused until this completion is reaped.
+        unsafe { self.engine.push(fd, &op, user_data(idx, kind, 0))? };
+        Ok(true)
+    }
+
+    /// Take a write range, waiting for conflicting holders. While waiting, this queue's own
+    /// operations are submitted and reaped, so it never waits on itself.
+    fn acquire_range(&mut self, start: u64, end: u64, holder: Holder) -> Option<u64> {
+        let dev = self.dev.clone();
+        let ranges = dev.write_ranges.as_ref()?;
+        loop {
+            if let Some(k) = ranges.try_acquire(start, end, holder) {
+                return Some(k);
+            }
+            if let Err(e) = self.engine.submit() {
+                error!("queue {}: submit: {e}", self.index);
+            }
+            self.reap_deferred();
+            ranges.wait_change();
+        }
+    }
+
+    /// A write smaller than the file's direct-I/O block: read the surrounding blocks, patch
+    /// in the guest data, write the blocks back, with no other write to them meanwhile.
+    /// Synchronous on this queue's thread: it is the rare, misconfigured-geometry path.
+    fn read_modify_write(&mut self, idx: u16, mem: &Arc<Mem>) {
+        self.stats.read_modify_writes += 1;
+        let block = self.dev.params.align.offset as u64;
+        let (offset, len) = {
+            let r = &self.slots[usize::from(idx)].req;
+            (r.offset_bytes(), r.data_len)
+        };
+        let (start, end) = block_span(offset, len, block);
+        let status = if end > self.dev.params.size_bytes {
+            error!("queue {}: write of {len} bytes at {offset} needs file blocks past the end of the image", self.index);
+            status::IOERR
+        } else {
+            let key = self.acquire_range(start, end, Holder::Rmw);
+            let r = self.rmw_locked(idx, mem, start, end);
+            if let (Some(k), Some(ranges)) = (key, self.dev.write_ranges.as_ref()) {
+                ranges.release(k);
+            }
+            match r {
+                Ok(()) => status::OK,
+                Err(e) => {
+                    error!("queue {}: read-modify-write at {offset}: {e}", self.index);
+                    status::IOERR
+                }
+            }
+        };
+        self.slots[usize::from(idx)].status = status;
+    }
+
+    fn rmw_locked(
+        &mut self,
+        idx: u16,
+        mem: &Arc<Mem>,
+        start: u64,
+        end: u64,
+    ) -> std::io::Result<()> {
+        let span = (end - start) as usize;
+        let mut buf = self.bounce.get(span)?;
+        let fd = self.dev.file.as_raw_fd();
+        let result = (|| {
+            let b = &mut buf.as_mut_slice()[..span];
+            // SAFETY: b is span writable bytes.
+            let n = unsafe { libc::pread(fd, b.as_mut_ptr().cast(), span, start as i64) };
+            if n < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if n as usize != span {
+                return Err(std::io::Error::other(format!("short read of {n} bytes")));
+            }
+            let slot = &self.slots[usize::from(idx)];
+            let skip = (slot.req.offset_bytes() - start) as usize;
+            copy_from_guest(
+                mem,
+                &slot.req.data,
+                &mut b[skip..skip + slot.req.data_len as usize],
+            )?;
+            let flags = if self.dev.writeback() {
+                0
+            } else {
+                libc::RWF_DSYNC
+            };
+            let iov = libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: span,
+            };
+            // SAFETY: iov describes b, alive for the call.
+            let n = unsafe { libc::pwritev2(fd, &iov, 1, start as i64, flags) };
+            if n < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if n as usize != span {
+                return Err(std::io::Error::other(format!("short write of {n} bytes")));
+            }
+            Ok(())
+        })();
+        self.bounce.put(buf);
+        result
+    }
+
+    fn reap_and_complete(&mut self, vring: &VringRwLock<GuestMemoryAtomic<Mem>>) {
+        self.reap_deferred();
+        if self.deferred_used.is_empty() {
+            return;
+        }
+        let mut state = vring.get_mut();
+        for (head, used) in self.deferred_used.drain(..) {
+            if let Err(e) = state.add_used(head, used) {
+                warn!("queue {}: add_used: {e}", self.index);
+            }
+        }
         drop(state);
-        if any {
-            self.signal(vring);
+        self.signal(vring);
+    }
+
+    /// Reap the engine and account completions; finished requests wait in `deferred_used`
+    /// for the caller to put them on the used ring.
+    fn reap_deferred(&mut self) {
+        self.engine.reap(&mut self.completions);
+        while !self.completions.is_empty() {
+            let mut done = std::mem::take(&mut self.completions);
+            for c in done.drain(..) {
+                if let Some(x) = self.complete_op(c) {
+                    self.deferred_used.push(x);
+                }
+            }
+            // complete_op never queues completions itself, but keep any that appeared.
+            done.append(&mut self.completions);
+            if done.is_empty() {
+                self.completions = done;
+                break;
+            }
+            self.completions = done;
         }
     }
 
@@ -476,14 +622,14 @@ impl QueueWorker {
         }
         let mut res = c.result;
         match kind {
-            Some(OpKind::Read) | Some(OpKind::Write) => {
-                if res >= 0 && res as u64 != slot.expect_bytes {
-                    warn!(
-                        "queue {}: short {:?} of {res} bytes, expected {}",
-                        self.index, kind, slot.expect_bytes
-                    );
-                    res = -libc::EIO;
-                }
+            Some(OpKind::Read) | Some(OpKind::Write)
+                if res >= 0 && res as u64 != slot.expect_bytes =>
+            {
+                warn!(
+                    "queue {}: short {:?} of {res} bytes, expected {}",
+                    self.index, kind, slot.expect_bytes
+                );
+                res = -libc::EIO;
             }
             Some(OpKind::Discard) if res == -libc::EOPNOTSUPP => {
                 // Discard is a hint (5.2.6.2: the device may do nothing).
@@ -525,7 +671,7 @@ impl QueueWorker {
         if let Some(buf) = slot.bounce.take() {
             if slot.req.kind == RequestType::In && slot.status == status::OK {
                 if let Some(mem) = &mem {
-                    let mut done = 0usize;
+                    let mut done = slot.bounce_skip;
                     for seg in &slot.req.data {
                         let n = seg.len as usize;
                         if mem
@@ -547,6 +693,9 @@ impl QueueWorker {
         if let Some(mem) = &mem {
             let _ = mem.write_obj(slot.status, slot.req.status_addr);
         }
+        if let (Some(k), Some(ranges)) = (slot.range_key.take(), self.dev.write_ranges.as_ref()) {
+            ranges.release(k);
+        }
         slot.iov.clear();
         self.free.push(idx);
         slot.used_len
@@ -562,6 +711,32 @@ impl QueueWorker {
             Ok(false) => {}
         }
     }
+}
+
+/// The file blocks of `block` bytes that cover [offset, offset + len).
+fn block_span(offset: u64, len: u64, block: u64) -> (u64, u64) {
+    let start = offset / block * block;
+    let end = (offset + len).div_ceil(block) * block;
+    (start, end)
+}
+
+/// Gather the request's guest segments into `dst` (exactly their total length).
+fn copy_from_guest(
+    mem: &Mem,
+    segs: &[crate::virtio_blk::Segment],
+    dst: &mut [u8],
+) -> std::io::Result<()> {
+    let mut done = 0usize;
+    for seg in segs {
+        let n = seg.len as usize;
+        let part = dst
+            .get_mut(done..done + n)
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        mem.read_slice(part, seg.addr)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        done += n;
+    }
+    Ok(())
 }
 
 /// Zero a range when the filesystem lacks FALLOC_FL_ZERO_RANGE (or punch-hole): punch and

@@ -4,6 +4,7 @@
 
 pub mod align;
 pub mod bounce;
+pub mod ranges;
 mod sync;
 mod uring;
 
@@ -44,7 +45,8 @@ pub struct Completion {
     pub result: i32,
 }
 
-/// Which engine a queue uses.
+/// Which engine a queue uses. One per queue, never moved on the hot path: size is no issue.
+#[allow(clippy::large_enum_variant)]
 pub enum Engine {
     Uring(UringEngine),
     Sync(SyncEngine),
