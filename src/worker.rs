@@ -780,3 +780,7 @@ fn zero_fallback(dev: &Device, offset: u64, len: u64, pool: &mut BouncePool) -> 
     pool.put(buf);
     ret
 }
+
+#[cfg(test)]
+#[path = "worker_tests.rs"]
+mod tests;
