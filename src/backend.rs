@@ -5,7 +5,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use log::{info, warn};
+use log::info;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock};
 use virtio_bindings::virtio_blk::*;
@@ -73,8 +73,14 @@ impl VhostUserBlkBackend {
                 let s = w.stats;
                 if s.requests > 0 {
                     info!(
-                        "queue {i}: {} requests, {} errors, {} bounced, {} read-modify-writes",
-                        s.requests, s.errors, s.bounced, s.read_modify_writes
+                        "queue {i}: {} requests, {} errors, {} bounced, {} read-modify-writes, \
+                         {} durable writes, {} flushes",
+                        s.requests,
+                        s.errors,
+                        s.bounced,
+                        s.read_modify_writes,
+                        s.durable_writes,
+                        s.flushes
                     );
                 }
             }
@@ -120,14 +126,12 @@ impl VhostUserBackend for VhostUserBlkBackend {
 
     fn acked_features(&self, features: u64) {
         self.acked_features.store(features, Ordering::Relaxed);
-        // 5.2.5.1: a driver that did not negotiate FLUSH cannot make writes durable, so the
-        // device must behave as write-through for it.
-        if features & (1 << VIRTIO_BLK_F_FLUSH) == 0 && self.dev.writeback() {
-            warn!(
-                "driver did not negotiate FLUSH: switching to write-through so writes stay durable"
-            );
-            self.dev.set_writeback(false);
-        }
+        log::debug!("frontend acked features {features:#x}");
+        // Each driver (firmware first, then the OS) negotiates anew: the write cache starts in
+        // the mode the operator chose, except that a driver without FLUSH cannot make writes
+        // durable, so it gets write-through (5.2.5.1).
+        let flush = features & (1 << VIRTIO_BLK_F_FLUSH) != 0;
+        self.dev.reset_writeback(flush);
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -144,6 +148,7 @@ impl VhostUserBackend for VhostUserBlkBackend {
     }
 
     fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
+        log::debug!("SET_CONFIG offset {offset} {buf:?}");
         self.dev
             .write_config(offset, buf)
             .map_err(|m| io::Error::new(io::ErrorKind::InvalidInput, m))

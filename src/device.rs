@@ -87,6 +87,13 @@ impl Device {
         self.writeback.load(Ordering::Relaxed)
     }
 
+    /// Back to the start-up mode on feature negotiation; write-through if the driver cannot
+    /// flush.
+    pub fn reset_writeback(&self, driver_can_flush: bool) {
+        let on = driver_can_flush && self.params.cache != CacheMode::Writethrough;
+        self.set_writeback(on);
+    }
+
     pub fn set_writeback(&self, on: bool) {
         self.writeback.store(on, Ordering::Relaxed);
     }
@@ -219,6 +226,23 @@ mod tests {
         assert!(!d.writeback());
         assert!(d.write_config(0, &[0; 8]).is_err());
         assert!(d.write_config(32, &[7]).is_err());
+    }
+
+    #[test]
+    fn feature_negotiation_resets_the_write_cache() {
+        let d = dev(CacheMode::None, 512);
+        d.reset_writeback(false);
+        assert!(!d.writeback(), "a driver without FLUSH gets write-through");
+        d.reset_writeback(true);
+        assert!(
+            d.writeback(),
+            "the next driver gets the configured write-back cache"
+        );
+        d.write_config(32, &[0]).unwrap();
+        assert!(!d.writeback());
+        let wt = dev(CacheMode::Writethrough, 512);
+        wt.reset_writeback(true);
+        assert!(!wt.writeback());
     }
 
     #[test]

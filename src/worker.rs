@@ -108,6 +108,9 @@ pub struct QueueStats {
     pub errors: u64,
     pub bounced: u64,
     pub read_modify_writes: u64,
+    /// Writes made durable before completion (write-through: WCE=0).
+    pub durable_writes: u64,
+    pub flushes: u64,
 }
 
 /// The data plane of one virtqueue.
@@ -314,6 +317,7 @@ impl QueueWorker {
         match slot.req.kind {
             RequestType::In | RequestType::Out => self.submit_rw(idx, mem),
             RequestType::Flush => {
+                self.stats.flushes += 1;
                 if !writeback {
                     // Write-through: every completed write is already durable.
                     return Ok(false);
@@ -454,6 +458,9 @@ impl QueueWorker {
             slot.bounce_skip = (offset - start) as usize;
             slot.expect_bytes = span as u64;
             io_offset = start;
+        }
+        if !is_read && !writeback {
+            self.stats.durable_writes += 1;
         }
         let (op, kind) = if is_read {
             let op = Op::Readv {

@@ -1,0 +1,236 @@
+#!/bin/bash
+# vublk end-to-end guest workload, run by the initramfs /init (see build-initramfs.sh).
+#
+# On $E2E_DEV (default /dev/vda): mkfs.ext4 (no lazy init) on all but the last 64 MiB,
+# fsck, write files with known content, fsck, remount and verify; then write slices of
+# /e2e/pattern.bin to the raw tail region (outside the filesystem) with O_DIRECT and
+# verify them by reading the device. Every failure prints "VUBLK-E2E: FAIL <step>" and
+# exits non-zero; /init prints PASS when this script exits 0.
+#
+# Lines "VUBLK-E2E: REGION dev_off=A pat_off=B len=C" tell the host which image ranges
+# must equal which pattern.bin ranges; the host test checks them and runs e2fsck on the
+# image after the guest has powered off.
+#
+# Real tools are called by full path: busybox sh (and PATH lookups) would pick applets.
+set -u
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+
+DEV=${E2E_DEV:-/dev/vda}
+MNT=/mnt
+PAT=/e2e/pattern.bin
+MKFS=/usr/sbin/mkfs.ext4
+FSCK=/usr/sbin/e2fsck
+DD=/usr/bin/dd
+CMP=/usr/bin/cmp
+SHA=/usr/bin/sha256sum
+MIB=$((1 << 20))
+TAIL_BYTES=$((64 * MIB)) # raw region after the filesystem
+
+say() { echo "VUBLK-E2E: $*"; }
+fail() { say "FAIL $1${2:+ ($2)}"; exit 1; }
+# run STEP cmd...: run a command, fail with STEP on non-zero exit
+run() {
+	local step=$1 rc
+	shift
+	"$@"
+	rc=$?
+	[ $rc -eq 0 ] || fail "$step" "exit status $rc: $*"
+}
+# centiseconds since boot, without forking
+now_cs() {
+	local up
+	read -r up _ </proc/uptime
+	echo $((10#${up/./}))
+}
+fmt_cs() { printf '%d.%02d' $(($1 / 100)) $(($1 % 100)); }
+PHASE_NAME=
+PHASE_START=0
+T_START=$(now_cs)
+phase() { # phase NAME: end the current phase (printing its time), start NAME
+	local t
+	t=$(now_cs)
+	if [ -n "$PHASE_NAME" ]; then
+		say "TIME $PHASE_NAME $(fmt_cs $((t - PHASE_START)))s"
+	fi
+	PHASE_NAME=${1:-}
+	PHASE_START=$t
+}
+
+# ---------------------------------------------------------------- device info
+phase device-info
+[ -b "$DEV" ] || fail device-present "$DEV is not a block device"
+BDEV=${DEV##*/}
+SYS=/sys/block/$BDEV
+read -r SECTORS <"$SYS/size" || fail device-info
+DEV_BYTES=$((SECTORS * 512))
+NQ=$(ls "$SYS/mq" 2>/dev/null | wc -l)
+read -r WC <"$SYS/queue/write_cache" || WC=?
+read -r LBS <"$SYS/queue/logical_block_size" || LBS=?
+read -r PBS <"$SYS/queue/physical_block_size" || PBS=?
+read -r MAXKB <"$SYS/queue/max_hw_sectors_kb" || MAXKB=?
+read -r DMAX <"$SYS/queue/discard_max_bytes" || DMAX=0
+read -r RO <"$SYS/ro" || RO=?
+say "INFO device=$DEV bytes=$DEV_BYTES ($((DEV_BYTES / MIB)) MiB) queues=$NQ write_cache=$WC" \
+	"logical_block=$LBS physical_block=$PBS max_hw_sectors_kb=$MAXKB discard_max_bytes=$DMAX ro=$RO"
+if [ -n "${E2E_QUEUES:-}" ] && [ "$NQ" != "$E2E_QUEUES" ]; then
+	fail queue-count "guest has $NQ queues, expected $E2E_QUEUES"
+fi
+[ "$RO" = 0 ] || fail device-writable "device is read-only"
+[ "$DEV_BYTES" -ge $((256 * MIB)) ] || fail device-size "need at least 256 MiB, have $DEV_BYTES bytes"
+FS_BYTES=$(((DEV_BYTES - TAIL_BYTES) / MIB * MIB))
+
+# ---------------------------------------------------------------- mkfs + fsck
+phase mkfs
+run mkfs "$MKFS" -F -q -L vublk-e2e -E lazy_itable_init=0,lazy_journal_init=0 \
+	"$DEV" "$((FS_BYTES / 1024))k"
+phase fsck-fresh
+run fsck-fresh "$FSCK" -fn "$DEV"
+
+# ---------------------------------------------------------------- write files
+phase mount-write
+run mkdir mkdir -p "$MNT"
+run mount mount -t ext4 "$DEV" "$MNT"
+# name pattern-offset length: some unaligned on purpose
+FILES=(
+	"f-1m 0 $((1 * MIB))"
+	"f-7m $((1 * MIB)) $((7 * MIB))"
+	"f-16m $((8 * MIB)) $((16 * MIB))"
+	"f-odd $((2 * MIB + 12345)) $((5 * MIB + 777))"
+	"f-tiny $((3 * MIB + 1)) 4095"
+)
+# Written in parallel so that requests come from both vCPUs (both queues).
+pids=()
+for f in "${FILES[@]}"; do
+	read -r name off len <<<"$f"
+	"$DD" if="$PAT" of="$MNT/$name" bs=64k iflag=skip_bytes,count_bytes skip="$off" count="$len" \
+		status=none &
+	pids+=("$!:$name")
+done
+for p in "${pids[@]}"; do
+	wait "${p%%:*}" || fail "write-${p#*:}"
+done
+# many small files (bash builtins only: fork/exec is slow under TCG)
+run mkdir-small mkdir "$MNT/small"
+for i in $(seq 1 300); do
+	printf 'vublk-e2e small file %d\n' "$i" >"$MNT/small/s$i" || fail "write-small-$i"
+done
+(cd "$MNT" && "$SHA" f-* >/tmp/sums) || fail checksum-record
+run sync sync
+df -k "$MNT" | sed 's/^/VUBLK-E2E: DF /'
+run umount umount "$MNT"
+
+phase fsck-after-write
+run fsck-after-write "$FSCK" -fn "$DEV"
+
+# ---------------------------------------------------------------- verify
+verify_files() { # step-suffix
+	local f name off len i line
+	(cd "$MNT" && "$SHA" -c --quiet /tmp/sums) || fail "verify-checksums-$1"
+	for f in "${FILES[@]}"; do
+		read -r name off len <<<"$f"
+		"$CMP" -n "$len" "$MNT/$name" "$PAT" 0 "$off" || fail "verify-content-$name-$1"
+		[ "$(stat -c %s "$MNT/$name")" = "$len" ] || fail "verify-size-$name-$1"
+	done
+	for i in $(seq 1 300); do
+		read -r line <"$MNT/small/s$i" || fail "verify-small-$i-$1"
+		[ "$line" = "vublk-e2e small file $i" ] || fail "verify-small-$i-$1" "got '$line'"
+	done
+}
+phase remount-verify
+run remount mount -t ext4 "$DEV" "$MNT"
+verify_files remount
+say "INFO file checksums verified: $(wc -l </tmp/sums) files + 300 small files"
+
+# Write cache: switch it off and on through virtio-blk's cache_type attribute (a virtio
+# config-space write of the WCE byte; queue/write_cache only changes the block layer's view),
+# writing under each mode; the host test checks that the backend saw both changes.
+if [ "$WC" = "write back" ] && [ -w "$SYS/cache_type" ]; then
+	phase write-cache
+	echo "write through" >"$SYS/cache_type" || fail wce-write-through
+	read -r wc2 <"$SYS/cache_type"
+	[ "$wc2" = "write through" ] || fail wce-readback "got '$wc2'"
+	read -r wc2 <"$SYS/queue/write_cache"
+	[ "$wc2" = "write through" ] || fail wce-readback-queue "got '$wc2'"
+	run wce-wt-write "$DD" if="$PAT" of="$MNT/f-wt" bs=64k count=32 conv=fsync status=none
+	echo "write back" >"$SYS/cache_type" || fail wce-write-back
+	read -r wc2 <"$SYS/cache_type"
+	[ "$wc2" = "write back" ] || fail wce-readback-2 "got '$wc2'"
+	"$CMP" -n $((2 * MIB)) "$MNT/f-wt" "$PAT" || fail wce-wt-verify
+	run wce-rm rm -f "$MNT/f-wt"
+	say "INFO write cache switched to write through and back (cache_type)"
+fi
+
+# Fill (E2E_FILL=1): copies of the pattern until the filesystem is full, then verify all.
+if [ "${E2E_FILL:-0}" = 1 ]; then
+	phase fill
+	PAT_BYTES=$(stat -c %s "$PAT")
+	run mkdir-fill mkdir "$MNT/fill"
+	n=0
+	while "$DD" if="$PAT" of="$MNT/fill/$n" bs=1M status=none 2>/tmp/fillerr; do
+		n=$((n + 1))
+	done
+	grep -q "No space left" /tmp/fillerr || fail fill "$(cat /tmp/fillerr)"
+	run sync-fill sync
+	df -k "$MNT" | sed 's/^/VUBLK-E2E: DF /'
+	say "INFO filled with $n copies of the $((PAT_BYTES / MIB)) MiB pattern ($((n * PAT_BYTES / MIB)) MiB) plus a partial file"
+	run umount-fill umount "$MNT"
+	phase fsck-full
+	run fsck-full "$FSCK" -fn "$DEV"
+	phase fill-verify
+	run remount-fill mount -t ext4 "$DEV" "$MNT"
+	for i in $(seq 0 $((n - 1))); do
+		"$CMP" "$MNT/fill/$i" "$PAT" || fail "fill-verify-$i"
+	done
+	part=$(stat -c %s "$MNT/fill/$n")
+	"$CMP" -n "$part" "$MNT/fill/$n" "$PAT" || fail fill-verify-partial
+	say "INFO verified $n full copies and a partial one of $part bytes"
+	run rm-fill rm -rf "$MNT/fill"
+fi
+
+# Discard, if offered: delete some files, fstrim, check the rest survived.
+if [ "$DMAX" != 0 ]; then
+	phase fstrim
+	run rm-for-trim rm -f "$MNT/f-16m"
+	FILES=("${FILES[@]:0:2}" "${FILES[@]:3}")
+	(cd "$MNT" && "$SHA" f-* >/tmp/sums) || fail checksum-record-trim
+	out=$(fstrim -v "$MNT" 2>&1) || fail fstrim "$out"
+	say "INFO $out"
+	run umount-trim umount "$MNT"
+	run fsck-after-trim "$FSCK" -fn "$DEV"
+	run remount-trim mount -t ext4 "$DEV" "$MNT"
+	verify_files trim
+fi
+run umount-final umount "$MNT"
+phase fsck-final
+run fsck-final "$FSCK" -fn "$DEV"
+
+# ---------------------------------------------------------------- raw region
+# After the filesystem: direct I/O writes of pattern slices, read back from the device.
+phase raw-region
+R1_OFF=$FS_BYTES                          R1_PAT=0                      R1_LEN=$((16 * MIB))
+# R2: odd logical-block offset, requests of 7 logical blocks (O_DIRECT needs LBS alignment)
+[ "$LBS" -ge 512 ] 2>/dev/null || LBS=512
+R2_BS=$((7 * LBS))
+R2_OFF=$((FS_BYTES + 20 * MIB + R2_BS)) R2_PAT=$((5 * MIB + 3 * LBS)) R2_LEN=$((R2_BS * 300))
+R3_OFF=$((DEV_BYTES - 65536))             R3_PAT=$((20 * MIB))          R3_LEN=65536
+run raw-write-1 "$DD" if="$PAT" of="$DEV" bs=1M count=16 seek="$((R1_OFF / MIB))" \
+	oflag=direct conv=notrunc,fsync status=none
+run raw-write-2 "$DD" if="$PAT" of="$DEV" bs="$R2_BS" count=300 iflag=skip_bytes skip="$R2_PAT" \
+	oflag=direct,seek_bytes seek="$R2_OFF" conv=notrunc,fsync status=none
+run raw-write-3 "$DD" if="$PAT" of="$DEV" bs=64k count=1 iflag=skip_bytes skip="$R3_PAT" \
+	oflag=direct,seek_bytes seek="$R3_OFF" conv=notrunc,fsync status=none
+run sync-raw sync
+echo 3 >/proc/sys/vm/drop_caches
+for r in 1 2 3; do
+	eval "off=\$R${r}_OFF pat=\$R${r}_PAT len=\$R${r}_LEN"
+	"$CMP" -n "$len" "$DEV" "$PAT" "$off" "$pat" || fail "raw-verify-$r"
+	say "REGION dev_off=$off pat_off=$pat len=$len"
+done
+# and once more with O_DIRECT reads into RAM, bypassing the page cache entirely
+run raw-read-direct "$DD" if="$DEV" of=/tmp/readback bs=1M count=16 skip="$((R1_OFF / MIB))" \
+	iflag=direct status=none
+"$CMP" -n "$R1_LEN" /tmp/readback "$PAT" 0 "$R1_PAT" || fail raw-verify-direct
+rm -f /tmp/readback
+phase
+say "TIME workload-total $(fmt_cs $(($(now_cs) - T_START)))s"
+exit 0

@@ -1,0 +1,304 @@
+//! Process and file helpers for the QEMU guest end-to-end test (std only).
+//!
+//! Every spawned process is owned by a [`ChildGuard`], which kills and reaps it when dropped,
+//! so nothing outlives the test even when it panics.
+
+#![allow(dead_code)]
+
+use std::env;
+use std::ffi::OsStr;
+use std::fs::{self, File};
+use std::io::{self, BufRead, BufReader, Read};
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Outcome of a prerequisite check: `Err(reason)` means "skip the test".
+pub type Prereq<T> = Result<T, String>;
+
+/// Skip (print `skipped: <why>`) or, with `VUBLK_E2E_REQUIRE=1`, fail.
+pub fn skip(why: &str) {
+    if env::var("VUBLK_E2E_REQUIRE").is_ok_and(|v| v == "1") {
+        panic!("VUBLK_E2E_REQUIRE=1 but the test cannot run: {why}");
+    }
+    println!("skipped: {why}");
+}
+
+/// Find an executable: an explicit override (env var) or a search of `PATH` plus sbin dirs.
+pub fn find_program(name: &str, override_var: &str) -> Prereq<PathBuf> {
+    if let Some(p) = env::var_os(override_var) {
+        let p = PathBuf::from(p);
+        return if is_executable(&p) {
+            Ok(p)
+        } else {
+            Err(format!(
+                "{override_var}={} is not an executable",
+                p.display()
+            ))
+        };
+    }
+    let path = env::var_os("PATH").unwrap_or_default();
+    let extra = [
+        PathBuf::from("/usr/sbin"),
+        PathBuf::from("/sbin"),
+        PathBuf::from("/usr/bin"),
+    ];
+    env::split_paths(&path)
+        .chain(extra)
+        .map(|d| d.join(name))
+        .find(|p| is_executable(p))
+        .ok_or_else(|| format!("{name} not found in PATH (or set {override_var})"))
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// Parse sizes like `1073741824`, `512M`, `1G`, `1GiB`.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, suffix) = s.split_at(digits);
+    let n: u64 = num.parse().ok()?;
+    let shift = match suffix.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        _ => return None,
+    };
+    n.checked_mul(1u64 << shift)
+}
+
+/// Owns a child process; kills (SIGKILL) and reaps it on drop unless it already exited.
+pub struct ChildGuard {
+    name: String,
+    child: Option<Child>,
+}
+
+impl ChildGuard {
+    pub fn spawn(name: &str, cmd: &mut Command) -> io::Result<Self> {
+        let child = cmd
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("spawning {name} ({cmd:?}): {e}")))?;
+        Ok(Self {
+            name: name.to_owned(),
+            child: Some(child),
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    pub fn child_mut(&mut self) -> &mut Child {
+        self.child.as_mut().expect("child already reaped")
+    }
+
+    /// Non-blocking: `Some(status)` once the process has exited.
+    pub fn try_wait(&mut self) -> io::Result<Option<ExitStatus>> {
+        match self.child.as_mut() {
+            Some(c) => c.try_wait(),
+            None => Ok(None),
+        }
+    }
+
+    /// Wait for exit until `deadline`; `Ok(None)` on timeout (the process keeps running).
+    pub fn wait_until(&mut self, deadline: Instant) -> io::Result<Option<ExitStatus>> {
+        loop {
+            if let Some(st) = self.try_wait()? {
+                return Ok(Some(st));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            thread::sleep((deadline - now).min(Duration::from_millis(50)));
+        }
+    }
+
+    /// Kill (if still running) and reap; returns the exit status.
+    /// SIGTERM, then wait up to `timeout` for the exit (SIGKILL after that).
+    pub fn terminate(&mut self, timeout: std::time::Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        if let Ok(Some(st)) = child.try_wait() {
+            self.child = None;
+            return Some(st);
+        }
+        // SAFETY: signalling our own, not yet reaped child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(st)) = child.try_wait() {
+                self.child = None;
+                return Some(st);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        self.kill()
+    }
+
+    pub fn kill(&mut self) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        if let Ok(Some(st)) = child.try_wait() {
+            return Some(st);
+        }
+        let _ = child.kill();
+        child.wait().ok()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(st) = self.kill() {
+            if thread::panicking() {
+                eprintln!("[vm] {} stopped ({st})", self.name);
+            }
+        }
+    }
+}
+
+/// Poll until `path` is a UNIX socket; fail early if `owner` exits, or at the deadline.
+pub fn wait_for_socket(
+    path: &Path,
+    owner: &mut ChildGuard,
+    timeout: Duration,
+) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+            return Ok(());
+        }
+        match owner.try_wait() {
+            Ok(Some(st)) => {
+                return Err(format!(
+                    "{} exited ({st}) before creating {}",
+                    owner.name,
+                    path.display()
+                ))
+            }
+            Ok(None) => {}
+            Err(e) => return Err(format!("waiting for {}: {e}", owner.name)),
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "{} did not create {} within {timeout:?}",
+                owner.name,
+                path.display()
+            ));
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Collect a child's output line by line on a thread; lines are also sent to a channel so the
+/// caller can echo progress while it waits.
+pub struct LineCollector {
+    rx: mpsc::Receiver<String>,
+    handle: Option<thread::JoinHandle<()>>,
+    lines: Vec<String>,
+}
+
+impl LineCollector {
+    pub fn new<R: Read + Send + 'static>(reader: R, tee: Option<File>) -> Self {
+        let (tx, rx) = mpsc::channel();
+        let handle = thread::spawn(move || {
+            let mut tee = tee;
+            let mut r = BufReader::new(reader);
+            let mut buf = Vec::new();
+            loop {
+                buf.clear();
+                match r.read_until(b'\n', &mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        if let Some(f) = tee.as_mut() {
+                            use std::io::Write;
+                            let _ = f.write_all(&buf);
+                        }
+                        let line = String::from_utf8_lossy(&buf);
+                        let line = line.trim_end_matches(['\n', '\r']).to_owned();
+                        if tx.send(line).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        Self {
+            rx,
+            handle: Some(handle),
+            lines: Vec::new(),
+        }
+    }
+
+    /// Lines that arrived since the last call (non-blocking).
+    pub fn poll(&mut self) -> Vec<String> {
+        let new: Vec<String> = self.rx.try_iter().collect();
+        self.lines.extend(new.iter().cloned());
+        new
+    }
+
+    /// Wait for EOF (the writer has exited) and return everything collected.
+    pub fn finish(mut self) -> Vec<String> {
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        self.poll();
+        std::mem::take(&mut self.lines)
+    }
+}
+
+/// A scratch directory removed on drop unless the test failed or `keep` is set.
+pub struct ScratchDir {
+    pub path: PathBuf,
+    pub keep: bool,
+}
+
+impl ScratchDir {
+    pub fn new(parent: &Path, name: &str) -> io::Result<Self> {
+        let path = parent.join(name);
+        if path.exists() {
+            fs::remove_dir_all(&path)?;
+        }
+        fs::create_dir_all(&path)?;
+        Ok(Self { path, keep: false })
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        if self.keep || thread::panicking() {
+            eprintln!("[vm] kept {}", self.path.display());
+        } else {
+            let _ = fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Run a command to completion, returning (status, stdout, stderr) as text.
+pub fn run_capture(
+    program: impl AsRef<OsStr>,
+    args: &[&OsStr],
+) -> io::Result<(ExitStatus, String, String)> {
+    let out = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?;
+    Ok((
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// Contents of a log file, for failure messages (empty if unreadable).
+pub fn read_log(path: &Path) -> String {
+    fs::read(path)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default()
+}

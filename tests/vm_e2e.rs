@@ -1,0 +1,453 @@
+//! End-to-end test with a real Linux guest: QEMU (TCG) boots a busybox initramfs whose
+//! workload (contrib/guest/e2e-workload.sh) runs mkfs.ext4, e2fsck, file write/verify and raw
+//! O_DIRECT pattern I/O on a vhost-user-blk disk served by the backend under test.
+//!
+//! Environment:
+//! - `VUBLK_E2E_BACKEND` = `vublk` (default) or `qsd` (qemu-storage-daemon, to validate the
+//!   harness itself)
+//! - `VUBLK_E2E_BACKEND_ARGS`: extra whitespace-separated arguments for the backend (vublk only)
+//! - `VUBLK_E2E_DISK_SIZE`: disk size, e.g. `1G` (default), `512M`, bytes; at least 256 MiB
+//! - `VUBLK_E2E_TIMEOUT`: seconds before QEMU is killed (default 900)
+//! - `VUBLK_E2E_REQUIRE=1`: missing prerequisites fail the test instead of skipping it (CI)
+//! - `VUBLK_E2E_FILL=1`: also fill the filesystem with copies of the pattern and verify them
+//! - `VUBLK_E2E_KEEP=1`: keep the run directory (image, logs) even on success
+//! - `VUBLK_E2E_QEMU`, `VUBLK_E2E_QSD`, `VUBLK_E2E_E2FSCK`: program overrides
+//! - `VUBLK_E2E_KVER`, `VUBLK_E2E_KERNEL`: guest kernel choice (see build-initramfs.sh)
+//!
+//! Run: `cargo test --test vm_e2e -- --nocapture` (prints the guest's timings as they come).
+
+mod vm;
+
+use std::env;
+use std::ffi::OsStr;
+use std::fs::{self, File};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use vm::{find_program, parse_size, read_log, skip, ChildGuard, LineCollector, ScratchDir};
+
+const MARK: &str = "VUBLK-E2E: ";
+const NUM_QUEUES: u32 = 2;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Backend {
+    Vublk,
+    Qsd,
+}
+
+struct Guest {
+    kver: String,
+    kernel: PathBuf,
+    kernel_kind: String,
+    initrd: PathBuf,
+    pattern: PathBuf,
+}
+
+/// Build (or reuse) the guest kernel + initramfs. `Err` = skip reason.
+fn build_guest(out_dir: &Path) -> Result<Guest, String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("contrib/guest/build-initramfs.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(out_dir)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("running {}: {e}", script.display()))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for l in stderr.lines() {
+        println!("[build] {l}");
+    }
+    match out.status.code() {
+        Some(0) => {}
+        Some(77) => return Err(format!("guest prerequisites missing: {}", stderr.trim())),
+        _ => panic!("{} failed ({}):\n{stderr}", script.display(), out.status),
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let get = |key: &str| -> String {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+            .unwrap_or_else(|| panic!("build script printed no {key}=:\n{stdout}"))
+            .to_owned()
+    };
+    Ok(Guest {
+        kver: get("KVER"),
+        kernel: get("KERNEL").into(),
+        kernel_kind: get("KERNEL_KIND"),
+        initrd: get("INITRD").into(),
+        pattern: get("PATTERN").into(),
+    })
+}
+
+fn env_or(key: &str, default: &str) -> String {
+    env::var(key).unwrap_or_else(|_| default.to_owned())
+}
+
+/// The guest's marker lines (text after "VUBLK-E2E: "), wherever they start in a line.
+fn markers(lines: &[String]) -> Vec<String> {
+    lines
+        .iter()
+        .filter_map(|l| l.find(MARK).map(|i| l[i + MARK.len()..].to_owned()))
+        .collect()
+}
+
+/// "uptime=12.34s" in the marker starting with `prefix`.
+fn uptime_of(markers: &[String], prefix: &str) -> Option<f64> {
+    markers
+        .iter()
+        .find(|m| m.starts_with(prefix))?
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("uptime="))?
+        .trim_end_matches('s')
+        .parse()
+        .ok()
+}
+
+/// Compare the image ranges named by the guest's REGION markers with pattern.bin.
+fn check_regions(markers: &[String], image: &Path, pattern: &Path) -> Result<usize, String> {
+    let img = File::open(image).map_err(|e| format!("{}: {e}", image.display()))?;
+    let pat = File::open(pattern).map_err(|e| format!("{}: {e}", pattern.display()))?;
+    let mut n = 0;
+    for m in markers.iter().filter(|m| m.starts_with("REGION ")) {
+        let field = |k: &str| -> u64 {
+            m.split_whitespace()
+                .find_map(|w| w.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("malformed marker {m:?}"))
+        };
+        let (dev_off, pat_off, len) = (field("dev_off"), field("pat_off"), field("len"));
+        let mut a = vec![0u8; len as usize];
+        let mut b = vec![0u8; len as usize];
+        img.read_exact_at(&mut a, dev_off)
+            .map_err(|e| format!("reading image at {dev_off}: {e}"))?;
+        pat.read_exact_at(&mut b, pat_off)
+            .map_err(|e| format!("reading pattern at {pat_off}: {e}"))?;
+        if let Some(i) = a.iter().zip(&b).position(|(x, y)| x != y) {
+            return Err(format!(
+                "image byte {} differs from pattern byte {} (region {m:?})",
+                dev_off + i as u64,
+                pat_off + i as u64
+            ));
+        }
+        n += 1;
+    }
+    Ok(n)
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[test]
+fn guest_mkfs_fsck_and_pattern_io() {
+    let t_start = Instant::now();
+    if !cfg!(all(target_os = "linux", target_arch = "x86_64")) {
+        return skip("the guest test needs an x86_64 Linux host");
+    }
+    let backend = match env_or("VUBLK_E2E_BACKEND", "vublk").as_str() {
+        "vublk" => Backend::Vublk,
+        "qsd" | "qemu-storage-daemon" => Backend::Qsd,
+        other => panic!("VUBLK_E2E_BACKEND={other}: expected vublk or qsd"),
+    };
+    let qemu = match find_program("qemu-system-x86_64", "VUBLK_E2E_QEMU") {
+        Ok(p) => p,
+        Err(e) => return skip(&e),
+    };
+    let qsd = match backend {
+        Backend::Qsd => match find_program("qemu-storage-daemon", "VUBLK_E2E_QSD") {
+            Ok(p) => Some(p),
+            Err(e) => return skip(&e),
+        },
+        Backend::Vublk => None,
+    };
+    let disk_size = parse_size(&env_or("VUBLK_E2E_DISK_SIZE", "1G"))
+        .expect("VUBLK_E2E_DISK_SIZE: expected e.g. 1G, 512M or a byte count");
+    assert!(
+        disk_size >= 256 << 20,
+        "VUBLK_E2E_DISK_SIZE must be at least 256 MiB"
+    );
+    let timeout = Duration::from_secs(
+        env_or("VUBLK_E2E_TIMEOUT", "900")
+            .parse()
+            .expect("VUBLK_E2E_TIMEOUT: seconds"),
+    );
+
+    // ---- guest kernel + initramfs (cached under target/)
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let t_build = Instant::now();
+    let guest = match build_guest(&tmp.join("vm-e2e-guest")) {
+        Ok(g) => g,
+        Err(e) => return skip(&e),
+    };
+    let build_time = t_build.elapsed();
+    println!(
+        "[vm] guest kernel {} ({}), initramfs {}",
+        guest.kver,
+        guest.kernel_kind,
+        guest.initrd.display()
+    );
+
+    // ---- run directory, sparse image, socket
+    let backend_name = match backend {
+        Backend::Vublk => "vublk",
+        Backend::Qsd => "qsd",
+    };
+    let mut run = ScratchDir::new(
+        tmp,
+        &format!("vm-e2e-run-{backend_name}-{}", std::process::id()),
+    )
+    .expect("creating run directory");
+    run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
+    let image = run.path.join("disk.img");
+    File::create(&image)
+        .and_then(|f| f.set_len(disk_size))
+        .expect("creating sparse disk image");
+    let mut sock = run.path.join("vhost-user-blk.sock");
+    if sock.as_os_str().len() > 100 {
+        // sun_path holds 108 bytes
+        sock = env::temp_dir().join(format!("vublk-e2e-{}.sock", std::process::id()));
+        let _ = fs::remove_file(&sock);
+    }
+    let backend_log = run.path.join("backend.log");
+    let serial_log = run.path.join("serial.log");
+    let qemu_log = run.path.join("qemu.log");
+
+    // ---- backend
+    let log_file = File::create(&backend_log).expect("creating backend.log");
+    let mut cmd;
+    match backend {
+        Backend::Vublk => {
+            cmd = Command::new(env!("CARGO_BIN_EXE_vublk"));
+            cmd.arg("--socket-path")
+                .arg(&sock)
+                .arg("--blk-file")
+                .arg(&image)
+                .arg("--num-queues")
+                .arg(NUM_QUEUES.to_string());
+            if let Ok(extra) = env::var("VUBLK_E2E_BACKEND_ARGS") {
+                cmd.args(extra.split_whitespace());
+            }
+        }
+        Backend::Qsd => {
+            cmd = Command::new(qsd.as_ref().unwrap());
+            cmd.arg("--blockdev")
+                .arg(format!(
+                    "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring",
+                    image.display()
+                ))
+                .arg("--export")
+                .arg(format!(
+                    "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},\
+                     writable=on,num-queues={NUM_QUEUES}",
+                    sock.display()
+                ));
+        }
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(log_file.try_clone().expect("dup log fd"))
+        .stderr(log_file);
+    println!("[vm] backend: {cmd:?}");
+    let t_backend = Instant::now();
+    let mut backend_proc = ChildGuard::spawn(backend_name, &mut cmd).expect("starting backend");
+    if let Err(e) = vm::wait_for_socket(&sock, &mut backend_proc, Duration::from_secs(30)) {
+        panic!("{e}\n--- backend log:\n{}", read_log(&backend_log));
+    }
+    let backend_ready = t_backend.elapsed();
+
+    // ---- QEMU
+    let mem = "1G";
+    let fill = env_or("VUBLK_E2E_FILL", "0");
+    let append =
+        format!("console=ttyS0 panic=-1 loglevel=4 E2E_QUEUES={NUM_QUEUES} E2E_FILL={fill}");
+    let mut qcmd = Command::new(&qemu);
+    qcmd.args(["-accel", "tcg", "-m", mem, "-smp", &NUM_QUEUES.to_string()])
+        .arg("-object")
+        .arg(format!("memory-backend-memfd,id=mem,size={mem},share=on"))
+        .args(["-numa", "node,memdev=mem"])
+        .arg("-chardev")
+        .arg(format!("socket,id=c0,path={}", sock.display()))
+        .arg("-device")
+        .arg(format!(
+            "vhost-user-blk-pci,chardev=c0,num-queues={NUM_QUEUES}"
+        ))
+        .args([
+            "-nographic",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+            "-monitor",
+            "none",
+        ])
+        // no NIC (skips iPXE); virtio-rng seeds the guest crng, else mke2fs stalls ~4 s
+        .args(["-nic", "none", "-device", "virtio-rng-pci"])
+        .arg("-kernel")
+        .arg(&guest.kernel)
+        .arg("-initrd")
+        .arg(&guest.initrd)
+        .args([OsStr::new("-append"), OsStr::new(&append)])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(File::create(&qemu_log).expect("creating qemu.log"));
+    println!("[vm] qemu: {qcmd:?}");
+    let t_qemu = Instant::now();
+    let mut qemu_proc = ChildGuard::spawn("qemu", &mut qcmd).expect("starting qemu");
+    let stdout = qemu_proc.child_mut().stdout.take().expect("qemu stdout");
+    let mut serial = LineCollector::new(stdout, File::create(&serial_log).ok());
+
+    let deadline = t_qemu + timeout;
+    let mut backend_died = None;
+    let mut seen = 0;
+    let qemu_status = loop {
+        let new = serial.poll();
+        seen += new.len();
+        for l in new {
+            if let Some(i) = l.find(MARK) {
+                println!(
+                    "[guest {:6.1}s] {}",
+                    t_qemu.elapsed().as_secs_f64(),
+                    &l[i..]
+                );
+            }
+        }
+        if let Some(st) = qemu_proc.try_wait().expect("waiting for qemu") {
+            break Some(st);
+        }
+        if backend_died.is_none() {
+            if let Some(st) = backend_proc.try_wait().expect("waiting for backend") {
+                // The guest would hang on I/O: give QEMU a moment to exit by itself, then stop.
+                backend_died = Some(st);
+                if let Ok(Some(st)) = qemu_proc.wait_until(Instant::now() + Duration::from_secs(5))
+                {
+                    break Some(st);
+                }
+                qemu_proc.kill();
+                break None;
+            }
+        }
+        if Instant::now() >= deadline {
+            qemu_proc.kill();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(100));
+    };
+    let qemu_time = t_qemu.elapsed();
+    let lines = serial.finish();
+    // lines that arrived between the last poll and EOF
+    for l in &lines[seen..] {
+        if let Some(i) = l.find(MARK) {
+            println!("[guest {:6.1}s] {}", qemu_time.as_secs_f64(), &l[i..]);
+        }
+    }
+    let marks = markers(&lines);
+    // Stop the backend before looking at the image: vublk must finish, flush and exit 0 on
+    // SIGTERM; qemu-storage-daemon is just killed.
+    let backend_status = match backend {
+        Backend::Vublk => backend_proc.terminate(Duration::from_secs(30)),
+        Backend::Qsd => backend_proc.kill(),
+    };
+
+    let failures: Vec<&String> = marks.iter().filter(|m| m.starts_with("FAIL")).collect();
+    let passed = marks.iter().any(|m| m.starts_with("PASS"));
+    let why = match (backend_died, qemu_status) {
+        (Some(st), _) => Some(format!("backend exited while the guest was running ({st})")),
+        (None, None) => Some(format!("timeout: guest did not finish within {timeout:?}")),
+        _ if !failures.is_empty() => Some(format!("guest reported {}", failures[0])),
+        _ if !passed => Some("guest printed no PASS marker".to_owned()),
+        (None, Some(st)) if !st.success() => Some(format!("qemu exited with {st}")),
+        _ => None,
+    };
+    if let Some(why) = why {
+        panic!(
+            "{why}\n--- serial console ({}):\n{}\n--- qemu stderr:\n{}\n--- backend log (last 100 lines):\n{}\n",
+            serial_log.display(),
+            lines.join("\n"),
+            read_log(&qemu_log),
+            tail(&read_log(&backend_log), 100)
+        );
+    }
+
+    if backend == Backend::Vublk {
+        let log = read_log(&backend_log);
+        assert_eq!(
+            backend_status.and_then(|s| s.code()),
+            Some(0),
+            "vublk did not exit 0 on SIGTERM: {backend_status:?}\n{}",
+            tail(&log, 50)
+        );
+        // The guest flipped its write cache through the config space (WCE): vublk must
+        // have seen both changes.
+        for mode in ["writethrough", "writeback"] {
+            assert!(
+                log.contains(&format!("guest set write cache to {mode}")),
+                "vublk never saw the guest switch to {mode}:\n{}",
+                tail(&log, 50)
+            );
+        }
+        // ... and acted on it: writes made durable while write-through, and FLUSHes sent
+        // while write-back.
+        let count = |what: &str| -> u64 {
+            log.lines()
+                .filter_map(|l| l.split(", ").find(|p| p.ends_with(what)))
+                .filter_map(|p| p.trim().split(' ').next()?.parse::<u64>().ok())
+                .sum()
+        };
+        assert!(
+            count("durable writes") > 0,
+            "no durable writes under write-through:\n{}",
+            tail(&log, 20)
+        );
+        assert!(
+            count("flushes") > 0,
+            "no flushes under write-back:\n{}",
+            tail(&log, 20)
+        );
+        println!(
+            "[vm] vublk: {} durable writes (write-through phase), {} flushes",
+            count("durable writes"),
+            count("flushes")
+        );
+    }
+
+    // ---- host-side checks on the image the guest wrote
+    let regions = check_regions(&marks, &image, &guest.pattern)
+        .unwrap_or_else(|e| panic!("host check of raw regions failed: {e}"));
+    assert_eq!(regions, 3, "expected 3 REGION markers from the guest");
+    match find_program("e2fsck", "VUBLK_E2E_E2FSCK") {
+        Ok(e2fsck) => {
+            let (st, out, err) = vm::run_capture(&e2fsck, &[OsStr::new("-fn"), image.as_os_str()])
+                .expect("running e2fsck");
+            assert!(
+                st.success(),
+                "host e2fsck -fn of the image failed ({st}):\n{out}\n{err}"
+            );
+            println!("[vm] host e2fsck -fn: clean");
+        }
+        Err(e) => println!("[vm] note: no host e2fsck check: {e}"),
+    }
+
+    let boot = uptime_of(&marks, "BOOTED");
+    let done = uptime_of(&marks, "PASS");
+    let mkfs = marks
+        .iter()
+        .find_map(|m| m.strip_prefix("TIME mkfs "))
+        .unwrap_or("?");
+    println!(
+        "[vm] summary: backend={backend_name} disk={} MiB guest-build={:.1}s backend-ready={:.2}s \
+         guest-boot={}s mkfs={mkfs} guest-uptime-at-pass={}s qemu-wall={:.1}s total={:.1}s \
+         backend-exit={}",
+        disk_size >> 20,
+        build_time.as_secs_f64(),
+        backend_ready.as_secs_f64(),
+        boot.map_or("?".into(), |v| format!("{v:.2}")),
+        done.map_or("?".into(), |v| format!("{v:.2}")),
+        qemu_time.as_secs_f64(),
+        t_start.elapsed().as_secs_f64(),
+        backend_status.map_or("?".into(), |s| s.to_string()),
+    );
+    if sock.parent() != Some(run.path.as_path()) {
+        let _ = fs::remove_file(&sock);
+    }
+}
