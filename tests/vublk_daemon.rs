@@ -407,17 +407,11 @@ impl LoopDev {
             Ok(o) if o.status.success() => Some(LoopDev(
                 String::from_utf8_lossy(&o.stdout).trim().to_string(),
             )),
-            Ok(o) => {
-                println!(
-                    "skipped: cannot create a loop device: {}",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                );
-                None
-            }
-            Err(e) => {
-                println!("skipped: losetup not available: {e}");
-                None
-            }
+            Ok(o) => skip_or_fail(&format!(
+                "cannot create a loop device: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )),
+            Err(e) => skip_or_fail(&format!("losetup not available: {e}")),
         }
     }
 }
