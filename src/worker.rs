@@ -750,8 +750,16 @@ fn copy_from_guest(
 /// re-allocate, else write zeroes. Rare; runs on the queue thread.
 fn zero_fallback(dev: &Device, offset: u64, len: u64, pool: &mut BouncePool) -> i32 {
     let fd = dev.file.as_raw_fd();
+    if punch_and_allocate(fd, offset, len) {
+        return 0;
+    }
+    write_zeroes(fd, offset, len, pool)
+}
+
+/// Deallocate then allocate again: zeroes that keep the space (tmpfs lacks ZERO_RANGE).
+fn punch_and_allocate(fd: i32, offset: u64, len: u64) -> bool {
     // SAFETY: plain syscalls on our descriptor.
-    let punched = unsafe {
+    unsafe {
         libc::fallocate(
             fd,
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
@@ -759,10 +767,11 @@ fn zero_fallback(dev: &Device, offset: u64, len: u64, pool: &mut BouncePool) -> 
             len as i64,
         ) == 0
             && libc::fallocate(fd, libc::FALLOC_FL_KEEP_SIZE, offset as i64, len as i64) == 0
-    };
-    if punched {
-        return 0;
     }
+}
+
+/// The last resort: write zeroes, 1 MiB at a time, from an aligned (O_DIRECT-safe) buffer.
+fn write_zeroes(fd: i32, offset: u64, len: u64, pool: &mut BouncePool) -> i32 {
     const CHUNK: u64 = 1 << 20;
     let mut buf = match pool.get(CHUNK as usize) {
         Ok(b) => b,

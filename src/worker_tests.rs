@@ -358,3 +358,62 @@ proptest! {
         prop_assert_eq!(std::fs::metadata(&img.path).unwrap().len(), 1 << 20, "image never grows");
     }
 }
+
+/// tmpfs has no FALLOC_FL_ZERO_RANGE: WRITE_ZEROES falls back to punch + allocate, and the
+/// device remembers not to try ZERO_RANGE again.
+#[test]
+fn write_zeroes_falls_back_where_zero_range_is_missing() {
+    let shm = std::path::Path::new("/dev/shm");
+    if !shm.is_dir() {
+        println!("skipped: no /dev/shm (tmpfs) to test the fallback on");
+        return;
+    }
+    for engine in engines() {
+        let name = engine.name();
+        let path = shm.join(format!("vublk-zr-{name}-{}", std::process::id()));
+        std::fs::write(&path, vec![0x55u8; 1 << 20]).unwrap();
+        let img = Image { path };
+        let dev = device(&img, false);
+        let mut d = Driver::new();
+        for (i, sector) in [16u64, 64].iter().enumerate() {
+            let at = DATA + i as u64 * 16;
+            d.mem.write_obj(*sector, GuestAddress(at)).unwrap();
+            d.mem.write_obj(8u32, GuestAddress(at + 8)).unwrap();
+            d.mem.write_obj(0u32, GuestAddress(at + 12)).unwrap();
+        }
+        let (_, st1) = d.request(req_type::WRITE_ZEROES, 0, &[(DATA, 16, false)]);
+        let mut w = QueueWorker::new(0, dev.clone(), engine, d.atomic.clone());
+        w.handle_kick(&d.vring);
+        w.drain();
+        assert_eq!(d.status(st1), status::OK, "{name}");
+        assert!(
+            dev.no_zero_range.load(std::sync::atomic::Ordering::Relaxed),
+            "{name}"
+        );
+        let (_, st2) = d.request(req_type::WRITE_ZEROES, 0, &[(DATA + 16, 16, false)]);
+        w.handle_kick(&d.vring);
+        w.drain();
+        assert_eq!(d.status(st2), status::OK, "{name}");
+        let f = std::fs::read(&img.path).unwrap();
+        assert!(f[16 * 512..24 * 512].iter().all(|&b| b == 0), "{name}");
+        assert!(f[64 * 512..72 * 512].iter().all(|&b| b == 0), "{name}");
+        assert!(f[24 * 512..64 * 512].iter().all(|&b| b == 0x55), "{name}");
+    }
+}
+
+#[test]
+fn last_resort_zeroing_writes_zeroes() {
+    use std::os::fd::AsRawFd;
+    let img = image("write-zeroes", &vec![0x33u8; 3 << 20]);
+    let f = OpenOptions::new().write(true).open(&img.path).unwrap();
+    let mut pool = crate::io::bounce::BouncePool::new(4096);
+    // More than one 1 MiB chunk, not chunk-aligned.
+    assert_eq!(
+        super::write_zeroes(f.as_raw_fd(), 4096, (2 << 20) + 512, &mut pool),
+        0
+    );
+    let data = std::fs::read(&img.path).unwrap();
+    assert!(data[..4096].iter().all(|&b| b == 0x33));
+    assert!(data[4096..4096 + (2 << 20) + 512].iter().all(|&b| b == 0));
+    assert!(data[4096 + (2 << 20) + 512..].iter().all(|&b| b == 0x33));
+}
