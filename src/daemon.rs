@@ -273,11 +273,11 @@ fn serve_loop(
             )) => info!("frontend disconnected"),
             Err(e) => warn!("frontend session ended: {e}"),
         }
-        // Complete what the guest had in flight before its memory goes away, then stop the
-        // queue threads.
+        // Stop the queue threads first (no new requests can start), then complete what was in
+        // flight while the guest memory is still mapped.
+        drop(daemon);
         backend.drain_all();
         backend.log_stats();
-        drop(daemon);
         let stop = {
             let mut p = phase.lock().unwrap_or_else(|e| e.into_inner());
             p.connection = None;

@@ -187,7 +187,13 @@ impl QueueWorker {
         let Some(vring) = self.vring.clone() else {
             return;
         };
-        while self.in_flight() > 0 {
+        loop {
+            // Completions already known (including synthetic ones) first: waiting with
+            // nothing in the kernel would block for ever.
+            self.reap_and_complete(&vring);
+            if self.in_flight() == 0 {
+                break;
+            }
             if let Err(e) = self.engine.wait_one() {
                 error!(
                     "queue {}: waiting for in-flight requests failed: {e}",
@@ -195,7 +201,6 @@ impl QueueWorker {
                 );
                 break;
             }
-            self.reap_and_complete(&vring);
         }
         self.stalled = false;
     }
@@ -716,6 +721,21 @@ impl QueueWorker {
                 }
             }
             Ok(false) => {}
+        }
+    }
+}
+
+impl Drop for QueueWorker {
+    /// The kernel may still be writing into guest memory or bounce buffers that this worker
+    /// keeps alive: never let them go before every operation has completed.
+    fn drop(&mut self) {
+        self.drain();
+        loop {
+            self.reap_deferred();
+            self.deferred_used.clear();
+            if self.in_flight() == 0 || self.engine.wait_one().is_err() {
+                break;
+            }
         }
     }
 }
