@@ -141,8 +141,52 @@ fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// One guest run's device configuration.
+struct Variant {
+    name: &'static str,
+    /// Extra vublk options (the variant is skipped under qemu-storage-daemon if non-empty).
+    vublk_args: &'static [&'static str],
+    /// `--serial`, checked in the guest's /sys/block/vda/serial.
+    serial: Option<&'static str>,
+    /// Logical block size the guest must see.
+    logical_block: u32,
+}
+
+/// Guest runs one at a time: two TCG guests on two cores would only slow each other down.
+static ONE_GUEST_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn guest_mkfs_fsck_and_pattern_io() {
+    run_guest(&Variant {
+        name: "default",
+        vublk_args: &[],
+        serial: Some("vublk-e2e-serial-01"),
+        logical_block: 512,
+    });
+}
+
+/// 4096-byte logical blocks, the blocking engine and the page cache.
+#[test]
+fn guest_on_4k_blocks_with_threads_engine_and_page_cache() {
+    run_guest(&Variant {
+        name: "4k-threads-writeback",
+        vublk_args: &[
+            "--logical-block-size",
+            "4096",
+            "--aio",
+            "threads",
+            "--cache",
+            "writeback",
+        ],
+        serial: None,
+        logical_block: 4096,
+    });
+}
+
+fn run_guest(variant: &Variant) {
+    let _one = ONE_GUEST_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     let t_start = Instant::now();
     if !cfg!(all(target_os = "linux", target_arch = "x86_64")) {
         return skip("the guest test needs an x86_64 Linux host");
@@ -163,6 +207,13 @@ fn guest_mkfs_fsck_and_pattern_io() {
         },
         Backend::Vublk => None,
     };
+    if backend == Backend::Qsd && !variant.vublk_args.is_empty() {
+        println!(
+            "[vm] variant {} uses vublk options: not run under qemu-storage-daemon",
+            variant.name
+        );
+        return;
+    }
     let disk_size = parse_size(&env_or("VUBLK_E2E_DISK_SIZE", "1G"))
         .expect("VUBLK_E2E_DISK_SIZE: expected e.g. 1G, 512M or a byte count");
     assert!(
@@ -197,7 +248,11 @@ fn guest_mkfs_fsck_and_pattern_io() {
     };
     let mut run = ScratchDir::new(
         tmp,
-        &format!("vm-e2e-run-{backend_name}-{}", std::process::id()),
+        &format!(
+            "vm-e2e-run-{backend_name}-{}-{}",
+            variant.name,
+            std::process::id()
+        ),
     )
     .expect("creating run directory");
     run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
@@ -208,7 +263,11 @@ fn guest_mkfs_fsck_and_pattern_io() {
     let mut sock = run.path.join("vhost-user-blk.sock");
     if sock.as_os_str().len() > 100 {
         // sun_path holds 108 bytes
-        sock = env::temp_dir().join(format!("vublk-e2e-{}.sock", std::process::id()));
+        sock = env::temp_dir().join(format!(
+            "vublk-e2e-{}-{}.sock",
+            variant.name,
+            std::process::id()
+        ));
         let _ = fs::remove_file(&sock);
     }
     let backend_log = run.path.join("backend.log");
@@ -226,7 +285,11 @@ fn guest_mkfs_fsck_and_pattern_io() {
                 .arg("--blk-file")
                 .arg(&image)
                 .arg("--num-queues")
-                .arg(NUM_QUEUES.to_string());
+                .arg(NUM_QUEUES.to_string())
+                .args(variant.vublk_args);
+            if let Some(serial) = variant.serial {
+                cmd.args(["--serial", serial]);
+            }
             if let Ok(extra) = env::var("VUBLK_E2E_BACKEND_ARGS") {
                 cmd.args(extra.split_whitespace());
             }
@@ -260,8 +323,13 @@ fn guest_mkfs_fsck_and_pattern_io() {
     // ---- QEMU
     let mem = "1G";
     let fill = env_or("VUBLK_E2E_FILL", "0");
-    let append =
-        format!("console=ttyS0 panic=-1 loglevel=4 E2E_QUEUES={NUM_QUEUES} E2E_FILL={fill}");
+    let mut append = format!(
+        "console=ttyS0 panic=-1 loglevel=4 E2E_QUEUES={NUM_QUEUES} E2E_FILL={fill} E2E_LBS={}",
+        variant.logical_block
+    );
+    if let (Backend::Vublk, Some(serial)) = (backend, variant.serial) {
+        append.push_str(&format!(" E2E_SERIAL={serial}"));
+    }
     let mut qcmd = Command::new(&qemu);
     qcmd.args(["-accel", "tcg", "-m", mem, "-smp", &NUM_QUEUES.to_string()])
         .arg("-object")

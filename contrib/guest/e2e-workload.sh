@@ -76,6 +76,15 @@ if [ -n "${E2E_QUEUES:-}" ] && [ "$NQ" != "$E2E_QUEUES" ]; then
 	fail queue-count "guest has $NQ queues, expected $E2E_QUEUES"
 fi
 [ "$RO" = 0 ] || fail device-writable "device is read-only"
+if [ -n "${E2E_LBS:-}" ] && [ "$LBS" != "$E2E_LBS" ]; then
+	fail logical-block-size "guest sees $LBS-byte blocks, expected $E2E_LBS"
+fi
+if [ -n "${E2E_SERIAL:-}" ]; then
+	# no trailing newline: read returns 1 at EOF but still sets SERIAL
+	read -r SERIAL <"$SYS/serial" || true
+	[ "$SERIAL" = "$E2E_SERIAL" ] || fail serial "GET_ID gave '$SERIAL', expected '$E2E_SERIAL'"
+	say "INFO serial (GET_ID) $SERIAL"
+fi
 [ "$DEV_BYTES" -ge $((256 * MIB)) ] || fail device-size "need at least 256 MiB, have $DEV_BYTES bytes"
 FS_BYTES=$(((DEV_BYTES - TAIL_BYTES) / MIB * MIB))
 
