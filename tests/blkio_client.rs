@@ -637,6 +637,16 @@ fn unaligned_buffers_roundtrip() {
         "image file after misaligned writev",
     );
     backend.assert_running();
+    if !skip_unless_vublk("bounce-buffer statistics are vublk's") {
+        // O_DIRECT cannot take these buffers: vublk must have bounced them (its per-queue
+        // statistics are logged when the client disconnects).
+        drop(c);
+        let status = backend.sigterm_and_wait(EXIT_DEADLINE);
+        assert_eq!(status.code(), Some(0));
+        let log = backend.log_contents();
+        let bounced = logged_count(&log, " bounced");
+        assert!(bounced > 0, "no request was bounced:\n{log}");
+    }
 }
 
 #[test]

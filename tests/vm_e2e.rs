@@ -459,7 +459,13 @@ fn run_guest(variant: &Variant) {
         let count = |what: &str| -> u64 {
             log.lines()
                 .filter_map(|l| l.split(", ").find(|p| p.ends_with(what)))
-                .filter_map(|p| p.trim().split(' ').next()?.parse::<u64>().ok())
+                .filter_map(|p| {
+                    p.strip_suffix(what)?
+                        .split_whitespace()
+                        .last()?
+                        .parse::<u64>()
+                        .ok()
+                })
                 .sum()
         };
         assert!(

@@ -856,3 +856,18 @@ pub fn errno_name(ret: i32) -> String {
         format!("{ret} ({})", std::io::Error::from_raw_os_error(-ret))
     }
 }
+
+/// Sum of the per-queue statistics vublk logs at disconnect, e.g. `logged_count(log, " bounced")`
+/// over lines like "queue 0: 32 requests, 0 errors, 2 bounced, ...".
+pub fn logged_count(log: &str, what: &str) -> u64 {
+    log.lines()
+        .filter_map(|l| l.split(", ").find(|p| p.ends_with(what)))
+        .filter_map(|p| {
+            p.strip_suffix(what)?
+                .split_whitespace()
+                .last()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
