@@ -1,0 +1,799 @@
+//! vublk-bench: the same libblkio client, the same image file, three backends side by side:
+//! (a) the file itself through libblkio's io_uring driver with O_DIRECT (the limit), (b) vublk,
+//! (c) qemu-storage-daemon. Backends alternate run by run; medians and ratios are reported.
+//!
+//! The client pre-allocates everything (one memory region, per-slot buffers, completion
+//! arrays, latency samples) so that nothing is allocated per request.
+
+use std::fmt::Write as _;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write as _;
+use std::mem::MaybeUninit;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use blkio::{Blkio, Blkioq, ReqFlags};
+use clap::Parser;
+
+/// Side-by-side block benchmark through libblkio.
+#[derive(Parser, Debug)]
+#[command(name = "vublk-bench")]
+struct Opts {
+    /// Image file (created and fully written if missing or not fully allocated).
+    #[arg(long, default_value = "target/bench/bench.img")]
+    image: PathBuf,
+    /// Image size.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    size: u64,
+    /// Runs per backend and workload (backends alternate run by run).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Measured seconds per run.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Unmeasured warm-up per run, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    warmup_ms: u64,
+    /// Backends, comma-separated: file, vublk, qsd.
+    #[arg(long, default_value = "file,vublk,qsd", value_delimiter = ',')]
+    backends: Vec<String>,
+    /// Workloads, comma-separated (default: the standard set; see --list).
+    #[arg(long, value_delimiter = ',')]
+    workloads: Vec<String>,
+    /// Also measure 4k random reads at depth 16 per queue with 1, 2 and 4 queues.
+    #[arg(long)]
+    scaling: bool,
+    /// List workloads and exit.
+    #[arg(long)]
+    list: bool,
+    /// The vublk binary (default: target/release/vublk beside this program).
+    #[arg(long)]
+    vublk: Option<PathBuf>,
+    /// Extra vublk options, whitespace-separated (e.g. "--poll-us 50").
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    vublk_args: String,
+    /// The qemu-storage-daemon binary.
+    #[arg(long, default_value = "qemu-storage-daemon")]
+    qsd: PathBuf,
+    /// Queues each vhost-user backend offers (the client uses as many as the workload needs).
+    #[arg(long, default_value_t = 4)]
+    backend_queues: u32,
+    /// Write the Markdown report here too.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// A few hundred I/Os per workload and backend: checks that everything runs.
+    #[arg(long)]
+    smoke: bool,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .map(|n| n * mult)
+        .map_err(|e| format!("{s}: {e}"))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pattern {
+    Random,
+    Sequential,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dir {
+    Read,
+    Write,
+}
+
+#[derive(Clone, Debug)]
+struct Workload {
+    name: String,
+    pattern: Pattern,
+    dir: Dir,
+    bs: usize,
+    depth: usize,
+    queues: usize,
+}
+
+fn wl(name: &str, pattern: Pattern, dir: Dir, bs: usize, depth: usize, queues: usize) -> Workload {
+    Workload {
+        name: name.to_owned(),
+        pattern,
+        dir,
+        bs,
+        depth,
+        queues,
+    }
+}
+
+fn standard_workloads() -> Vec<Workload> {
+    use Dir::*;
+    use Pattern::*;
+    vec![
+        wl("randread-4k-qd1", Random, Read, 4096, 1, 1),
+        wl("randread-4k-qd32", Random, Read, 4096, 32, 1),
+        wl("randwrite-4k-qd32", Random, Write, 4096, 32, 1),
+        wl("seqwrite-64k-qd8", Sequential, Write, 64 << 10, 8, 1),
+        wl("seqwrite-1m-qd4", Sequential, Write, 1 << 20, 4, 1),
+        wl("randread-4k-2q-qd16", Random, Read, 4096, 16, 2),
+    ]
+}
+
+fn scaling_workloads() -> Vec<Workload> {
+    [1, 2, 4]
+        .iter()
+        .map(|&q| {
+            wl(
+                &format!("scaling-randread-4k-{q}q-qd16"),
+                Pattern::Random,
+                Dir::Read,
+                4096,
+                16,
+                q,
+            )
+        })
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BackendKind {
+    File,
+    Vublk,
+    Qsd,
+}
+
+impl BackendKind {
+    fn name(self) -> &'static str {
+        match self {
+            BackendKind::File => "file",
+            BackendKind::Vublk => "vublk",
+            BackendKind::Qsd => "qsd",
+        }
+    }
+}
+
+/// A backend process serving the image on a socket (none for the file itself).
+struct Server {
+    child: Option<Child>,
+    socket: PathBuf,
+    startup: Duration,
+    rss_idle_kib: Option<u64>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.child {
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = fs::remove_file(&self.socket);
+    }
+}
+
+impl Server {
+    fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|c| c.id() as i32)
+    }
+}
+
+fn start_server(kind: BackendKind, opts: &Opts, vublk: &Path, work: &Path) -> Server {
+    let socket = work.join(format!("{}.sock", kind.name()));
+    let _ = fs::remove_file(&socket);
+    let log = File::create(work.join(format!("{}.log", kind.name()))).expect("backend log");
+    let mut cmd = match kind {
+        BackendKind::File => {
+            return Server {
+                child: None,
+                socket,
+                startup: Duration::ZERO,
+                rss_idle_kib: None,
+            }
+        }
+        BackendKind::Vublk => {
+            let mut c = Command::new(vublk);
+            c.arg("--socket-path")
+                .arg(&socket)
+                .arg("--blk-file")
+                .arg(&opts.image)
+                .arg("--num-queues")
+                .arg(opts.backend_queues.to_string())
+                .args(opts.vublk_args.split_whitespace());
+            c
+        }
+        BackendKind::Qsd => {
+            let mut c = Command::new(&opts.qsd);
+            c.arg("--blockdev")
+                .arg(format!(
+                    "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring",
+                    opts.image.display()
+                ))
+                .arg("--export")
+                .arg(format!(
+                    "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},\
+                     writable=on,num-queues={}",
+                    socket.display(),
+                    opts.backend_queues
+                ));
+            c
+        }
+    };
+    cmd.stdin(Stdio::null())
+        .stdout(log.try_clone().expect("dup"))
+        .stderr(log);
+    let t0 = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {}: {e}", kind.name()));
+    // Poll for a listening socket (a connect that succeeds), not a fixed sleep.
+    let deadline = t0 + Duration::from_secs(20);
+    loop {
+        if UnixStream::connect(&socket).is_ok() {
+            break;
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!("{} exited during start-up: {st}", kind.name());
+        }
+        assert!(Instant::now() < deadline, "{} did not listen", kind.name());
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let startup = t0.elapsed();
+    let rss_idle_kib = rss_kib(child.id() as i32);
+    Server {
+        child: Some(child),
+        socket,
+        startup,
+        rss_idle_kib,
+    }
+}
+
+/// Resident set size from /proc/PID/status.
+fn rss_kib(pid: i32) -> Option<u64> {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// user + system CPU time of a process, in nanoseconds (from /proc/PID/stat).
+fn cpu_ns(pid: i32) -> Option<u64> {
+    let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = f.get(11)?.parse().ok()?;
+    let stime: u64 = f.get(12)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Some((utime + stime) * 1_000_000_000 / hz)
+}
+
+/// This process's own CPU time (the client), in nanoseconds.
+fn self_cpu_ns() -> u64 {
+    // SAFETY: getrusage writes into the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Make sure the image exists at the requested size with every block written (reads must hit
+/// real data, not holes).
+fn prepare_image(path: &Path, size: u64) {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).expect("image directory");
+    }
+    if let Ok(m) = fs::metadata(path) {
+        if m.len() == size && m.blocks() * 512 >= size {
+            return;
+        }
+    }
+    eprintln!(
+        "preparing {} ({} MiB, fully written)",
+        path.display(),
+        size >> 20
+    );
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .expect("create image");
+    let mut buf = vec![0u8; 1 << 20];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+    }
+    let mut left = size;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        f.write_all(&buf[..n]).expect("write image");
+        buf[0] = buf[0].wrapping_add(1);
+        left -= n as u64;
+    }
+    f.sync_all().expect("sync image");
+}
+
+/// One measured run.
+#[derive(Clone, Debug, Default)]
+struct RunResult {
+    ios: u64,
+    bytes: u64,
+    secs: f64,
+    p50_us: f64,
+    p99_us: f64,
+    backend_cpu_ns: Option<u64>,
+    client_cpu_ns: u64,
+    rss_load_kib: Option<u64>,
+    startup: Duration,
+    rss_idle_kib: Option<u64>,
+}
+
+impl RunResult {
+    fn iops(&self) -> f64 {
+        self.ios as f64 / self.secs
+    }
+    fn mbps(&self) -> f64 {
+        self.bytes as f64 / self.secs / 1e6
+    }
+    fn cpu_us_per_io(&self) -> Option<f64> {
+        self.backend_cpu_ns
+            .map(|ns| ns as f64 / 1000.0 / self.ios.max(1) as f64)
+    }
+}
+
+struct QueueRun {
+    ios: u64,
+    bytes: u64,
+    lat_ns: Vec<u32>,
+}
+
+/// Drive one queue: keep `depth` requests in flight until `end`; measure after `measure_from`.
+#[allow(clippy::too_many_arguments)]
+fn drive_queue(
+    q: &mut Blkioq,
+    wl: &Workload,
+    buf_base: usize,
+    capacity: u64,
+    seed: u64,
+    measure_from: Instant,
+    end: Instant,
+    max_samples: usize,
+    smoke_ios: Option<u64>,
+) -> QueueRun {
+    let depth = wl.depth;
+    let bs = wl.bs;
+    let blocks = capacity / bs as u64;
+    let mut rng = seed | 1;
+    let mut seq_next: u64 = (seed % blocks.max(1)) * bs as u64;
+    let mut started = vec![Instant::now(); depth];
+    let mut completions: Vec<MaybeUninit<blkio::Completion>> =
+        (0..depth).map(|_| MaybeUninit::uninit()).collect();
+    let mut lat_ns: Vec<u32> = Vec::with_capacity(max_samples);
+    let mut ios = 0u64;
+    let mut bytes = 0u64;
+    let mut issued = 0u64;
+    let mut in_flight = 0usize;
+    let mut submit = |q: &mut Blkioq, slot: usize, started: &mut [Instant], issued: &mut u64| {
+        let off = match wl.pattern {
+            Pattern::Random => {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                (rng % blocks) * bs as u64
+            }
+            Pattern::Sequential => {
+                let o = seq_next;
+                seq_next += bs as u64;
+                if seq_next + bs as u64 > capacity {
+                    seq_next = 0;
+                }
+                o
+            }
+        };
+        let buf = (buf_base + slot * bs) as *mut u8;
+        started[slot] = Instant::now();
+        match wl.dir {
+            Dir::Read => q.read(off, buf, bs, slot, ReqFlags::empty()),
+            Dir::Write => q.write(off, buf, bs, slot, ReqFlags::empty()),
+        }
+        *issued += 1;
+    };
+    for slot in 0..depth {
+        submit(q, slot, &mut started, &mut issued);
+        in_flight += 1;
+    }
+    loop {
+        let n = q
+            .do_io(&mut completions, 1, None, None)
+            .expect("do_io failed");
+        let now = Instant::now();
+        let stop = now >= end || smoke_ios.is_some_and(|s| issued >= s);
+        for c in completions.iter().take(n) {
+            // SAFETY: do_io initialised the first n entries.
+            let c = unsafe { c.assume_init_ref() };
+            assert_eq!(c.ret, 0, "request failed: errno {}", -c.ret);
+            let slot = c.user_data;
+            in_flight -= 1;
+            if now >= measure_from {
+                ios += 1;
+                bytes += bs as u64;
+                if lat_ns.len() < max_samples {
+                    let d = now.duration_since(started[slot]).as_nanos();
+                    lat_ns.push(d.min(u32::MAX as u128) as u32);
+                }
+            }
+            if !stop {
+                submit(q, slot, &mut started, &mut issued);
+                in_flight += 1;
+            }
+        }
+        if stop && in_flight == 0 {
+            break;
+        }
+    }
+    QueueRun { ios, bytes, lat_ns }
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64 / 1000.0
+}
+
+fn run_once(kind: BackendKind, wl: &Workload, opts: &Opts, vublk: &Path, work: &Path) -> RunResult {
+    let server = start_server(kind, opts, vublk, work);
+    let (driver, path) = match kind {
+        BackendKind::File => ("io_uring", opts.image.clone()),
+        _ => ("virtio-blk-vhost-user", server.socket.clone()),
+    };
+    let mut b = Blkio::new(driver).expect("libblkio driver");
+    b.set_str("path", path.to_str().expect("utf-8 path"))
+        .expect("path");
+    if kind == BackendKind::File {
+        b.set_bool("direct", true).expect("direct");
+    }
+    b.connect().expect("connect");
+    b.set_i32("num-queues", wl.queues as i32)
+        .expect("num-queues");
+    let started = b.start().expect("start");
+    let capacity = b.get_u64("capacity").expect("capacity");
+    let region_len = wl.queues * wl.depth * wl.bs;
+    let region = b.alloc_mem_region(region_len).expect("alloc region");
+    b.map_mem_region(&region).expect("map region");
+    // SAFETY: the region is ours, region_len bytes long.
+    unsafe { std::ptr::write_bytes(region.addr as *mut u8, 0x5a, region_len) };
+
+    let warmup = Duration::from_millis(if opts.smoke { 0 } else { opts.warmup_ms });
+    let t0 = Instant::now();
+    let measure_from = t0 + warmup;
+    let end = measure_from + Duration::from_secs_f64(opts.seconds);
+    let smoke_ios = opts.smoke.then_some(300);
+    let max_samples = 4 << 20;
+    let pid = server.pid();
+
+    let queues = started.queues;
+    let mut cpu0: Option<u64> = None;
+    let mut client0 = 0;
+    let results: Vec<QueueRun> = std::thread::scope(|s| {
+        let handles: Vec<_> = queues
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut q)| {
+                let wl = wl.clone();
+                let base = region.addr + i * wl.depth * wl.bs;
+                s.spawn(move || {
+                    let seed = 0x1234_5678_9abc_def1u64.wrapping_mul(i as u64 + 1);
+                    let r = drive_queue(
+                        &mut q,
+                        &wl,
+                        base,
+                        capacity,
+                        seed,
+                        measure_from,
+                        end,
+                        max_samples,
+                        smoke_ios,
+                    );
+                    drop(q);
+                    r
+                })
+            })
+            .collect();
+        // Sample CPU counters at the start and end of the measured window.
+        let now = Instant::now();
+        if measure_from > now {
+            std::thread::sleep(measure_from - now);
+        }
+        cpu0 = pid.and_then(cpu_ns);
+        client0 = self_cpu_ns();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("queue thread"))
+            .collect()
+    });
+    let secs = if opts.smoke {
+        t0.elapsed().as_secs_f64()
+    } else {
+        end.duration_since(measure_from).as_secs_f64()
+    };
+    let cpu1 = pid.and_then(cpu_ns);
+    let client_cpu_ns = self_cpu_ns().saturating_sub(client0);
+    let rss_load_kib = pid.and_then(rss_kib);
+    let mut lat: Vec<u32> = Vec::new();
+    let mut ios = 0;
+    let mut bytes = 0;
+    for r in results {
+        ios += r.ios;
+        bytes += r.bytes;
+        lat.extend_from_slice(&r.lat_ns);
+    }
+    lat.sort_unstable();
+    drop(b);
+    RunResult {
+        ios,
+        bytes,
+        secs,
+        p50_us: percentile(&lat, 0.50),
+        p99_us: percentile(&lat, 0.99),
+        backend_cpu_ns: match (cpu0, cpu1) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+            _ => None,
+        },
+        client_cpu_ns,
+        rss_load_kib,
+        startup: server.startup,
+        rss_idle_kib: server.rss_idle_kib,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn machine_description() -> String {
+    let cpu = fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("model name")
+                    .map(|r| r.trim_start_matches([' ', '\t', ':']).to_owned())
+            })
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let ncpu = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let kernel = fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    format!("{ncpu} x {cpu}, Linux {kernel}")
+}
+
+fn main() {
+    let mut opts = Opts::parse();
+    let mut workloads = standard_workloads();
+    if opts.list {
+        for w in standard_workloads()
+            .iter()
+            .chain(scaling_workloads().iter())
+        {
+            println!(
+                "{:28} {:?} {:?} bs={} depth={} queues={}",
+                w.name, w.pattern, w.dir, w.bs, w.depth, w.queues
+            );
+        }
+        return;
+    }
+    if opts.scaling {
+        workloads.extend(scaling_workloads());
+    }
+    if !opts.workloads.is_empty() {
+        let all: Vec<Workload> = standard_workloads()
+            .into_iter()
+            .chain(scaling_workloads())
+            .collect();
+        workloads = opts
+            .workloads
+            .iter()
+            .map(|n| {
+                all.iter()
+                    .find(|w| &w.name == n)
+                    .unwrap_or_else(|| panic!("unknown workload {n} (see --list)"))
+                    .clone()
+            })
+            .collect();
+    }
+    if opts.smoke {
+        opts.runs = 1;
+    }
+    let backends: Vec<BackendKind> = opts
+        .backends
+        .iter()
+        .map(|b| match b.as_str() {
+            "file" => BackendKind::File,
+            "vublk" => BackendKind::Vublk,
+            "qsd" => BackendKind::Qsd,
+            other => panic!("unknown backend {other}: file, vublk or qsd"),
+        })
+        .collect();
+    let vublk = opts.vublk.clone().unwrap_or_else(|| {
+        std::env::current_exe()
+            .expect("own path")
+            .with_file_name("vublk")
+    });
+    let work = opts
+        .image
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    prepare_image(&opts.image, opts.size);
+
+    // results[workload][backend] = runs
+    let mut results: Vec<Vec<Vec<RunResult>>> =
+        vec![vec![Vec::new(); backends.len()]; workloads.len()];
+    for run in 0..opts.runs {
+        for (wi, wl) in workloads.iter().enumerate() {
+            for (bi, &kind) in backends.iter().enumerate() {
+                let r = run_once(kind, wl, &opts, &vublk, &work);
+                eprintln!(
+                    "run {} {:28} {:6} {:>10.0} IOPS {:>8.1} MB/s p50 {:>7.1} us p99 {:>7.1} us{}",
+                    run + 1,
+                    wl.name,
+                    kind.name(),
+                    r.iops(),
+                    r.mbps(),
+                    r.p50_us,
+                    r.p99_us,
+                    r.cpu_us_per_io()
+                        .map_or(String::new(), |c| format!(" cpu {c:.2} us/IO"))
+                );
+                results[wi][bi].push(r);
+            }
+        }
+    }
+
+    let report = render_report(&opts, &workloads, &backends, &results);
+    print!("{report}");
+    if let Some(p) = &opts.report {
+        fs::write(p, &report).expect("write report");
+    }
+}
+
+fn render_report(
+    opts: &Opts,
+    workloads: &[Workload],
+    backends: &[BackendKind],
+    results: &[Vec<Vec<RunResult>>],
+) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "\nMachine: {}", machine_description());
+    let _ = writeln!(
+        out,
+        "Image: {} ({} MiB, fully written), {} runs x {} s per backend and workload, \
+         backends alternating; medians.\n",
+        opts.image.display(),
+        opts.size >> 20,
+        opts.runs,
+        opts.seconds
+    );
+    let _ = writeln!(
+        out,
+        "| workload | backend | IOPS | MB/s | p50 us | p99 us | backend CPU us/IO | client CPU % |"
+    );
+    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
+    let med = |rs: &[RunResult], f: &dyn Fn(&RunResult) -> f64| median(rs.iter().map(f).collect());
+    for (wi, wl) in workloads.iter().enumerate() {
+        for (bi, kind) in backends.iter().enumerate() {
+            let rs = &results[wi][bi];
+            let cpu = med(rs, &|r| r.cpu_us_per_io().unwrap_or(f64::NAN));
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {:.0} |",
+                wl.name,
+                kind.name(),
+                med(rs, &|r| r.iops()),
+                med(rs, &|r| r.mbps()),
+                med(rs, &|r| r.p50_us),
+                med(rs, &|r| r.p99_us),
+                if cpu.is_nan() {
+                    "-".into()
+                } else {
+                    format!("{cpu:.2}")
+                },
+                med(rs, &|r| r.client_cpu_ns as f64 / 1e9 / r.secs * 100.0),
+            );
+        }
+    }
+    let idx = |k: BackendKind| backends.iter().position(|&b| b == k);
+    if let Some(v) = idx(BackendKind::Vublk) {
+        let _ = writeln!(
+            out,
+            "\n| workload | vublk / file | vublk / QSD | QSD / file |"
+        );
+        let _ = writeln!(out, "|---|---:|---:|---:|");
+        for (wi, wl) in workloads.iter().enumerate() {
+            let iops = |bi: usize| med(&results[wi][bi], &|r| r.iops());
+            let ratio = |a: Option<usize>, b: Option<usize>| match (a, b) {
+                (Some(a), Some(b)) => format!("{:.2}", iops(a) / iops(b)),
+                _ => "-".into(),
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} |",
+                wl.name,
+                ratio(Some(v), idx(BackendKind::File)),
+                ratio(Some(v), idx(BackendKind::Qsd)),
+                ratio(idx(BackendKind::Qsd), idx(BackendKind::File)),
+            );
+        }
+    }
+    // Start-up and memory of the vhost-user backends.
+    let _ = writeln!(
+        out,
+        "\n| backend | start-up to listening (ms) | RSS idle (MiB) | RSS under load, max (MiB) |"
+    );
+    let _ = writeln!(out, "|---|---:|---:|---:|");
+    for (bi, kind) in backends.iter().enumerate() {
+        if *kind == BackendKind::File {
+            continue;
+        }
+        let all: Vec<&RunResult> = results.iter().flat_map(|w| w[bi].iter()).collect();
+        let startup = median(
+            all.iter()
+                .map(|r| r.startup.as_secs_f64() * 1000.0)
+                .collect(),
+        );
+        let idle = median(
+            all.iter()
+                .filter_map(|r| r.rss_idle_kib)
+                .map(|k| k as f64 / 1024.0)
+                .collect(),
+        );
+        let load = all
+            .iter()
+            .filter_map(|r| r.rss_load_kib)
+            .max()
+            .map_or(f64::NAN, |k| k as f64 / 1024.0);
+        let _ = writeln!(
+            out,
+            "| {} | {startup:.1} | {idle:.1} | {load:.1} |",
+            kind.name()
+        );
+    }
+    out
+}
