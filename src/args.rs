@@ -57,6 +57,11 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = AioMode::IoUring)]
     pub aio: AioMode,
 
+    /// Busy-poll each queue this many microseconds after its last request or completion
+    /// before sleeping (0-10000; 0 = never). Lowers latency at low queue depth; costs CPU.
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    pub poll_us: u32,
+
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL", default_value = "info")]
     pub log_level: String,

@@ -2,8 +2,9 @@
 //! per-queue workers.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use log::info;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -32,14 +33,29 @@ pub fn completion_event_id(num_queues: u16) -> u64 {
 pub struct VhostUserBlkBackend {
     dev: Arc<Device>,
     workers: Vec<Mutex<QueueWorker>>,
+    /// Per queue: ask a busy-polling queue thread to let go of its worker.
+    poll_abort: Vec<Arc<AtomicBool>>,
     acked_features: AtomicU64,
 }
 
 impl VhostUserBlkBackend {
-    pub fn new(dev: Arc<Device>, workers: Vec<QueueWorker>) -> Self {
+    pub fn new(dev: Arc<Device>, workers: Vec<QueueWorker>, poll: Duration) -> Self {
+        let poll_abort: Vec<Arc<AtomicBool>> = workers
+            .iter()
+            .map(|_| Arc::new(AtomicBool::new(false)))
+            .collect();
+        let workers = workers
+            .into_iter()
+            .zip(&poll_abort)
+            .map(|(mut w, abort)| {
+                w.set_polling(poll, abort.clone());
+                Mutex::new(w)
+            })
+            .collect();
         VhostUserBlkBackend {
             dev,
-            workers: workers.into_iter().map(Mutex::new).collect(),
+            workers,
+            poll_abort,
             acked_features: AtomicU64::new(0),
         }
     }
@@ -61,10 +77,21 @@ impl VhostUserBlkBackend {
     /// Finish every in-flight request on every queue.
     pub fn drain_all(&self) {
         for i in 0..self.workers.len() {
-            if let Some(mut w) = self.worker(i) {
-                w.drain();
-            }
+            self.drain_queue(i);
         }
+    }
+
+    /// Take queue `i`'s worker (ending a busy-poll loop if one holds it) and complete its
+    /// in-flight requests.
+    fn drain_queue(&self, i: usize) {
+        let Some(abort) = self.poll_abort.get(i) else {
+            return;
+        };
+        abort.store(true, Ordering::Relaxed);
+        if let Some(mut w) = self.worker(i) {
+            w.drain();
+        }
+        abort.store(false, Ordering::Relaxed);
     }
 
     pub fn log_stats(&self) {
@@ -174,9 +201,7 @@ impl VhostUserBackend for VhostUserBlkBackend {
 
     /// GET_VRING_BASE: answer only after the queue's in-flight requests have completed.
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
-        if let Some(mut w) = self.worker(queue_index as usize) {
-            w.drain();
-        }
+        self.drain_queue(queue_index as usize);
         Ok(())
     }
 

@@ -10,6 +10,8 @@ pub const MAX_NUM_QUEUES: u32 = 16;
 /// Largest split-ring size the virtio spec allows is 32768; we bound it so per-queue state
 /// (one in-flight slot per descriptor head) stays small.
 pub const MAX_QUEUE_SIZE: u32 = 1024;
+/// Longest busy-poll window: beyond 10 ms polling only burns CPU.
+pub const MAX_POLL_US: u32 = 10_000;
 /// GET_ID returns at most 20 bytes (virtio spec 5.2.6, VIRTIO_BLK_ID_BYTES).
 pub const SERIAL_MAX_BYTES: usize = 20;
 
@@ -35,6 +37,7 @@ pub struct Config {
     pub serial: Option<String>,
     pub cache: CacheMode,
     pub aio: AioMode,
+    pub poll_us: u32,
     pub log_level: log::LevelFilter,
 }
 
@@ -98,6 +101,12 @@ impl Config {
                 )));
             }
         }
+        if args.poll_us > MAX_POLL_US {
+            return Err(bad(format!(
+                "--poll-us {}: must be at most {MAX_POLL_US}",
+                args.poll_us
+            )));
+        }
         let log_level = args.log_level.parse::<log::LevelFilter>().map_err(|_| {
             bad(format!(
                 "--log-level {}: must be one of off, error, warn, info, debug, trace",
@@ -115,6 +124,7 @@ impl Config {
             serial: args.serial.clone(),
             cache: args.cache,
             aio: args.aio,
+            poll_us: args.poll_us,
             log_level,
         })
     }
@@ -169,6 +179,7 @@ mod tests {
             (vec!["--logical-block-size", "1024"], "--logical-block-size"),
             (vec!["--serial", "123456789012345678901"], "--serial"),
             (vec!["--log-level", "loud"], "--log-level"),
+            (vec!["--poll-us", "10001"], "--poll-us"),
         ] {
             let mut all = vec!["--socket-path", "/s", "--blk-file", "/f"];
             all.extend(args);

@@ -141,6 +141,14 @@ fn random_io_with_writethrough_and_threads() {
     );
 }
 
+#[test]
+fn random_io_with_busy_polling() {
+    if skip_unless_vublk("--poll-us is a vublk option") {
+        return;
+    }
+    random_io_matches_model("random-io-poll", &["--poll-us", "200"]);
+}
+
 fn random_io_matches_model(name: &str, extra: &[&str]) {
     const SIZE: u64 = 32 * MIB;
     const OPS: usize = 300;

@@ -89,6 +89,28 @@ impl Engine {
         }
     }
 
+    /// Completions are ready to reap without blocking.
+    pub fn has_completions(&mut self) -> bool {
+        match self {
+            Engine::Uring(e) => e.has_completions(),
+            Engine::Sync(e) => e.has_completions(),
+        }
+    }
+
+    /// Suppress completion signals while the queue thread polls.
+    pub fn set_event_enabled(&mut self, enabled: bool) {
+        if let Engine::Uring(e) = self {
+            e.set_event_enabled(enabled);
+        }
+    }
+
+    /// Use a registered (fixed) file slot for `fd` where the engine supports it.
+    pub fn register_file(&mut self, fd: RawFd) {
+        if let Engine::Uring(e) = self {
+            e.register_file(fd);
+        }
+    }
+
     /// The eventfd signalled on completions, if the engine completes asynchronously.
     pub fn event_fd(&self) -> Option<RawFd> {
         match self {

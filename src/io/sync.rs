@@ -68,6 +68,10 @@ impl SyncEngine {
         Ok(())
     }
 
+    pub fn has_completions(&self) -> bool {
+        !self.done.is_empty()
+    }
+
     pub fn reap(&mut self, out: &mut Vec<Completion>) {
         out.extend(self.done.drain(..));
     }

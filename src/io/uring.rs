@@ -9,12 +9,45 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::{Completion, Op};
 
+/// One submission entry for `op` on `$target` (a plain or a fixed file).
+macro_rules! build_entry {
+    ($target:expr, $op:expr) => {
+        match *$op {
+            Op::Readv {
+                iov,
+                iovcnt,
+                offset,
+            } => opcode::Readv::new($target, iov, iovcnt)
+                .offset(offset)
+                .build(),
+            Op::Writev {
+                iov,
+                iovcnt,
+                offset,
+                dsync,
+            } => opcode::Writev::new($target, iov, iovcnt)
+                .offset(offset)
+                .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
+                .build(),
+            Op::Fdatasync => opcode::Fsync::new($target)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
+            Op::Fallocate { mode, offset, len } => opcode::Fallocate::new($target, len)
+                .offset(offset)
+                .mode(mode)
+                .build(),
+        }
+    };
+}
+
 /// io_uring engine.
 pub struct UringEngine {
     ring: IoUring,
     event: EventFd,
     /// Pushed but not yet submitted.
     queued: usize,
+    /// The image, registered as fixed file 0 (saves a file-table lookup per operation).
+    fixed_fd: Option<RawFd>,
 }
 
 impl UringEngine {
@@ -32,47 +65,49 @@ impl UringEngine {
             ring,
             event,
             queued: 0,
+            fixed_fd: None,
         })
+    }
+
+    /// Register the file this engine serves; operations on it then use the fixed slot.
+    /// Best effort: on failure, operations use the plain descriptor.
+    pub fn register_file(&mut self, fd: RawFd) {
+        if self.ring.submitter().register_files(&[fd]).is_ok() {
+            self.fixed_fd = Some(fd);
+        }
+    }
+
+    /// Completions waiting in the ring (no system call).
+    pub fn has_completions(&mut self) -> bool {
+        !self.ring.completion().is_empty()
+    }
+
+    /// Stop (or resume) signalling the eventfd for completions, while the caller polls.
+    pub fn set_event_enabled(&mut self, enabled: bool) {
+        let cq = self.ring.completion();
+        if enabled {
+            cq.enable_eventfd();
+        } else {
+            cq.disable_eventfd();
+        }
     }
 
     pub fn event_fd(&self) -> RawFd {
         self.event.as_raw_fd()
     }
 
-    fn entry(fd: RawFd, op: &Op) -> squeue::Entry {
-        let fd = types::Fd(fd);
-        match *op {
-            Op::Readv {
-                iov,
-                iovcnt,
-                offset,
-            } => opcode::Readv::new(fd, iov, iovcnt).offset(offset).build(),
-            Op::Writev {
-                iov,
-                iovcnt,
-                offset,
-                dsync,
-            } => {
-                let flags = if dsync { libc::RWF_DSYNC } else { 0 };
-                opcode::Writev::new(fd, iov, iovcnt)
-                    .offset(offset)
-                    .rw_flags(flags)
-                    .build()
-            }
-            Op::Fdatasync => opcode::Fsync::new(fd)
-                .flags(types::FsyncFlags::DATASYNC)
-                .build(),
-            Op::Fallocate { mode, offset, len } => opcode::Fallocate::new(fd, len)
-                .offset(offset)
-                .mode(mode)
-                .build(),
+    fn entry(&self, fd: RawFd, op: &Op) -> squeue::Entry {
+        if self.fixed_fd == Some(fd) {
+            build_entry!(types::Fixed(0), op)
+        } else {
+            build_entry!(types::Fd(fd), op)
         }
     }
 
     /// # Safety
     /// See [`super::Engine::push`].
     pub unsafe fn push(&mut self, fd: RawFd, op: &Op, user_data: u64) -> io::Result<()> {
-        let entry = Self::entry(fd, op).user_data(user_data);
+        let entry = self.entry(fd, op).user_data(user_data);
         loop {
             // SAFETY: the caller keeps every buffer the entry references alive and untouched
             // until its completion is reaped.
@@ -123,10 +158,10 @@ impl UringEngine {
         }
     }
 
+    /// Move finished operations into `out`. Does not touch the eventfd: the epoll loop
+    /// watches it edge-triggered, so every completion signal wakes the queue once and no
+    /// read() is needed; opportunistic reaps cost no system call.
     pub fn reap(&mut self, out: &mut Vec<Completion>) {
-        // Clear the eventfd before reading the ring, so a completion that lands after this
-        // reap signals it again.
-        let _ = self.event.read();
         for cqe in self.ring.completion() {
             out.push(Completion {
                 user_data: cqe.user_data(),
