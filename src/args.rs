@@ -57,6 +57,16 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = AioMode::IoUring)]
     pub aio: AioMode,
 
+    /// Turn all-zero guest writes into cheap zero operations: on = keep the space allocated,
+    /// unmap = may deallocate (needs --discard unmap).
+    #[arg(long, value_enum, default_value_t = DetectZeroesArg::Off)]
+    pub detect_zeroes: DetectZeroesArg,
+
+    /// What guest DISCARD (and WRITE_ZEROES with the unmap flag) may do: ignore = keep every
+    /// block allocated, unmap = punch holes.
+    #[arg(long, value_enum, default_value_t = DiscardMode::Ignore)]
+    pub discard: DiscardMode,
+
     /// Busy-poll each queue this many microseconds after its last request or completion
     /// before sleeping (0-10000; 0 = never). Lowers latency at low queue depth; costs CPU.
     #[arg(long, value_name = "US", default_value_t = 0)]
@@ -93,4 +103,21 @@ pub enum AioMode {
     IoUring,
     /// Blocking system calls on the queue's own thread.
     Threads,
+}
+
+/// `--detect-zeroes` values (QEMU's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DetectZeroesArg {
+    Off,
+    On,
+    Unmap,
+}
+
+/// `--discard` values (QEMU's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DiscardMode {
+    /// DISCARD succeeds and does nothing; nothing is ever deallocated.
+    Ignore,
+    /// DISCARD punches holes; WRITE_ZEROES with the unmap flag deallocates.
+    Unmap,
 }

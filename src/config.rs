@@ -3,7 +3,8 @@
 
 use std::path::PathBuf;
 
-use crate::args::{AioMode, Args, CacheMode, Format};
+use crate::args::{AioMode, Args, CacheMode, DetectZeroesArg, DiscardMode, Format};
+use crate::zero::DetectZeroes;
 
 /// Most queues we serve; each queue costs a thread and an io_uring.
 pub const MAX_NUM_QUEUES: u32 = 16;
@@ -38,6 +39,8 @@ pub struct Config {
     pub cache: CacheMode,
     pub aio: AioMode,
     pub poll_us: u32,
+    pub detect_zeroes: DetectZeroes,
+    pub discard: DiscardMode,
     pub log_level: log::LevelFilter,
 }
 
@@ -107,6 +110,16 @@ impl Config {
                 args.poll_us
             )));
         }
+        let detect_zeroes = match args.detect_zeroes {
+            DetectZeroesArg::Off => DetectZeroes::Off,
+            DetectZeroesArg::On => DetectZeroes::On,
+            DetectZeroesArg::Unmap => DetectZeroes::Unmap,
+        };
+        if detect_zeroes == DetectZeroes::Unmap && args.discard != DiscardMode::Unmap {
+            return Err(bad(
+                "--detect-zeroes unmap requires --discard unmap (deallocation must be allowed)",
+            ));
+        }
         let log_level = args.log_level.parse::<log::LevelFilter>().map_err(|_| {
             bad(format!(
                 "--log-level {}: must be one of off, error, warn, info, debug, trace",
@@ -125,6 +138,8 @@ impl Config {
             cache: args.cache,
             aio: args.aio,
             poll_us: args.poll_us,
+            detect_zeroes,
+            discard: args.discard,
             log_level,
         })
     }
@@ -154,6 +169,8 @@ mod tests {
         assert_eq!(c.logical_block_size, 512);
         assert_eq!(c.cache, CacheMode::None);
         assert_eq!(c.aio, AioMode::IoUring);
+        assert_eq!(c.detect_zeroes, DetectZeroes::Off);
+        assert_eq!(c.discard, DiscardMode::Ignore);
         assert!(!c.read_only);
     }
 
@@ -180,6 +197,11 @@ mod tests {
             (vec!["--serial", "123456789012345678901"], "--serial"),
             (vec!["--log-level", "loud"], "--log-level"),
             (vec!["--poll-us", "10001"], "--poll-us"),
+            (vec!["--detect-zeroes", "unmap"], "--discard unmap"),
+            (
+                vec!["--detect-zeroes", "unmap", "--discard", "ignore"],
+                "--detect-zeroes",
+            ),
         ] {
             let mut all = vec!["--socket-path", "/s", "--blk-file", "/f"];
             all.extend(args);

@@ -81,7 +81,17 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         cache: cfg.cache,
         align: dio,
         serial,
+        detect_zeroes: cfg.detect_zeroes,
+        discard_unmap: cfg.discard == crate::args::DiscardMode::Unmap,
     };
+    if cfg.detect_zeroes != crate::zero::DetectZeroes::Off {
+        info!(
+            "detect-zeroes {:?} (scanner: {}), discard {:?}",
+            cfg.detect_zeroes,
+            crate::zero::scanner_name(),
+            cfg.discard
+        );
+    }
     info!(
         "serving {} ({} bytes, cache={:?}, {})",
         cfg.blk_file.display(),
@@ -202,6 +212,7 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
                 // Idle: nothing in flight. Flush and leave; the serving thread may be blocked
                 // in accept().
                 flush(&dev);
+                log_device_stats(&dev);
                 info!("exiting");
                 return Ok(());
             }
@@ -211,8 +222,14 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
         .join()
         .map_err(|_| DaemonError::Vhost("serving thread panicked".into()))?;
     flush(&dev);
+    log_device_stats(&dev);
     info!("exiting");
     r
+}
+
+/// Log the counters that outlive connections.
+fn log_device_stats(dev: &Device) {
+    info!("detect-zeroes/discard: {}", dev.zero_stats.summary());
 }
 
 fn flush(dev: &Device) {

@@ -2,12 +2,13 @@
 //! write cache state, and the open image. No vhost-user here.
 
 use std::fs::File;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::args::CacheMode;
 use crate::io::align::DioAlign;
 use crate::io::ranges::RangeLocks;
 use crate::virtio_blk::{DeviceLimits, ID_BYTES, SECTOR_SHIFT};
+use crate::zero::DetectZeroes;
 
 /// Largest single guest segment we accept (config size_max): 1 MiB keeps one iovec's worth of
 /// bounce buffer pooled.
@@ -33,6 +34,33 @@ pub struct DeviceParams {
     pub cache: CacheMode,
     pub align: DioAlign,
     pub serial: Vec<u8>,
+    /// What an all-zero guest write becomes.
+    pub detect_zeroes: DetectZeroes,
+    /// DISCARD and unmapping WRITE_ZEROES may deallocate (`--discard unmap`).
+    pub discard_unmap: bool,
+}
+
+/// Zero-write statistics, shared by all queues and readable at any time.
+#[derive(Debug, Default)]
+pub struct ZeroStats {
+    /// Guest writes found all-zero and turned into zero operations.
+    pub zero_writes: AtomicU64,
+    /// Bytes of those writes.
+    pub zero_write_bytes: AtomicU64,
+    /// Bytes deallocated (punched) by DISCARD, unmapping WRITE_ZEROES and zero writes.
+    pub unmapped_bytes: AtomicU64,
+}
+
+impl ZeroStats {
+    /// One line for the log.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} zero writes detected, {} bytes written as zero operations, {} bytes deallocated",
+            self.zero_writes.load(Ordering::Relaxed),
+            self.zero_write_bytes.load(Ordering::Relaxed),
+            self.unmapped_bytes.load(Ordering::Relaxed)
+        )
+    }
 }
 
 /// The block device as the guest sees it.
@@ -45,6 +73,8 @@ pub struct Device {
     writeback: AtomicBool,
     /// The filesystem refused FALLOC_FL_ZERO_RANGE once; use the fallback from then on.
     pub no_zero_range: AtomicBool,
+    /// Zero-write and deallocation counters.
+    pub zero_stats: ZeroStats,
     /// Present when a guest block is smaller than the file's direct-I/O block, so sub-block
     /// writes are read-modify-written and must be serialised against overlapping writes.
     pub write_ranges: Option<RangeLocks>,
@@ -69,6 +99,7 @@ impl Device {
             && params.align.offset > params.logical_block_size as usize;
         Device {
             write_ranges: rmw_possible.then(RangeLocks::default),
+            zero_stats: ZeroStats::default(),
             file,
             params,
             limits,
@@ -195,6 +226,8 @@ mod tests {
                     offset: 4096,
                 },
                 serial: b"abc".to_vec(),
+                detect_zeroes: DetectZeroes::Off,
+                discard_unmap: false,
             },
         )
     }

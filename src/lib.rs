@@ -9,6 +9,7 @@
 //! - `device`: the virtio-blk device model (limits, config space, write cache state).
 //! - `virtio_blk`: request parsing and status mapping (no image, no io_uring).
 //! - `image`: disk images (raw).
+//! - `zero`: all-zero detection over guest memory (detect-zeroes).
 //! - `io`: I/O engines (io_uring, blocking), O_DIRECT alignment probe, bounce buffers.
 
 pub mod args;
@@ -20,3 +21,4 @@ pub mod image;
 pub mod io;
 pub mod virtio_blk;
 pub mod worker;
+pub mod zero;

@@ -19,7 +19,8 @@ use crate::io::align::iovecs_aligned;
 use crate::io::bounce::{AlignedBuf, BouncePool};
 use crate::io::ranges::Holder;
 use crate::io::{Completion, Engine, Op};
-use crate::virtio_blk::{parse_request, status, Desc, Request, RequestError, RequestType};
+use crate::virtio_blk::{parse_request, status, Desc, Range, Request, RequestError, RequestType};
+use crate::zero::DetectZeroes;
 
 type Mem = GuestMemoryMmap<()>;
 
@@ -74,6 +75,8 @@ struct Slot {
     bounce_skip: usize,
     /// Key of the write range this request holds (see `io::ranges`).
     range_key: Option<u64>,
+    /// Write-through: make the request's zeroing durable (fdatasync) before completing it.
+    sync_after: bool,
     pending: u32,
     status: u8,
     /// Bytes written into device-writable buffers, status byte included.
@@ -95,6 +98,7 @@ impl Slot {
             bounce: None,
             bounce_skip: 0,
             range_key: None,
+            sync_after: false,
             pending: 0,
             status: status::OK,
             used_len: 0,
@@ -341,6 +345,7 @@ impl QueueWorker {
         slot.expect_bytes = 0;
         slot.bounce_skip = 0;
         slot.range_key = None;
+        slot.sync_after = false;
         slot.iov.clear();
         if let Err(e) = parse_request(&**mem, descs, &self.dev.limits, &mut slot.req) {
             self.stats.errors += 1;
@@ -416,50 +421,81 @@ impl QueueWorker {
                 slot.used_len = done as u32 + 1;
                 Ok(false)
             }
-            RequestType::Discard | RequestType::WriteZeroes => {
-                let discard = slot.req.kind == RequestType::Discard;
-                let no_zero_range = self
-                    .dev
-                    .no_zero_range
-                    .load(std::sync::atomic::Ordering::Relaxed);
-                for (i, r) in slot.req.ranges.iter().enumerate() {
-                    let (mode, kind) = if discard {
-                        (
-                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                            OpKind::Discard,
-                        )
-                    } else if r.unmap {
-                        (
-                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                            OpKind::PunchZero,
-                        )
-                    } else if no_zero_range {
-                        // Known unsupported: go straight to the fallback at completion.
-                        slot.pending += 1;
-                        let c = Completion {
-                            user_data: user_data(idx, OpKind::ZeroRange, i as u32),
-                            result: -libc::EOPNOTSUPP,
-                        };
-                        self.completions.push(c);
-                        continue;
-                    } else {
-                        (
-                            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-                            OpKind::ZeroRange,
-                        )
-                    };
-                    let op = Op::Fallocate {
-                        mode,
-                        offset: r.offset_bytes,
-                        len: r.len_bytes,
-                    };
-                    slot.pending += 1;
-                    // SAFETY: no buffers.
-                    unsafe { self.engine.push(fd, &op, user_data(idx, kind, i as u32))? };
-                }
-                Ok(slot.pending > 0)
-            }
+            RequestType::Discard | RequestType::WriteZeroes => self.submit_zero_ranges(idx),
         }
+    }
+
+    /// DISCARD, WRITE_ZEROES and detected zero writes: one fallocate per range. Deallocation
+    /// only where the operator allowed it (`--discard unmap`).
+    fn submit_zero_ranges(&mut self, idx: u16) -> std::io::Result<bool> {
+        let fd = self.dev.file.as_raw_fd();
+        let discard_unmap = self.dev.params.discard_unmap;
+        let discard = self.slots[usize::from(idx)].req.kind == RequestType::Discard;
+        if discard && !discard_unmap {
+            // --discard ignore: DISCARD is a hint the device may ignore (5.2.6.2).
+            return Ok(false);
+        }
+        if self.dev.write_ranges.is_some() {
+            let r = &self.slots[usize::from(idx)].req.ranges;
+            let lo = r.iter().map(|r| r.offset_bytes).min().unwrap_or(0);
+            let hi = r
+                .iter()
+                .map(|r| r.offset_bytes + r.len_bytes)
+                .max()
+                .unwrap_or(0);
+            let key = self.acquire_range(lo, hi, Holder::Write);
+            self.slots[usize::from(idx)].range_key = key;
+        }
+        let no_zero_range = self.dev.no_zero_range.load(Ordering::Relaxed);
+        let slot = &mut self.slots[usize::from(idx)];
+        // Write-through: zeroed blocks must be durable when the request completes.
+        slot.sync_after = !discard && !self.dev.writeback();
+        for (i, r) in slot.req.ranges.iter().enumerate() {
+            let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+            let (mode, kind) = if discard {
+                (punch, OpKind::Discard)
+            } else if r.unmap && discard_unmap {
+                (punch, OpKind::PunchZero)
+            } else if no_zero_range {
+                // Known unsupported: go straight to the fallback at completion.
+                slot.pending += 1;
+                self.completions.push(Completion {
+                    user_data: user_data(idx, OpKind::ZeroRange, i as u32),
+                    result: -libc::EOPNOTSUPP,
+                });
+                continue;
+            } else {
+                (
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                    OpKind::ZeroRange,
+                )
+            };
+            let op = Op::Fallocate {
+                mode,
+                offset: r.offset_bytes,
+                len: r.len_bytes,
+            };
+            slot.pending += 1;
+            // SAFETY: no buffers.
+            unsafe { self.engine.push(fd, &op, user_data(idx, kind, i as u32))? };
+        }
+        Ok(slot.pending > 0)
+    }
+
+    /// detect-zeroes: is the whole write all zero? Reads guest memory in place.
+    fn write_is_zero(&self, idx: u16, mem: &Mem) -> bool {
+        let slot = &self.slots[usize::from(idx)];
+        slot.req.data.iter().all(|seg| {
+            mem.get_slices(seg.addr, seg.len as usize)
+                .all(|vs| match vs {
+                    // SAFETY: the slice is mapped guest memory of vs.len() bytes, kept mapped by
+                    // the slot's memory snapshot for the duration of the call.
+                    Ok(vs) => unsafe {
+                        crate::zero::is_zero_raw(vs.ptr_guard().as_ptr(), vs.len())
+                    },
+                    Err(_) => false,
+                })
+        })
     }
 
     /// Read or write: zero-copy iovecs into guest memory, bounced where O_DIRECT needs it,
@@ -482,6 +518,24 @@ impl QueueWorker {
         };
         if len == 0 {
             return Ok(false);
+        }
+        if !is_read
+            && self.dev.params.detect_zeroes != DetectZeroes::Off
+            && self.write_is_zero(idx, &mem)
+        {
+            // Only whole-request zero writes are converted (partial ones go out as written).
+            let unmap = self.dev.params.detect_zeroes == DetectZeroes::Unmap;
+            let zs = &self.dev.zero_stats;
+            zs.zero_writes.fetch_add(1, Ordering::Relaxed);
+            zs.zero_write_bytes.fetch_add(len, Ordering::Relaxed);
+            let slot = &mut self.slots[usize::from(idx)];
+            slot.req.ranges.clear();
+            slot.req.ranges.push(Range {
+                offset_bytes: offset,
+                len_bytes: len,
+                unmap,
+            });
+            return self.submit_zero_ranges(idx);
         }
         let block = align.offset as u64;
         let sub_block = direct && (offset % block != 0 || len % block != 0);
@@ -653,7 +707,17 @@ impl QueueWorker {
     }
 
     fn reap_and_complete(&mut self, vring: &VringRwLock<GuestMemoryAtomic<Mem>>) {
-        self.reap_deferred();
+        loop {
+            self.reap_deferred();
+            // Completions may have queued follow-up operations (write-through syncs); the
+            // blocking engine finishes them at once, so reap again until nothing is ready.
+            if let Err(e) = self.engine.submit() {
+                error!("queue {}: submit: {e}", self.index);
+            }
+            if !self.engine.has_completions() {
+                break;
+            }
+        }
         if self.deferred_used.is_empty() {
             return;
         }
@@ -732,9 +796,36 @@ impl QueueWorker {
             self.stats.errors += 1;
             slot.status = status::IOERR;
         }
+        if res >= 0
+            && matches!(kind, Some(OpKind::Discard) | Some(OpKind::PunchZero))
+            && c.result == 0
+        {
+            if let Some(r) = slot.req.ranges.get(range as usize) {
+                self.dev
+                    .zero_stats
+                    .unmapped_bytes
+                    .fetch_add(r.len_bytes, Ordering::Relaxed);
+            }
+        }
         slot.pending -= 1;
         if slot.pending > 0 {
             return None;
+        }
+        if slot.sync_after && slot.status == status::OK {
+            // Write-through: the zeroing becomes durable before the request completes.
+            slot.sync_after = false;
+            slot.pending = 1;
+            let fd = self.dev.file.as_raw_fd();
+            // SAFETY: no buffers.
+            let pushed = unsafe {
+                self.engine
+                    .push(fd, &Op::Fdatasync, user_data(idx, OpKind::Flush, 0))
+            };
+            if pushed.is_ok() {
+                return None;
+            }
+            slot.pending = 0;
+            slot.status = status::IOERR;
         }
         let head = slot.head;
         Some((head, self.finish(idx)))

@@ -159,6 +159,8 @@ fn device(img: &Image, read_only: bool) -> Arc<Device> {
             cache: CacheMode::Writeback,
             align: DioAlign::NONE,
             serial: b"worker-test".to_vec(),
+            detect_zeroes: crate::zero::DetectZeroes::Off,
+            discard_unmap: true,
         },
     ))
 }

@@ -149,6 +149,25 @@ fn random_io_with_busy_polling() {
     random_io_matches_model("random-io-poll", &["--poll-us", "200"]);
 }
 
+#[test]
+fn random_io_with_detect_zeroes_on() {
+    if skip_unless_vublk("--detect-zeroes here is vublk's option") {
+        return;
+    }
+    random_io_matches_model("random-io-dz-on", &["--detect-zeroes", "on"]);
+}
+
+#[test]
+fn random_io_with_detect_zeroes_unmap() {
+    if skip_unless_vublk("--detect-zeroes here is vublk's option") {
+        return;
+    }
+    random_io_matches_model(
+        "random-io-dz-unmap",
+        &["--detect-zeroes", "unmap", "--discard", "unmap"],
+    );
+}
+
 fn random_io_matches_model(name: &str, extra: &[&str]) {
     const SIZE: u64 = 32 * MIB;
     const OPS: usize = 300;
@@ -192,7 +211,13 @@ fn random_io_matches_model(name: &str, extra: &[&str]) {
         if rng.below(2) == 0 {
             writes += 1;
             let mut data = vec![0u8; len];
-            rng.fill(&mut data);
+            // One write in four is all zeroes (detect-zeroes converts those), one in eight is
+            // zero but for its last byte (must be written as it is).
+            match rng.below(8) {
+                0 | 1 => {}
+                2 => data[len - 1] = 1,
+                _ => rng.fill(&mut data),
+            }
             let mem = c.mem_mut();
             let mut pos = 0;
             for &(b, l) in &iov {
@@ -251,6 +276,12 @@ fn random_io_matches_model(name: &str, extra: &[&str]) {
 
     let status = backend.sigterm_and_wait(EXIT_DEADLINE);
     eprintln!("backend exit status: {status}");
+    if extra.contains(&"--detect-zeroes") {
+        let log = backend.log_contents();
+        let detected = logged_count(&log, " zero writes detected");
+        assert!(detected > 0, "no zero write was detected:\n{log}");
+        eprintln!("{detected} zero writes detected");
+    }
     assert_eq!(file_size(&img), SIZE, "image size changed");
     assert_same(
         &read_file(&img),
@@ -318,7 +349,9 @@ fn discard_punches_hole_in_image_file() {
         "image not fully allocated ({before} blocks)"
     );
 
-    let backend = Backend::start(&dir, &img, &opts());
+    let mut o = opts();
+    o.extra_args = vec!["--discard".into(), "unmap".into()];
+    let backend = Backend::start(&dir, &img, &o);
     let mut c = connect_queues(&backend.socket, 1);
     let max = c.blkio.get_u64("max-discard-len").unwrap();
     eprintln!(
@@ -356,14 +389,16 @@ fn discard_punches_hole_in_image_file() {
 }
 
 /// Shared body of the two WRITE_ZEROES tests; returns st_blocks before and after.
-fn write_zeroes_test(name: &str, flags: ReqFlags) -> (u64, u64) {
+fn write_zeroes_test(name: &str, flags: ReqFlags, extra: &[&str]) -> (u64, u64) {
     const SIZE: u64 = 16 * MIB;
     let dir = TestDir::new(name);
     let img = dir.join("disk.img");
     create_filled_image(&img, SIZE, 0xcd);
     let before = allocated_blocks(&img);
 
-    let backend = Backend::start(&dir, &img, &opts());
+    let mut o = opts();
+    o.extra_args = extra.iter().map(|s| s.to_string()).collect();
+    let backend = Backend::start(&dir, &img, &o);
     let mut c = connect_queues(&backend.socket, 1);
     let max = c.blkio.get_u64("max-write-zeroes-len").unwrap();
     eprintln!("max-write-zeroes-len {max}");
@@ -394,19 +429,60 @@ fn write_zeroes_test(name: &str, flags: ReqFlags) -> (u64, u64) {
 }
 
 #[test]
-fn write_zeroes_with_unmap_reads_back_zero() {
-    // Without NO_UNMAP the device may deallocate (vublk does so only with --discard unmap), so
-    // allocation is reported, not asserted.
-    let (before, after) = write_zeroes_test("wz-unmap", ReqFlags::empty());
-    eprintln!(
-        "write-zeroes with UNMAP: {} blocks deallocated",
-        before as i64 - after as i64
+fn write_zeroes_with_unmap_reads_back_zero_and_deallocates_with_discard_unmap() {
+    let (before, after) = write_zeroes_test("wz-unmap", ReqFlags::empty(), &["--discard", "unmap"]);
+    assert!(
+        after < before,
+        "write-zeroes with UNMAP and --discard unmap kept the blocks: {before} -> {after}"
+    );
+}
+
+#[test]
+fn write_zeroes_with_unmap_keeps_allocation_under_discard_ignore() {
+    if skip_unless_vublk("--discard ignore is vublk's default; the QSD helper sets discard=unmap") {
+        return;
+    }
+    let (before, after) = write_zeroes_test("wz-unmap-ignore", ReqFlags::empty(), &[]);
+    assert!(
+        after >= before,
+        "write-zeroes deallocated although --discard ignore: {before} -> {after}"
+    );
+}
+
+#[test]
+fn discard_is_ignored_by_default() {
+    if skip_unless_vublk("--discard ignore is vublk's default; the QSD helper sets discard=unmap") {
+        return;
+    }
+    const SIZE: u64 = 8 * MIB;
+    let dir = TestDir::new("discard-ignore");
+    let img = dir.join("disk.img");
+    create_filled_image(&img, SIZE, 0xab);
+    let before = allocated_blocks(&img);
+    let backend = Backend::start(&dir, &img, &opts());
+    let mut c = connect_queues(&backend.socket, 1);
+    let ret = c.submit(
+        0,
+        Op::Discard {
+            offset: MIB,
+            len: 2 * MIB,
+        },
+    );
+    assert_eq!(ret, 0, "discard must succeed: {}", errno_name(ret));
+    assert!(
+        read_file(&img).iter().all(|&b| b == 0xab),
+        "ignored discard changed data"
+    );
+    assert!(
+        allocated_blocks(&img) >= before,
+        "ignored discard deallocated"
     );
 }
 
 #[test]
 fn write_zeroes_no_unmap_reads_back_zero_and_keeps_allocation() {
-    let (before, after) = write_zeroes_test("wz-no-unmap", ReqFlags::NO_UNMAP);
+    let (before, after) =
+        write_zeroes_test("wz-no-unmap", ReqFlags::NO_UNMAP, &["--discard", "unmap"]);
     assert!(
         after >= before,
         "write-zeroes with NO_UNMAP deallocated: st_blocks {before} -> {after}"
