@@ -21,7 +21,7 @@ mod vm;
 use std::env;
 use std::ffi::OsStr;
 use std::fs::{self, File};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::thread;
@@ -150,6 +150,24 @@ struct Variant {
     serial: Option<&'static str>,
     /// Logical block size the guest must see.
     logical_block: u32,
+    /// A zero-write mode of the workload (`zero-dd`, `zero-mkfs`) instead of the full run.
+    mode: Option<&'static str>,
+    /// Extra `vhost-user-blk-pci` properties, e.g. `,write-zeroes=off`.
+    device_props: &'static str,
+}
+
+/// What a zero-write run may leave allocated in the image, in bytes.
+fn zero_mode_allocation_limit(variant: &Variant, disk_size: u64) -> (u64, u64) {
+    let unmap = variant.vublk_args.contains(&"unmap");
+    match (variant.mode, unmap) {
+        // dd of zeroes over the whole disk: plain writes allocate (nearly) all of it; with
+        // detect-zeroes=unmap almost nothing (seed 002: < 16 MiB).
+        (Some("zero-dd"), false) => (disk_size / 10 * 9, u64::MAX),
+        (Some("zero-dd"), true) => (0, 16 << 20),
+        // mke2fs writing real zeroes: with unmap only the non-zero metadata stays.
+        (Some("zero-mkfs"), true) => (0, 16 << 20),
+        _ => (0, u64::MAX),
+    }
 }
 
 /// Guest runs one at a time: two TCG guests on two cores would only slow each other down.
@@ -162,6 +180,8 @@ fn guest_mkfs_fsck_and_pattern_io() {
         vublk_args: &[],
         serial: Some("vublk-e2e-serial-01"),
         logical_block: 512,
+        mode: None,
+        device_props: "",
     });
 }
 
@@ -180,7 +200,35 @@ fn guest_on_4k_blocks_with_threads_engine_and_page_cache() {
         ],
         serial: None,
         logical_block: 4096,
+        mode: None,
+        device_props: "",
     });
+}
+
+/// detect-zeroes in a guest (seed 002): `dd if=/dev/zero` over the whole disk and mke2fs
+/// writing real zeroes (the device offers no WRITE_ZEROES), with detect-zeroes off and unmap;
+/// the image's allocation tells whether the zero writes were turned into holes.
+#[test]
+fn guest_zero_writes_with_and_without_detect_zeroes() {
+    for mode in ["zero-dd", "zero-mkfs"] {
+        for (name, args) in [
+            ("off", &[][..]),
+            (
+                "unmap",
+                &["--detect-zeroes", "unmap", "--discard", "unmap"][..],
+            ),
+        ] {
+            let name: &'static str = Box::leak(format!("{mode}-{name}").into_boxed_str());
+            run_guest(&Variant {
+                name,
+                vublk_args: args,
+                serial: None,
+                logical_block: 512,
+                mode: Some(mode),
+                device_props: ",write-zeroes=off",
+            });
+        }
+    }
 }
 
 fn run_guest(variant: &Variant) {
@@ -327,6 +375,9 @@ fn run_guest(variant: &Variant) {
         "console=ttyS0 panic=-1 loglevel=4 E2E_QUEUES={NUM_QUEUES} E2E_FILL={fill} E2E_LBS={}",
         variant.logical_block
     );
+    if let Some(mode) = variant.mode {
+        append.push_str(&format!(" E2E_MODE={mode}"));
+    }
     if let (Backend::Vublk, Some(serial)) = (backend, variant.serial) {
         append.push_str(&format!(" E2E_SERIAL={serial}"));
     }
@@ -339,7 +390,8 @@ fn run_guest(variant: &Variant) {
         .arg(format!("socket,id=c0,path={}", sock.display()))
         .arg("-device")
         .arg(format!(
-            "vhost-user-blk-pci,chardev=c0,num-queues={NUM_QUEUES}"
+            "vhost-user-blk-pci,chardev=c0,num-queues={NUM_QUEUES}{}",
+            variant.device_props
         ))
         .args([
             "-nographic",
@@ -435,6 +487,37 @@ fn run_guest(variant: &Variant) {
             read_log(&qemu_log),
             tail(&read_log(&backend_log), 100)
         );
+    }
+
+    if let Some(mode) = variant.mode {
+        let allocated = fs::metadata(&image).map(|m| m.blocks() * 512).unwrap_or(0);
+        let time = marks
+            .iter()
+            .find_map(|m| m.strip_prefix(&format!("TIME {mode} ")))
+            .unwrap_or("?");
+        println!(
+            "[vm] {}: {mode} took {time}, image allocation {} MiB of {} MiB",
+            variant.name,
+            allocated >> 20,
+            disk_size >> 20
+        );
+        if backend == Backend::Vublk {
+            let log = read_log(&backend_log);
+            if let Some(l) = log
+                .lines()
+                .rev()
+                .find(|l| l.contains("detect-zeroes/discard:"))
+            {
+                println!("[vm] {}: {}", variant.name, l.trim());
+            }
+            let (min, max) = zero_mode_allocation_limit(variant, disk_size);
+            assert!(
+                (min..=max).contains(&allocated),
+                "{}: image allocation {allocated} bytes outside [{min}, {max}]",
+                variant.name
+            );
+        }
+        return;
     }
 
     if backend == Backend::Vublk {

@@ -88,6 +88,31 @@ fi
 [ "$DEV_BYTES" -ge $((256 * MIB)) ] || fail device-size "need at least 256 MiB, have $DEV_BYTES bytes"
 FS_BYTES=$(((DEV_BYTES - TAIL_BYTES) / MIB * MIB))
 
+# ---------------------------------------------------------------- zero-write modes
+# E2E_MODE=zero-dd: dd of /dev/zero over the whole device (direct I/O, 1 MiB blocks).
+# E2E_MODE=zero-mkfs: mke2fs that writes its zeroes as data (run with write-zeroes=off, so the
+# kernel's zero-out falls back to writing zero pages), then fsck.
+case "${E2E_MODE:-}" in
+zero-dd)
+	phase zero-dd
+	run zero-dd "$DD" if=/dev/zero of="$DEV" bs=1M count=$((DEV_BYTES / MIB)) oflag=direct \
+		status=none
+	run zero-dd-sync sync
+	phase
+	exit 0
+	;;
+zero-mkfs)
+	phase zero-mkfs
+	run zero-mkfs "$MKFS" -F -q -E nodiscard,lazy_itable_init=0,lazy_journal_init=0 "$DEV"
+	phase fsck-zero-mkfs
+	run fsck-zero-mkfs "$FSCK" -fn "$DEV"
+	phase
+	exit 0
+	;;
+"") ;;
+*) fail mode "unknown E2E_MODE=$E2E_MODE" ;;
+esac
+
 # ---------------------------------------------------------------- mkfs + fsck
 phase mkfs
 run mkfs "$MKFS" -F -q -L vublk-e2e -E lazy_itable_init=0,lazy_journal_init=0 \

@@ -67,6 +67,17 @@ struct Opts {
     /// A few hundred I/Os per workload and backend: checks that everything runs.
     #[arg(long)]
     smoke: bool,
+    /// Extra backends: NAME=vublk:ARGS (vublk with extra options, whitespace-separated) or
+    /// NAME=qsd:OPTS (extra --blockdev options, comma-separated); use NAME in --backends.
+    #[arg(long = "variant", value_name = "NAME=KIND:ARGS")]
+    variants: Vec<String>,
+    /// Instead of workloads: write --size bytes of zeroes (1 MiB requests, depth 4) into a
+    /// fresh sparse image and into a fully written one, per backend; report time and space.
+    #[arg(long)]
+    zero_fill: bool,
+    /// Instead of workloads: measure the all-zero scanner on host buffers.
+    #[arg(long)]
+    zero_scan: bool,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -151,14 +162,65 @@ enum BackendKind {
     Qsd,
 }
 
-impl BackendKind {
-    fn name(self) -> &'static str {
-        match self {
-            BackendKind::File => "file",
-            BackendKind::Vublk => "vublk",
-            BackendKind::Qsd => "qsd",
-        }
+/// A backend as measured: its kind plus any extra options (variants).
+#[derive(Clone, Debug)]
+struct Backend {
+    name: String,
+    kind: BackendKind,
+    /// vublk: extra arguments; qsd: extra --blockdev options.
+    extra: Vec<String>,
+}
+
+impl Backend {
+    fn name(&self) -> &str {
+        &self.name
     }
+}
+
+fn resolve_backends(opts: &Opts) -> Vec<Backend> {
+    let builtin = |name: &str, kind| Backend {
+        name: name.to_owned(),
+        kind,
+        extra: Vec::new(),
+    };
+    opts.backends
+        .iter()
+        .map(|b| match b.as_str() {
+            "file" => builtin("file", BackendKind::File),
+            "vublk" => Backend {
+                extra: opts
+                    .vublk_args
+                    .split_whitespace()
+                    .map(str::to_owned)
+                    .collect(),
+                ..builtin("vublk", BackendKind::Vublk)
+            },
+            "qsd" => builtin("qsd", BackendKind::Qsd),
+            other => {
+                let spec = opts
+                    .variants
+                    .iter()
+                    .find_map(|v| v.strip_prefix(other)?.strip_prefix('='))
+                    .unwrap_or_else(|| {
+                        panic!("unknown backend {other}: file, vublk, qsd or a --variant")
+                    });
+                let (kind, args) = spec.split_once(':').unwrap_or((spec, ""));
+                match kind {
+                    "vublk" => Backend {
+                        name: other.to_owned(),
+                        kind: BackendKind::Vublk,
+                        extra: args.split_whitespace().map(str::to_owned).collect(),
+                    },
+                    "qsd" => Backend {
+                        name: other.to_owned(),
+                        kind: BackendKind::Qsd,
+                        extra: vec![args.to_owned()],
+                    },
+                    k => panic!("--variant {other}: kind {k} must be vublk or qsd"),
+                }
+            }
+        })
+        .collect()
 }
 
 /// A backend process serving the image on a socket (none for the file itself).
@@ -194,11 +256,11 @@ impl Server {
     }
 }
 
-fn start_server(kind: BackendKind, opts: &Opts, vublk: &Path, work: &Path) -> Server {
-    let socket = work.join(format!("{}.sock", kind.name()));
+fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work: &Path) -> Server {
+    let socket = work.join(format!("{}.sock", backend.name()));
     let _ = fs::remove_file(&socket);
-    let log = File::create(work.join(format!("{}.log", kind.name()))).expect("backend log");
-    let mut cmd = match kind {
+    let log = File::create(work.join(format!("{}.log", backend.name()))).expect("backend log");
+    let mut cmd = match backend.kind {
         BackendKind::File => {
             return Server {
                 child: None,
@@ -212,18 +274,23 @@ fn start_server(kind: BackendKind, opts: &Opts, vublk: &Path, work: &Path) -> Se
             c.arg("--socket-path")
                 .arg(&socket)
                 .arg("--blk-file")
-                .arg(&opts.image)
+                .arg(image)
                 .arg("--num-queues")
                 .arg(opts.backend_queues.to_string())
-                .args(opts.vublk_args.split_whitespace());
+                .args(&backend.extra);
             c
         }
         BackendKind::Qsd => {
             let mut c = Command::new(&opts.qsd);
             c.arg("--blockdev")
                 .arg(format!(
-                    "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring",
-                    opts.image.display()
+                    "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring{}",
+                    image.display(),
+                    backend
+                        .extra
+                        .iter()
+                        .map(|e| format!(",{e}"))
+                        .collect::<String>()
                 ))
                 .arg("--export")
                 .arg(format!(
@@ -241,7 +308,7 @@ fn start_server(kind: BackendKind, opts: &Opts, vublk: &Path, work: &Path) -> Se
     let t0 = Instant::now();
     let mut child = cmd
         .spawn()
-        .unwrap_or_else(|e| panic!("starting {}: {e}", kind.name()));
+        .unwrap_or_else(|e| panic!("starting {}: {e}", backend.name()));
     // Poll for a listening socket (a connect that succeeds), not a fixed sleep.
     let deadline = t0 + Duration::from_secs(20);
     loop {
@@ -249,9 +316,13 @@ fn start_server(kind: BackendKind, opts: &Opts, vublk: &Path, work: &Path) -> Se
             break;
         }
         if let Ok(Some(st)) = child.try_wait() {
-            panic!("{} exited during start-up: {st}", kind.name());
+            panic!("{} exited during start-up: {st}", backend.name());
         }
-        assert!(Instant::now() < deadline, "{} did not listen", kind.name());
+        assert!(
+            Instant::now() < deadline,
+            "{} did not listen",
+            backend.name()
+        );
         std::thread::sleep(Duration::from_micros(200));
     }
     let startup = t0.elapsed();
@@ -467,22 +538,32 @@ fn percentile(sorted: &[u32], p: f64) -> f64 {
     sorted[i] as f64 / 1000.0
 }
 
-fn run_once(kind: BackendKind, wl: &Workload, opts: &Opts, vublk: &Path, work: &Path) -> RunResult {
-    let server = start_server(kind, opts, vublk, work);
-    let (driver, path) = match kind {
-        BackendKind::File => ("io_uring", opts.image.clone()),
+/// Connect the libblkio client to a backend (or to the file itself).
+fn connect_client(
+    backend: &Backend,
+    server: &Server,
+    image: &Path,
+    queues: usize,
+) -> (Blkio, Vec<Blkioq>) {
+    let (driver, path) = match backend.kind {
+        BackendKind::File => ("io_uring", image.to_path_buf()),
         _ => ("virtio-blk-vhost-user", server.socket.clone()),
     };
     let mut b = Blkio::new(driver).expect("libblkio driver");
     b.set_str("path", path.to_str().expect("utf-8 path"))
         .expect("path");
-    if kind == BackendKind::File {
+    if backend.kind == BackendKind::File {
         b.set_bool("direct", true).expect("direct");
     }
     b.connect().expect("connect");
-    b.set_i32("num-queues", wl.queues as i32)
-        .expect("num-queues");
+    b.set_i32("num-queues", queues as i32).expect("num-queues");
     let started = b.start().expect("start");
+    (b, started.queues)
+}
+
+fn run_once(backend: &Backend, wl: &Workload, opts: &Opts, vublk: &Path, work: &Path) -> RunResult {
+    let server = start_server(backend, &opts.image, opts, vublk, work);
+    let (mut b, queues) = connect_client(backend, &server, &opts.image, wl.queues);
     let capacity = b.get_u64("capacity").expect("capacity");
     let region_len = wl.queues * wl.depth * wl.bs;
     let region = b.alloc_mem_region(region_len).expect("alloc region");
@@ -498,7 +579,6 @@ fn run_once(kind: BackendKind, wl: &Workload, opts: &Opts, vublk: &Path, work: &
     let max_samples = 4 << 20;
     let pid = server.pid();
 
-    let queues = started.queues;
     let mut cpu0: Option<u64> = None;
     let mut client0 = 0;
     let results: Vec<QueueRun> = std::thread::scope(|s| {
@@ -641,16 +721,7 @@ fn main() {
     if opts.smoke {
         opts.runs = 1;
     }
-    let backends: Vec<BackendKind> = opts
-        .backends
-        .iter()
-        .map(|b| match b.as_str() {
-            "file" => BackendKind::File,
-            "vublk" => BackendKind::Vublk,
-            "qsd" => BackendKind::Qsd,
-            other => panic!("unknown backend {other}: file, vublk or qsd"),
-        })
-        .collect();
+    let backends = resolve_backends(&opts);
     let vublk = opts.vublk.clone().unwrap_or_else(|| {
         std::env::current_exe()
             .expect("own path")
@@ -661,6 +732,14 @@ fn main() {
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."));
+    if opts.zero_scan {
+        zero_scan();
+        return;
+    }
+    if opts.zero_fill {
+        zero_fill(&opts, &backends, &vublk, &work);
+        return;
+    }
     prepare_image(&opts.image, opts.size);
 
     // results[workload][backend] = runs
@@ -668,13 +747,13 @@ fn main() {
         vec![vec![Vec::new(); backends.len()]; workloads.len()];
     for run in 0..opts.runs {
         for (wi, wl) in workloads.iter().enumerate() {
-            for (bi, &kind) in backends.iter().enumerate() {
-                let r = run_once(kind, wl, &opts, &vublk, &work);
+            for (bi, backend) in backends.iter().enumerate() {
+                let r = run_once(backend, wl, &opts, &vublk, &work);
                 eprintln!(
                     "run {} {:28} {:6} {:>10.0} IOPS {:>8.1} MB/s p50 {:>7.1} us p99 {:>7.1} us{}",
                     run + 1,
                     wl.name,
-                    kind.name(),
+                    backend.name(),
                     r.iops(),
                     r.mbps(),
                     r.p50_us,
@@ -697,7 +776,7 @@ fn main() {
 fn render_report(
     opts: &Opts,
     workloads: &[Workload],
-    backends: &[BackendKind],
+    backends: &[Backend],
     results: &[Vec<Vec<RunResult>>],
 ) -> String {
     let mut out = String::new();
@@ -739,8 +818,8 @@ fn render_report(
             );
         }
     }
-    let idx = |k: BackendKind| backends.iter().position(|&b| b == k);
-    if let Some(v) = idx(BackendKind::Vublk) {
+    let idx = |name: &str| backends.iter().position(|b| b.name == name);
+    if let Some(v) = idx("vublk") {
         let _ = writeln!(
             out,
             "\n| workload | vublk / file | vublk / QSD | QSD / file |"
@@ -756,10 +835,25 @@ fn render_report(
                 out,
                 "| {} | {} | {} | {} |",
                 wl.name,
-                ratio(Some(v), idx(BackendKind::File)),
-                ratio(Some(v), idx(BackendKind::Qsd)),
-                ratio(idx(BackendKind::Qsd), idx(BackendKind::File)),
+                ratio(Some(v), idx("file")),
+                ratio(Some(v), idx("qsd")),
+                ratio(idx("qsd"), idx("file")),
             );
+        }
+    }
+    // Variants of vublk against plain vublk (e.g. detect-zeroes on non-zero data).
+    if let Some(v) = idx("vublk") {
+        for (bi, b) in backends.iter().enumerate() {
+            if b.kind != BackendKind::Vublk || b.name == "vublk" {
+                continue;
+            }
+            let _ = writeln!(out, "\n| workload | {} / vublk (IOPS) |", b.name);
+            let _ = writeln!(out, "|---|---:|");
+            for (wi, wl) in workloads.iter().enumerate() {
+                let a = med(&results[wi][bi], &|r| r.iops());
+                let base = med(&results[wi][v], &|r| r.iops());
+                let _ = writeln!(out, "| {} | {:.3} |", wl.name, a / base);
+            }
         }
     }
     // Start-up and memory of the vhost-user backends.
@@ -769,7 +863,7 @@ fn render_report(
     );
     let _ = writeln!(out, "|---|---:|---:|---:|");
     for (bi, kind) in backends.iter().enumerate() {
-        if *kind == BackendKind::File {
+        if kind.kind == BackendKind::File {
             continue;
         }
         let all: Vec<&RunResult> = results.iter().flat_map(|w| w[bi].iter()).collect();
@@ -796,4 +890,203 @@ fn render_report(
         );
     }
     out
+}
+
+/// The all-zero scanner on host buffers: GB/s on all-zero buffers (the whole buffer is read)
+/// and the cost of rejecting non-zero data (usually the first sampled byte).
+fn zero_scan() {
+    use vublk::zero::{is_zero, scanner_name};
+    println!("\nScanner: {}\n", scanner_name());
+    println!("| buffer | all-zero GB/s | random data ns/call | one non-zero byte at 3/4 GB/s |");
+    println!("|---:|---:|---:|---:|");
+    for size in [4096usize, 64 << 10, 1 << 20] {
+        let zero = vec![0u8; size];
+        let mut data = vec![0u8; size];
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for b in data.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = (x as u8) | 1;
+        }
+        // Past the three sampled bytes (first, middle, last): forces a scan of 3/4.
+        let mut last = vec![0u8; size];
+        last[size * 3 / 4] = 1;
+        let rate = |buf: &[u8], expect: bool| -> (f64, f64) {
+            let t0 = Instant::now();
+            let mut n = 0u64;
+            while t0.elapsed() < Duration::from_millis(300) {
+                for _ in 0..64 {
+                    assert_eq!(is_zero(std::hint::black_box(buf)), expect);
+                }
+                n += 64;
+            }
+            let s = t0.elapsed().as_secs_f64();
+            (n as f64 * buf.len() as f64 / s / 1e9, s * 1e9 / n as f64)
+        };
+        let (gbs, _) = rate(&zero, true);
+        let (_, ns) = rate(&data, false);
+        let (gbs_last, _) = rate(&last, false);
+        println!(
+            "| {} KiB | {gbs:.1} | {ns:.1} | {:.1} |",
+            size >> 10,
+            gbs_last * 0.75
+        );
+    }
+    // Cache-cold: 64 KiB pieces of a 512 MiB zero buffer, as a guest write usually is.
+    let big = vec![0u8; 512 << 20];
+    // Touch it so pages exist (zero pages would all map one shared page).
+    let mut big = big;
+    for p in big.chunks_mut(4096) {
+        p[0] = 1;
+        p[0] = 0;
+    }
+    let t0 = Instant::now();
+    let mut bytes = 0u64;
+    while t0.elapsed() < Duration::from_millis(500) {
+        for c in big.chunks(64 << 10) {
+            assert!(is_zero(std::hint::black_box(c)));
+            bytes += c.len() as u64;
+        }
+    }
+    println!(
+        "| 64 KiB pieces of 512 MiB (cache-cold) | {:.1} | | |",
+        bytes as f64 / t0.elapsed().as_secs_f64() / 1e9
+    );
+}
+
+struct FillResult {
+    secs: f64,
+    allocated: u64,
+}
+
+/// Write `size` bytes of zeroes at depth 4 in 1 MiB requests, then flush.
+fn write_zeroes_through(b: &mut Blkio, q: &mut Blkioq, size: u64) {
+    const BS: usize = 1 << 20;
+    const DEPTH: usize = 4;
+    let region = b.alloc_mem_region(BS * DEPTH).expect("alloc region");
+    b.map_mem_region(&region).expect("map region");
+    // SAFETY: the region is ours, BS * DEPTH bytes long.
+    unsafe { std::ptr::write_bytes(region.addr as *mut u8, 0, BS * DEPTH) };
+    let mut completions: Vec<MaybeUninit<blkio::Completion>> =
+        (0..DEPTH).map(|_| MaybeUninit::uninit()).collect();
+    let mut next = 0u64;
+    let mut in_flight = 0;
+    for slot in 0..DEPTH {
+        if next < size {
+            q.write(
+                next,
+                (region.addr + slot * BS) as *const u8,
+                BS,
+                slot,
+                ReqFlags::empty(),
+            );
+            next += BS as u64;
+            in_flight += 1;
+        }
+    }
+    while in_flight > 0 {
+        let n = q.do_io(&mut completions, 1, None, None).expect("do_io");
+        for c in completions.iter().take(n) {
+            // SAFETY: do_io initialised the first n entries.
+            let c = unsafe { c.assume_init_ref() };
+            assert_eq!(c.ret, 0, "zero write failed: errno {}", -c.ret);
+            in_flight -= 1;
+            if next < size {
+                let slot = c.user_data;
+                q.write(
+                    next,
+                    (region.addr + slot * BS) as *const u8,
+                    BS,
+                    slot,
+                    ReqFlags::empty(),
+                );
+                next += BS as u64;
+                in_flight += 1;
+            }
+        }
+    }
+    q.flush(0, ReqFlags::empty());
+    let n = q.do_io(&mut completions, 1, None, None).expect("flush");
+    assert_eq!(n, 1);
+}
+
+fn zero_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
+    let image = work.join("zero-fill.img");
+    let mut rows = String::new();
+    for full in [false, true] {
+        let mut results: Vec<Vec<FillResult>> = backends.iter().map(|_| Vec::new()).collect();
+        for run in 0..opts.runs {
+            for (bi, backend) in backends.iter().enumerate() {
+                let _ = fs::remove_file(&image);
+                if full {
+                    prepare_image(&image, opts.size);
+                } else {
+                    File::create(&image)
+                        .and_then(|f| f.set_len(opts.size))
+                        .expect("sparse image");
+                }
+                let server = start_server(backend, &image, opts, vublk, work);
+                let (mut b, mut queues) = connect_client(backend, &server, &image, 1);
+                let t0 = Instant::now();
+                write_zeroes_through(&mut b, &mut queues[0], opts.size);
+                let secs = t0.elapsed().as_secs_f64();
+                drop(queues);
+                drop(b);
+                drop(server);
+                let allocated = fs::metadata(&image).expect("image").blocks() * 512;
+                // Everything reads back as zero, whatever the backend did with the space.
+                let data = fs::read(&image).expect("read image");
+                assert!(
+                    data.iter().all(|&x| x == 0),
+                    "{}: image not all zero after the zero writes",
+                    backend.name()
+                );
+                eprintln!(
+                    "run {} {} {:8} {secs:.3} s, {} MiB allocated",
+                    run + 1,
+                    if full { "fully-written" } else { "sparse" },
+                    backend.name(),
+                    allocated >> 20
+                );
+                results[bi].push(FillResult { secs, allocated });
+            }
+        }
+        for (bi, backend) in backends.iter().enumerate() {
+            let secs = median(results[bi].iter().map(|r| r.secs).collect());
+            let alloc = median(results[bi].iter().map(|r| r.allocated as f64).collect());
+            let _ = writeln!(
+                rows,
+                "| {} | {} | {secs:.3} | {:.0} | {:.1} |",
+                if full {
+                    "fully written"
+                } else {
+                    "fresh sparse"
+                },
+                backend.name(),
+                opts.size as f64 / secs / 1e6,
+                alloc / (1 << 20) as f64
+            );
+        }
+    }
+    let _ = fs::remove_file(&image);
+    let mut out = String::new();
+    let _ = writeln!(out, "\nMachine: {}", machine_description());
+    let _ = writeln!(
+        out,
+        "{} MiB of zeroes in 1 MiB writes at depth 4, then FLUSH; {} runs, medians; \
+         allocation = st_blocks after the backend exited.\n",
+        opts.size >> 20,
+        opts.runs
+    );
+    let _ = writeln!(
+        out,
+        "| image | backend | time (s) | MB/s | allocated after (MiB) |"
+    );
+    let _ = writeln!(out, "|---|---|---:|---:|---:|");
+    out.push_str(&rows);
+    print!("{out}");
+    if let Some(p) = &opts.report {
+        fs::write(p, &out).expect("write report");
+    }
 }
