@@ -83,6 +83,7 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         serial,
         detect_zeroes: cfg.detect_zeroes,
         discard_unmap: cfg.discard == crate::args::DiscardMode::Unmap,
+        is_block_device: img.is_block_device,
     };
     if cfg.detect_zeroes != crate::zero::DetectZeroes::Off {
         info!(

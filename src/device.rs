@@ -38,6 +38,8 @@ pub struct DeviceParams {
     pub detect_zeroes: DetectZeroes,
     /// DISCARD and unmapping WRITE_ZEROES may deallocate (`--discard unmap`).
     pub discard_unmap: bool,
+    /// The image is a block device: DISCARD uses BLKDISCARD.
+    pub is_block_device: bool,
 }
 
 /// Zero-write statistics, shared by all queues and readable at any time.
@@ -228,6 +230,7 @@ mod tests {
                 serial: b"abc".to_vec(),
                 detect_zeroes: DetectZeroes::Off,
                 discard_unmap: false,
+                is_block_device: false,
             },
         )
     }

@@ -161,6 +161,7 @@ fn device(img: &Image, read_only: bool) -> Arc<Device> {
             serial: b"worker-test".to_vec(),
             detect_zeroes: crate::zero::DetectZeroes::Off,
             discard_unmap: true,
+            is_block_device: false,
         },
     ))
 }

@@ -202,3 +202,79 @@ fn discard_unmap_counts_deallocated_bytes() {
     assert_eq!(logged_count(&log, " bytes deallocated"), 2 * MIB, "{log}");
     assert_eq!(logged_count(&log, " zero writes detected"), 0, "{log}");
 }
+
+/// A block device as --blk-file (a loop device over a file): DISCARD is a BLKDISCARD, zero
+/// writes and WRITE_ZEROES go through the kernel's block-device zero-out, and with unmap the
+/// space is given back in the backing file.
+#[test]
+fn block_device_discard_and_zero_writes() {
+    if skip_unless_vublk("--discard/--detect-zeroes here are vublk's options") {
+        return;
+    }
+    let dir = TestDir::new("dz-blockdev");
+    let backing = dir.join("backing.img");
+    create_filled_image(&backing, SIZE, 0xab);
+    let Some(lo) = LoopDev::new(&backing, 512) else {
+        return;
+    };
+    let before = allocated_blocks(&backing);
+    let opts = BackendOpts {
+        extra_args: ["--discard", "unmap", "--detect-zeroes", "unmap"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        ..Default::default()
+    };
+    let backend = Backend::start(&dir, std::path::Path::new(&lo.0), &opts);
+    let mut c = connect_queues(&backend.socket, 1);
+    assert_eq!(
+        c.submit(
+            0,
+            Op::Discard {
+                offset: MIB,
+                len: 2 * MIB
+            }
+        ),
+        0,
+        "discard"
+    );
+    write_zeroes_as_data(&mut c); // ZERO_OFF..+ZERO_LEN, converted to punched zeroes
+    let wz = Op::WriteZeroes {
+        offset: 12 * MIB,
+        len: MIB,
+        flags: blkio::ReqFlags::NO_UNMAP,
+    };
+    assert_eq!(c.submit(0, wz), 0, "write zeroes");
+    assert_eq!(c.submit(0, Op::Flush), 0);
+    let all = c.read_all(0);
+    assert_all_zero(
+        &all[ZERO_OFF as usize..(ZERO_OFF + ZERO_LEN) as usize],
+        "zero writes",
+    );
+    assert_all_zero(&all[12 * MIB as usize..13 * MIB as usize], "write zeroes");
+    assert!(
+        all[8 * MIB as usize..12 * MIB as usize]
+            .iter()
+            .all(|&b| b == 0xab),
+        "untouched data"
+    );
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    let log = backend.log_contents();
+    assert_eq!(
+        logged_count(&log, " zero writes detected"),
+        ZERO_LEN / MIB,
+        "{log}"
+    );
+    assert!(
+        logged_count(&log, " bytes deallocated") >= ZERO_LEN + 2 * MIB,
+        "{log}"
+    );
+    drop(lo);
+    let after = allocated_blocks(&backing);
+    eprintln!("backing file st_blocks {before} -> {after}");
+    assert!(
+        after + (ZERO_LEN + 2 * MIB) / 512 <= before + 64,
+        "the loop device's backing file kept the discarded and zeroed space: {before} -> {after}"
+    );
+}

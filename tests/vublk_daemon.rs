@@ -384,44 +384,6 @@ fn inherited_listening_socket_is_served() {
     assert_eq!(child.wait().unwrap().code(), Some(0));
 }
 
-/// Skip where the machine lacks something, except under CI (`CI=true`), which must run it.
-fn skip_or_fail<T>(why: &str) -> Option<T> {
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!("{why} (CI must run this test)");
-    }
-    println!("skipped: {why}");
-    None
-}
-
-/// A loop device with 4096-byte sectors, or None (with the reason printed) where the machine
-/// cannot make one.
-struct LoopDev(String);
-
-impl LoopDev {
-    fn new(backing: &Path) -> Option<LoopDev> {
-        let o = Command::new("losetup")
-            .args(["--sector-size", "4096", "--direct-io=on", "-f", "--show"])
-            .arg(backing)
-            .output();
-        match o {
-            Ok(o) if o.status.success() => Some(LoopDev(
-                String::from_utf8_lossy(&o.stdout).trim().to_string(),
-            )),
-            Ok(o) => skip_or_fail(&format!(
-                "cannot create a loop device: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            )),
-            Err(e) => skip_or_fail(&format!("losetup not available: {e}")),
-        }
-    }
-}
-
-impl Drop for LoopDev {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").args(["-d", &self.0]).status();
-    }
-}
-
 /// 512-byte guest blocks on a 4096-byte-sector device: sub-block writes are read-modify-
 /// written, and two queues writing alternate 512-byte sectors of the same 4096-byte blocks at
 /// the same time lose nothing.
@@ -432,7 +394,7 @@ fn sub_block_writes_on_4k_sector_device_are_read_modify_written_without_lost_upd
     let dir = TestDir::new("rmw-4k");
     let backing = dir.join("backing.img");
     create_pattern_image(&backing, SIZE, 11);
-    let Some(lo) = LoopDev::new(&backing) else {
+    let Some(lo) = LoopDev::new(&backing, 4096) else {
         return;
     };
     let opts = BackendOpts {

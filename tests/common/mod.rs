@@ -871,3 +871,47 @@ pub fn logged_count(log: &str, what: &str) -> u64 {
         })
         .sum()
 }
+
+/// Skip where the machine lacks something, except under CI (`CI=true`), which must run it.
+pub fn skip_or_fail<T>(why: &str) -> Option<T> {
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{why} (CI must run this test)");
+    }
+    println!("skipped: {why}");
+    None
+}
+
+/// A loop device with `sector`-byte sectors, or None (with the reason printed) where the machine
+/// cannot make one.
+pub struct LoopDev(pub String);
+
+impl LoopDev {
+    pub fn new(backing: &Path, sector: u32) -> Option<LoopDev> {
+        let o = Command::new("losetup")
+            .args([
+                "--sector-size",
+                &sector.to_string(),
+                "--direct-io=on",
+                "-f",
+                "--show",
+            ])
+            .arg(backing)
+            .output();
+        match o {
+            Ok(o) if o.status.success() => Some(LoopDev(
+                String::from_utf8_lossy(&o.stdout).trim().to_string(),
+            )),
+            Ok(o) => skip_or_fail(&format!(
+                "cannot create a loop device: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )),
+            Err(e) => skip_or_fail(&format!("losetup not available: {e}")),
+        }
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
