@@ -155,6 +155,50 @@ fn bad_options_exit_2_with_one_line_naming_the_option() {
             ],
             "--no-such-option",
         ),
+        (
+            &[
+                "--socket-path",
+                "/x.sock",
+                "--blk-file",
+                "/f",
+                "--detect-zeroes",
+                "unmap",
+            ],
+            "--discard unmap",
+        ),
+        (
+            &[
+                "--socket-path",
+                "/x.sock",
+                "--blk-file",
+                "/f",
+                "--detect-zeroes",
+                "yes",
+            ],
+            "--detect-zeroes",
+        ),
+        (
+            &[
+                "--socket-path",
+                "/x.sock",
+                "--blk-file",
+                "/f",
+                "--discard",
+                "on",
+            ],
+            "--discard",
+        ),
+        (
+            &[
+                "--socket-path",
+                "/x.sock",
+                "--blk-file",
+                "/f",
+                "--poll-us",
+                "20000",
+            ],
+            "--poll-us",
+        ),
     ];
     for (args, opt) in cases {
         let o = vublk(args);
