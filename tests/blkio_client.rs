@@ -114,28 +114,27 @@ fn random_reads_and_writes_match_model_and_image_file() {
     random_io_matches_model("random-io", &[]);
 }
 
-#[test]
-fn random_io_with_threads_engine() {
-    if skip_unless_vublk("--aio threads is a vublk option") {
+/// The model check against one vublk configuration (skipped under qemu-storage-daemon).
+fn random_io_with_vublk_options(name: &str, extra: &[&str]) {
+    if skip_unless_vublk(&format!("{extra:?} are vublk options")) {
         return;
     }
-    random_io_matches_model("random-io-threads", &["--aio", "threads"]);
+    random_io_matches_model(name, extra);
+}
+
+#[test]
+fn random_io_with_threads_engine() {
+    random_io_with_vublk_options("random-io-threads", &["--aio", "threads"]);
 }
 
 #[test]
 fn random_io_with_page_cache_writeback() {
-    if skip_unless_vublk("--cache is a vublk option") {
-        return;
-    }
-    random_io_matches_model("random-io-writeback", &["--cache", "writeback"]);
+    random_io_with_vublk_options("random-io-writeback", &["--cache", "writeback"]);
 }
 
 #[test]
 fn random_io_with_writethrough_and_threads() {
-    if skip_unless_vublk("--cache is a vublk option") {
-        return;
-    }
-    random_io_matches_model(
+    random_io_with_vublk_options(
         "random-io-writethrough",
         &["--cache", "writethrough", "--aio", "threads"],
     );
@@ -143,26 +142,17 @@ fn random_io_with_writethrough_and_threads() {
 
 #[test]
 fn random_io_with_busy_polling() {
-    if skip_unless_vublk("--poll-us is a vublk option") {
-        return;
-    }
-    random_io_matches_model("random-io-poll", &["--poll-us", "200"]);
+    random_io_with_vublk_options("random-io-poll", &["--poll-us", "200"]);
 }
 
 #[test]
 fn random_io_with_detect_zeroes_on() {
-    if skip_unless_vublk("--detect-zeroes here is vublk's option") {
-        return;
-    }
-    random_io_matches_model("random-io-dz-on", &["--detect-zeroes", "on"]);
+    random_io_with_vublk_options("random-io-dz-on", &["--detect-zeroes", "on"]);
 }
 
 #[test]
 fn random_io_with_detect_zeroes_unmap() {
-    if skip_unless_vublk("--detect-zeroes here is vublk's option") {
-        return;
-    }
-    random_io_matches_model(
+    random_io_with_vublk_options(
         "random-io-dz-unmap",
         &["--detect-zeroes", "unmap", "--discard", "unmap"],
     );

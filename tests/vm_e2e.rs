@@ -16,6 +16,7 @@
 //!
 //! Run: `cargo test --test vm_e2e -- --nocapture` (prints the guest's timings as they come).
 
+mod common;
 mod vm;
 
 use std::env;
@@ -539,18 +540,7 @@ fn run_guest(variant: &Variant) {
         }
         // ... and acted on it: writes made durable while write-through, and FLUSHes sent
         // while write-back.
-        let count = |what: &str| -> u64 {
-            log.lines()
-                .filter_map(|l| l.split(", ").find(|p| p.ends_with(what)))
-                .filter_map(|p| {
-                    p.strip_suffix(what)?
-                        .split_whitespace()
-                        .last()?
-                        .parse::<u64>()
-                        .ok()
-                })
-                .sum()
-        };
+        let count = |what: &str| common::logged_count(&log, what);
         assert!(
             count("durable writes") > 0,
             "no durable writes under write-through:\n{}",
