@@ -20,9 +20,9 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub blk_file: Option<PathBuf>,
 
-    /// Image format.
-    #[arg(long, value_enum, default_value_t = Format::Raw)]
-    pub format: Format,
+    /// Image format (probed from the file's first bytes when absent).
+    #[arg(long, value_enum)]
+    pub format: Option<Format>,
 
     /// Serve the image read-only (guest writes fail with an I/O error).
     #[arg(long)]
@@ -82,6 +82,8 @@ pub struct Args {
 pub enum Format {
     /// Raw image: guest sector N is byte N*512 of the file.
     Raw,
+    /// qcow2 (versions 2 and 3); read-only for now.
+    Qcow2,
 }
 
 /// Host cache modes (QEMU's names and meanings).

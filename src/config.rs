@@ -30,7 +30,8 @@ pub enum Socket {
 pub struct Config {
     pub socket: Socket,
     pub blk_file: PathBuf,
-    pub format: Format,
+    /// None: probe by magic.
+    pub format: Option<Format>,
     pub read_only: bool,
     pub num_queues: u16,
     pub queue_size: u16,

@@ -14,10 +14,11 @@ use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 
-use crate::args::{AioMode, CacheMode};
+use crate::args::{AioMode, CacheMode, Format};
 use crate::backend::{completion_event_id, VhostUserBlkBackend};
 use crate::config::{Config, Socket};
 use crate::device::{Device, DeviceParams};
+use crate::image::qcow2::{self, Qcow2Error, Qcow2Image};
 use crate::image::{open_raw, OpenError};
 use crate::io::align::{self, ProbeSource};
 use crate::io::{Engine, SyncEngine, UringEngine};
@@ -28,6 +29,8 @@ use crate::worker::QueueWorker;
 pub enum DaemonError {
     #[error(transparent)]
     Image(#[from] OpenError),
+    #[error("image {}", .path.display())]
+    Qcow2 { path: PathBuf, source: Qcow2Error },
     #[error("socket path {0} is in use by another process (is another vublk serving it?)")]
     SocketBusy(PathBuf),
     #[error("socket path {0} exists and is not a socket; refusing to replace it")]
@@ -72,8 +75,35 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         Some(s) => s.as_bytes().to_vec(),
         None => default_serial(img.dev_ino),
     };
+    let format = cfg.format.unwrap_or_else(|| {
+        if qcow2::probe(&img.file) {
+            Format::Qcow2
+        } else {
+            Format::Raw
+        }
+    });
+    let (qcow2, size_bytes) = match format {
+        Format::Raw => (None, img.size_bytes),
+        Format::Qcow2 => {
+            let q = Qcow2Image::open(&img.file, !cfg.read_only).map_err(|source| {
+                DaemonError::Qcow2 {
+                    path: cfg.blk_file.clone(),
+                    source,
+                }
+            })?;
+            info!(
+                "qcow2 v{}: {} bytes, {} KiB clusters, {:?} compression",
+                q.version,
+                q.size_bytes,
+                q.cluster_size() >> 10,
+                q.compression
+            );
+            let size = q.size_bytes;
+            (Some(q), size)
+        }
+    };
     let params = DeviceParams {
-        size_bytes: img.size_bytes,
+        size_bytes,
         logical_block_size: cfg.logical_block_size,
         read_only: cfg.read_only,
         num_queues: cfg.num_queues,
@@ -104,7 +134,9 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
             "read-write"
         }
     );
-    Ok(Arc::new(Device::new(img.file, params)))
+    let mut dev = Device::new(img.file, params);
+    dev.qcow2 = qcow2;
+    Ok(Arc::new(dev))
 }
 
 /// Serial derived from the file's identity: stable across restarts, distinct per file.

@@ -77,6 +77,8 @@ pub struct Device {
     pub no_zero_range: AtomicBool,
     /// Zero-write and deallocation counters.
     pub zero_stats: ZeroStats,
+    /// The qcow2 mapping, for qcow2 images (None: raw).
+    pub qcow2: Option<crate::image::qcow2::Qcow2Image>,
     /// Present when a guest block is smaller than the file's direct-I/O block, so sub-block
     /// writes are read-modify-written and must be serialised against overlapping writes.
     pub write_ranges: Option<RangeLocks>,
@@ -102,6 +104,7 @@ impl Device {
         Device {
             write_ranges: rmw_possible.then(RangeLocks::default),
             zero_stats: ZeroStats::default(),
+            qcow2: None,
             file,
             params,
             limits,

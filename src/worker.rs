@@ -15,6 +15,7 @@ use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
 
 use crate::device::Device;
+use crate::image::qcow2::Extent;
 use crate::io::align::iovecs_aligned;
 use crate::io::bounce::{AlignedBuf, BouncePool};
 use crate::io::ranges::Holder;
@@ -34,6 +35,8 @@ enum OpKind {
     Discard = 4,
     ZeroRange = 5,
     PunchZero = 6,
+    /// One extent of a qcow2 read, into the bounce buffer; `range` is its iovec index.
+    ReadPart = 7,
 }
 
 impl OpKind {
@@ -45,6 +48,7 @@ impl OpKind {
             4 => OpKind::Discard,
             5 => OpKind::ZeroRange,
             6 => OpKind::PunchZero,
+            7 => OpKind::ReadPart,
             _ => return None,
         })
     }
@@ -131,6 +135,9 @@ pub struct QueueWorker {
     completions: Vec<Completion>,
     /// Requests finished while the vring was not at hand: (head, used_len) to add.
     deferred_used: Vec<(u16, u32)>,
+    /// Scratch for qcow2 mappings and the host offsets of their data extents.
+    extents: Vec<Extent>,
+    extent_offsets: Vec<u64>,
     /// We stopped popping because every slot is in use; resume on the next completion.
     stalled: bool,
     bounce: BouncePool,
@@ -164,6 +171,8 @@ impl QueueWorker {
             vring: None,
             completions: Vec::with_capacity(n),
             deferred_used: Vec::with_capacity(n),
+            extents: Vec::new(),
+            extent_offsets: Vec::new(),
             stalled: false,
             bounce,
             stats: QueueStats::default(),
@@ -545,8 +554,16 @@ impl QueueWorker {
             });
             return self.submit_zero_ranges(idx);
         }
+        let file_offset = if is_read {
+            match self.plan_read(idx, &mem, offset, len) {
+                Ok(o) => o,
+                Err(done) => return done,
+            }
+        } else {
+            offset
+        };
         let block = align.offset as u64;
-        let sub_block = direct && (offset % block != 0 || len % block != 0);
+        let sub_block = direct && (file_offset % block != 0 || len % block != 0);
         if sub_block && !is_read {
             self.read_modify_write(idx, &mem);
             return Ok(false);
@@ -565,12 +582,12 @@ impl QueueWorker {
                 });
             }
         }
-        let mut io_offset = offset;
-        if direct && (sub_block || !iovecs_aligned(&slot.iov, offset, align)) {
+        let mut io_offset = file_offset;
+        if direct && (sub_block || !iovecs_aligned(&slot.iov, file_offset, align)) {
             self.stats.bounced += 1;
             // Sub-block reads read the whole file blocks around the request.
-            let (start, end) = block_span(offset, len, block);
-            if end > self.dev.params.size_bytes {
+            let (start, end) = block_span(file_offset, len, block);
+            if self.dev.qcow2.is_none() && end > self.dev.params.size_bytes {
                 error!("queue {}: read of {len} bytes at {offset} needs file blocks past the end of the image", self.index);
                 slot.status = status::IOERR;
                 return Ok(false);
@@ -586,7 +603,7 @@ impl QueueWorker {
                 iov_len: span,
             });
             slot.bounce = Some(buf);
-            slot.bounce_skip = (offset - start) as usize;
+            slot.bounce_skip = (file_offset - start) as usize;
             slot.expect_bytes = span as u64;
             io_offset = start;
         }
@@ -614,6 +631,113 @@ impl QueueWorker {
         // slot.bounce; the slot is not reused until this completion is reaped.
         unsafe { self.engine.push(fd, &op, user_data(idx, kind, 0))? };
         Ok(true)
+    }
+
+    /// Where a read goes in the file. Raw: where it is. qcow2: the host offset when the
+    /// request maps to one data extent (then it is zero-copy like raw); otherwise the request
+    /// is planned extent by extent here and `Err` carries the submission result.
+    fn plan_read(
+        &mut self,
+        idx: u16,
+        mem: &Arc<Mem>,
+        offset: u64,
+        len: u64,
+    ) -> Result<u64, std::io::Result<bool>> {
+        let dev = self.dev.clone();
+        let Some(q) = dev.qcow2.as_ref() else {
+            return Ok(offset);
+        };
+        let mut exts = std::mem::take(&mut self.extents);
+        let planned = q.map(&dev.file, offset, len, &mut exts);
+        let r = match planned {
+            Err(e) => {
+                error!("queue {}: qcow2 read at {offset}: {e}", self.index);
+                self.slots[usize::from(idx)].status = status::IOERR;
+                Err(Ok(false))
+            }
+            Ok(()) => match exts.as_slice() {
+                [Extent::Data { host_offset, .. }] => Ok(*host_offset),
+                _ => Err(self.submit_extents(idx, mem, q, &exts)),
+            },
+        };
+        self.extents = exts;
+        r
+    }
+
+    /// A qcow2 read spanning several extents: data extents are read into one bounce buffer,
+    /// zero extents are zero-filled and compressed ones decompressed into it; `finish` copies
+    /// the buffer to the guest.
+    fn submit_extents(
+        &mut self,
+        idx: u16,
+        _mem: &Arc<Mem>,
+        q: &crate::image::qcow2::Qcow2Image,
+        exts: &[Extent],
+    ) -> std::io::Result<bool> {
+        let fd = self.dev.file.as_raw_fd();
+        let len = self.slots[usize::from(idx)].req.data_len as usize;
+        let mut buf = self.bounce.get(len)?;
+        self.extent_offsets.clear();
+        let slot = &mut self.slots[usize::from(idx)];
+        slot.iov.clear();
+        slot.iov.reserve(exts.len());
+        let base = buf.as_mut_ptr();
+        let mut cluster_buf: Vec<u8> = Vec::new();
+        let mut pos = 0usize;
+        for ext in exts {
+            let n = ext.len() as usize;
+            match *ext {
+                Extent::Data { host_offset, .. } => {
+                    slot.iov.push(libc::iovec {
+                        // SAFETY: pos + n <= len <= the buffer's length.
+                        iov_base: unsafe { base.add(pos) }.cast(),
+                        iov_len: n,
+                    });
+                    self.extent_offsets.push(host_offset);
+                }
+                Extent::Zero { .. } => buf.as_mut_slice()[pos..pos + n].fill(0),
+                Extent::Compressed {
+                    host_offset,
+                    compressed_len,
+                    skip,
+                    ..
+                } => {
+                    cluster_buf.resize(q.cluster_size() as usize, 0);
+                    if let Err(e) = q.decompress(
+                        &self.dev.file,
+                        host_offset,
+                        compressed_len,
+                        &mut cluster_buf,
+                    ) {
+                        error!("queue {}: qcow2 compressed cluster: {e}", self.index);
+                        slot.status = status::IOERR;
+                        slot.iov.clear();
+                        self.bounce.put(buf);
+                        return Ok(false);
+                    }
+                    let skip = skip as usize;
+                    buf.as_mut_slice()[pos..pos + n].copy_from_slice(&cluster_buf[skip..skip + n]);
+                }
+            }
+            pos += n;
+        }
+        slot.bounce = Some(buf);
+        slot.bounce_skip = 0;
+        for i in 0..slot.iov.len() {
+            let op = Op::Readv {
+                iov: &slot.iov[i],
+                iovcnt: 1,
+                offset: self.extent_offsets[i],
+            };
+            slot.pending += 1;
+            // SAFETY: the iovec points into slot.bounce, which the slot keeps until the
+            // completion is reaped; slot.iov is not resized after this loop started.
+            unsafe {
+                self.engine
+                    .push(fd, &op, user_data(idx, OpKind::ReadPart, i as u32))?
+            };
+        }
+        Ok(slot.pending > 0)
     }
 
     /// Take a write range, waiting for conflicting holders. While waiting, this queue's own
@@ -770,6 +894,14 @@ impl QueueWorker {
         }
         let mut res = c.result;
         match kind {
+            Some(OpKind::ReadPart)
+                if res >= 0
+                    && slot.iov.get(range as usize).map(|v| v.iov_len as u64)
+                        != Some(res as u64) =>
+            {
+                warn!("queue {}: short qcow2 read part of {res} bytes", self.index);
+                res = -libc::EIO;
+            }
             Some(OpKind::Read) | Some(OpKind::Write)
                 if res >= 0 && res as u64 != slot.expect_bytes =>
             {

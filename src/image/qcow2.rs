@@ -1,0 +1,548 @@
+//! qcow2 images (QEMU's docs/interop/qcow2.rst; no QEMU code): header validation, the L1
+//! table, a bounded L2 cache, and the mapping of guest ranges to host extents. The format
+//! plans; the worker executes the data I/O. This increment serves images read-only.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::Mutex;
+
+/// "QFI\xfb".
+pub const MAGIC: [u8; 4] = *b"QFI\xfb";
+/// Incompatible feature bits (header offset 72, v3).
+const INCOMPAT_DIRTY: u64 = 1 << 0;
+const INCOMPAT_CORRUPT: u64 = 1 << 1;
+const INCOMPAT_DATA_FILE: u64 = 1 << 2;
+const INCOMPAT_COMPRESSION: u64 = 1 << 3;
+const INCOMPAT_EXTL2: u64 = 1 << 4;
+const INCOMPAT_KNOWN: u64 =
+    INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_DATA_FILE | INCOMPAT_COMPRESSION | INCOMPAT_EXTL2;
+/// L2 entry bits.
+const L2_COMPRESSED: u64 = 1 << 62;
+const L2_ZERO: u64 = 1;
+const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// L1 entry: offset of the L2 table.
+const L1_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// Refuse L1 tables larger than this: 32 MiB of L1 maps 2^22 L2 tables, petabytes of guest
+/// space at any cluster size; an image claiming more is hostile or broken.
+const MAX_L1_BYTES: u64 = 32 << 20;
+/// L2 tables cached per image: 512 tables of 64 KiB clusters map 256 GiB and take 32 MiB.
+const L2_CACHE_BYTES: u64 = 32 << 20;
+
+/// Why a qcow2 image cannot be served; each names the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum Qcow2Error {
+    #[error("cannot read the qcow2 header")]
+    ReadHeader(#[source] io::Error),
+    #[error("not a qcow2 image (bad magic)")]
+    BadMagic,
+    #[error("qcow2 version {0} is not supported (only 2 and 3)")]
+    Version(u32),
+    #[error("qcow2 cluster size 2^{0} is outside 512 B..2 MiB")]
+    ClusterBits(u32),
+    #[error("encrypted qcow2 images are not supported")]
+    Encrypted,
+    #[error("qcow2 images with an external data file are not supported")]
+    ExternalDataFile,
+    #[error("qcow2 images with extended L2 entries (subclusters) are not supported")]
+    ExtendedL2,
+    #[error("qcow2 image uses unknown incompatible features {0:#x}")]
+    UnknownFeatures(u64),
+    #[error("qcow2 image is marked corrupt: it can only be served with --read-only (repair it with qemu-img check -r all)")]
+    Corrupt,
+    #[error("qcow2 image is dirty (lazy refcounts): serve it with --read-only or repair it with qemu-img check -r all")]
+    Dirty,
+    #[error("qcow2 compression type {0} is not supported (zlib = 0, zstd = 1)")]
+    CompressionType(u8),
+    #[error("qcow2 image has a backing file ({0}): backing files are not supported yet")]
+    Backing(String),
+    #[error("qcow2 L1 table of {0} entries is too large or does not cover the image")]
+    L1Size(u64),
+    #[error("qcow2 L1 table offset {0:#x} is not cluster aligned or outside the file")]
+    L1Offset(u64),
+    #[error("cannot read the qcow2 L1 table")]
+    ReadL1(#[source] io::Error),
+    #[error("writing qcow2 images is not supported yet: use --read-only")]
+    Writable,
+}
+
+/// The kind of compression for compressed clusters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    Zlib,
+    Zstd,
+}
+
+/// What a run of guest bytes maps to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Extent {
+    /// `len` bytes at `host_offset` in the image file.
+    Data { host_offset: u64, len: u64 },
+    /// Reads as zeroes (zero flag, or unallocated with no backing file).
+    Zero { len: u64 },
+    /// Part of a compressed cluster: `skip` bytes into the decompressed cluster.
+    Compressed {
+        host_offset: u64,
+        compressed_len: u64,
+        skip: u64,
+        len: u64,
+    },
+}
+
+impl Extent {
+    pub fn len(&self) -> u64 {
+        match *self {
+            Extent::Data { len, .. } | Extent::Zero { len } | Extent::Compressed { len, .. } => len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Errors while mapping: metadata that points somewhere impossible.
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    #[error("reading an L2 table failed")]
+    Io(#[source] io::Error),
+    #[error("corrupt qcow2 metadata: {0}")]
+    Corrupt(&'static str),
+}
+
+struct L2Cache {
+    /// (L2 table offset, entries), most recently used at the back.
+    tables: VecDeque<(u64, Vec<u64>)>,
+    capacity: usize,
+}
+
+/// An open qcow2 image.
+pub struct Qcow2Image {
+    pub version: u32,
+    cluster_bits: u32,
+    l2_bits: u32,
+    pub size_bytes: u64,
+    file_size: u64,
+    l1: Vec<u64>,
+    pub compression: Compression,
+    l2_cache: Mutex<L2Cache>,
+}
+
+impl std::fmt::Debug for Qcow2Image {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qcow2Image")
+            .field("version", &self.version)
+            .field("cluster_bits", &self.cluster_bits)
+            .field("size_bytes", &self.size_bytes)
+            .finish()
+    }
+}
+
+fn be32(b: &[u8], off: usize) -> u32 {
+    u32::from_be_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
+}
+
+fn be64(b: &[u8], off: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[off..off + 8]);
+    u64::from_be_bytes(a)
+}
+
+/// Does the file start with the qcow2 magic? (Aligned read: the file may be O_DIRECT.)
+pub fn probe(file: &File) -> bool {
+    read_aligned(file, 0, 4).is_ok_and(|m| m == MAGIC)
+}
+
+impl Qcow2Image {
+    /// Open and validate. `file` may be opened O_DIRECT: metadata is read with aligned buffers.
+    pub fn open(file: &File, writable: bool) -> Result<Self, Qcow2Error> {
+        if writable {
+            return Err(Qcow2Error::Writable);
+        }
+        let file_size = file.metadata().map_err(Qcow2Error::ReadHeader)?.len();
+        let hdr = read_aligned(file, 0, 4096).map_err(Qcow2Error::ReadHeader)?;
+        if hdr.len() < 72 || hdr[0..4] != MAGIC {
+            return Err(Qcow2Error::BadMagic);
+        }
+        let version = be32(&hdr, 4);
+        if version != 2 && version != 3 {
+            return Err(Qcow2Error::Version(version));
+        }
+        let backing_offset = be64(&hdr, 8);
+        let backing_len = be32(&hdr, 16) as usize;
+        let cluster_bits = be32(&hdr, 20);
+        if !(9..=21).contains(&cluster_bits) {
+            return Err(Qcow2Error::ClusterBits(cluster_bits));
+        }
+        let size_bytes = be64(&hdr, 24);
+        if be32(&hdr, 32) != 0 {
+            return Err(Qcow2Error::Encrypted);
+        }
+        let l1_size = u64::from(be32(&hdr, 36));
+        let l1_offset = be64(&hdr, 40);
+        let mut compression = Compression::Zlib;
+        if version == 3 {
+            if hdr.len() < 104 {
+                return Err(Qcow2Error::BadMagic);
+            }
+            let incompat = be64(&hdr, 72);
+            if incompat & !INCOMPAT_KNOWN != 0 {
+                return Err(Qcow2Error::UnknownFeatures(incompat & !INCOMPAT_KNOWN));
+            }
+            if incompat & INCOMPAT_DATA_FILE != 0 {
+                return Err(Qcow2Error::ExternalDataFile);
+            }
+            if incompat & INCOMPAT_EXTL2 != 0 {
+                return Err(Qcow2Error::ExtendedL2);
+            }
+            if writable && incompat & INCOMPAT_CORRUPT != 0 {
+                return Err(Qcow2Error::Corrupt);
+            }
+            if writable && incompat & INCOMPAT_DIRTY != 0 {
+                return Err(Qcow2Error::Dirty);
+            }
+            let header_len = be32(&hdr, 100) as usize;
+            if incompat & INCOMPAT_COMPRESSION != 0 {
+                if header_len < 105 {
+                    return Err(Qcow2Error::BadMagic);
+                }
+                compression = match hdr[104] {
+                    0 => Compression::Zlib,
+                    1 => Compression::Zstd,
+                    t => return Err(Qcow2Error::CompressionType(t)),
+                };
+            }
+        }
+        if backing_offset != 0 {
+            let name = usize::try_from(backing_offset)
+                .ok()
+                .and_then(|o| hdr.get(o..o.checked_add(backing_len.min(1023))?))
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_else(|| "unreadable name".into());
+            return Err(Qcow2Error::Backing(name));
+        }
+        let cluster_size = 1u64 << cluster_bits;
+        let l2_bits = cluster_bits - 3;
+        let per_l1 = 1u64 << (cluster_bits + l2_bits);
+        let needed = size_bytes.div_ceil(per_l1);
+        if l1_size * 8 > MAX_L1_BYTES || l1_size < needed {
+            return Err(Qcow2Error::L1Size(l1_size));
+        }
+        if l1_size > 0
+            && (l1_offset % cluster_size != 0
+                || l1_offset
+                    .checked_add(l1_size * 8)
+                    .is_none_or(|end| end > file_size))
+        {
+            return Err(Qcow2Error::L1Offset(l1_offset));
+        }
+        let raw = if l1_size > 0 {
+            read_aligned(file, l1_offset, (l1_size * 8) as usize).map_err(Qcow2Error::ReadL1)?
+        } else {
+            Vec::new()
+        };
+        let l1 = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
+        let capacity = (L2_CACHE_BYTES >> cluster_bits).max(4) as usize;
+        Ok(Qcow2Image {
+            version,
+            cluster_bits,
+            l2_bits,
+            size_bytes,
+            file_size,
+            l1,
+            compression,
+            l2_cache: Mutex::new(L2Cache {
+                tables: VecDeque::with_capacity(capacity),
+                capacity,
+            }),
+        })
+    }
+
+    pub fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+
+    /// The L2 entry for the cluster containing `guest_offset` (0 = unallocated).
+    fn l2_entry(&self, file: &File, guest_offset: u64) -> Result<u64, MapError> {
+        let l2_index = (guest_offset >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
+        let l1_index = (guest_offset >> (self.cluster_bits + self.l2_bits)) as usize;
+        let Some(&l1e) = self.l1.get(l1_index) else {
+            return Err(MapError::Corrupt("guest offset beyond the L1 table"));
+        };
+        let l2_offset = l1e & L1_OFFSET_MASK;
+        if l2_offset == 0 {
+            return Ok(0);
+        }
+        let cluster = self.cluster_size();
+        if l2_offset % cluster != 0 || l2_offset + cluster > self.file_size {
+            return Err(MapError::Corrupt(
+                "L2 table offset unaligned or outside the file",
+            ));
+        }
+        let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(pos) = cache.tables.iter().position(|(o, _)| *o == l2_offset) {
+            let t = cache.tables.remove(pos).expect("position is valid");
+            let e = t.1[l2_index as usize];
+            cache.tables.push_back(t);
+            return Ok(e);
+        }
+        let raw = read_aligned(file, l2_offset, cluster as usize).map_err(MapError::Io)?;
+        let table: Vec<u64> = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
+        let e = table[l2_index as usize];
+        if cache.tables.len() >= cache.capacity {
+            cache.tables.pop_front();
+        }
+        cache.tables.push_back((l2_offset, table));
+        Ok(e)
+    }
+
+    /// Map [offset, offset + len) of the guest disk to extents, in order, merging
+    /// contiguous data. The caller checked the range is inside the image.
+    pub fn map(
+        &self,
+        file: &File,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), MapError> {
+        out.clear();
+        let cluster = self.cluster_size();
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let in_cluster = pos & (cluster - 1);
+            let n = (cluster - in_cluster).min(end - pos);
+            let e = self.l2_entry(file, pos)?;
+            let ext = if e & L2_COMPRESSED != 0 {
+                // Compressed descriptor: x = 62 - (cluster_bits - 8) offset bits, then the
+                // number of additional 512-byte sectors.
+                let x = 62 - (self.cluster_bits - 8);
+                let host_offset = e & ((1u64 << x) - 1);
+                let sectors = ((e & !L2_COMPRESSED) >> x) + 1;
+                let compressed_len = (sectors * 512).saturating_sub(host_offset & 511);
+                if host_offset >= self.file_size {
+                    return Err(MapError::Corrupt("compressed cluster outside the file"));
+                }
+                Extent::Compressed {
+                    host_offset,
+                    compressed_len: compressed_len.min(self.file_size - host_offset),
+                    skip: in_cluster,
+                    len: n,
+                }
+            } else {
+                let host = e & L2_OFFSET_MASK;
+                if e & L2_ZERO != 0 && self.version >= 3 || host == 0 {
+                    Extent::Zero { len: n }
+                } else {
+                    if host % cluster != 0
+                        || host + cluster > self.file_size.next_multiple_of(cluster)
+                    {
+                        return Err(MapError::Corrupt(
+                            "data cluster unaligned or outside the file",
+                        ));
+                    }
+                    Extent::Data {
+                        host_offset: host + in_cluster,
+                        len: n,
+                    }
+                }
+            };
+            match (out.last_mut(), ext) {
+                (
+                    Some(Extent::Data { host_offset, len }),
+                    Extent::Data {
+                        host_offset: h,
+                        len: l,
+                    },
+                ) if *host_offset + *len == h => *len += l,
+                (Some(Extent::Zero { len }), Extent::Zero { len: l }) => *len += l,
+                _ => out.push(ext),
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Decompress the cluster of a compressed extent into `cluster_buf` (cluster size).
+    pub fn decompress(
+        &self,
+        file: &File,
+        host_offset: u64,
+        compressed_len: u64,
+        cluster_buf: &mut [u8],
+    ) -> Result<(), MapError> {
+        let start = host_offset & !511;
+        let lead = (host_offset - start) as usize;
+        let raw =
+            read_aligned(file, start, lead + compressed_len as usize).map_err(MapError::Io)?;
+        let input = raw
+            .get(lead..)
+            .ok_or(MapError::Corrupt("short compressed cluster"))?;
+        match self.compression {
+            Compression::Zlib => {
+                use std::io::Read;
+                let mut d = flate2::read::DeflateDecoder::new(input);
+                d.read_exact(cluster_buf)
+                    .map_err(|_| MapError::Corrupt("bad deflate data in a compressed cluster"))?;
+            }
+            Compression::Zstd => {
+                // The stream may be followed by padding: decode exactly one cluster.
+                let mut d = zstd::stream::read::Decoder::new(input)
+                    .map_err(|_| MapError::Corrupt("bad zstd data in a compressed cluster"))?
+                    .single_frame();
+                use std::io::Read;
+                d.read_exact(cluster_buf)
+                    .map_err(|_| MapError::Corrupt("bad zstd data in a compressed cluster"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Read `len` bytes at `offset` with a 4 KiB-aligned buffer and length (works on O_DIRECT
+/// files); returns exactly the bytes asked for (zero-padded past the end of the file).
+fn read_aligned(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+    const A: u64 = 4096;
+    let start = offset / A * A;
+    let end = (offset + len as u64).div_ceil(A) * A;
+    let span = (end - start) as usize;
+    let mut buf = crate::io::bounce::AlignedBuf::new(span, A as usize)?;
+    let mut done = 0usize;
+    while done < span {
+        match file.read_at(&mut buf.as_mut_slice()[done..], start + done as u64) {
+            Ok(0) => break,
+            // A short read only happens at the end of the file (and the next O_DIRECT read
+            // would be unaligned): the rest reads as zeroes.
+            Ok(n) if n < span - done => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let skip = (offset - start) as usize;
+    Ok(buf.as_slice()[skip..skip + len].to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::path::PathBuf;
+
+    fn temp(tag: &str, bytes: &[u8]) -> (PathBuf, File) {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("qcow2-{tag}-{}", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        let f = File::open(&p).unwrap();
+        (p, f)
+    }
+
+    /// A minimal valid v3 header: 64 KiB clusters, 512 MiB (one L1 entry), L1 at 0x30000
+    /// with one entry pointing at an L2 table at 0x40000.
+    fn header() -> Vec<u8> {
+        let mut h = vec![0u8; 0x50000];
+        h[0..4].copy_from_slice(&MAGIC);
+        h[4..8].copy_from_slice(&3u32.to_be_bytes());
+        h[20..24].copy_from_slice(&16u32.to_be_bytes());
+        h[24..32].copy_from_slice(&(1u64 << 29).to_be_bytes());
+        h[36..40].copy_from_slice(&1u32.to_be_bytes());
+        h[40..48].copy_from_slice(&0x30000u64.to_be_bytes());
+        h[100..104].copy_from_slice(&104u32.to_be_bytes());
+        h[0x30000..0x30008].copy_from_slice(&0x40000u64.to_be_bytes());
+        h
+    }
+
+    #[test]
+    fn valid_header_maps_unallocated_and_allocated_clusters() {
+        let mut h = header();
+        // Guest cluster 1 -> host cluster at 0x40000 (the L2 table itself, fine for mapping).
+        h[0x40008..0x40010].copy_from_slice(&0x40000u64.to_be_bytes());
+        // Guest cluster 2: zero flag.
+        h[0x40010..0x40018].copy_from_slice(&1u64.to_be_bytes());
+        let (p, f) = temp("valid", &h);
+        let q = Qcow2Image::open(&f, false).unwrap();
+        let mut out = Vec::new();
+        q.map(&f, 0, 3 * 65536, &mut out).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                Extent::Zero { len: 65536 },
+                Extent::Data {
+                    host_offset: 0x40000,
+                    len: 65536
+                },
+                Extent::Zero { len: 65536 },
+            ]
+        );
+        std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn huge_l1_is_refused_not_allocated() {
+        let mut h = header();
+        h[36..40].copy_from_slice(&u32::MAX.to_be_bytes());
+        let (p, f) = temp("huge-l1", &h);
+        assert!(matches!(
+            Qcow2Image::open(&f, false),
+            Err(Qcow2Error::L1Size(_))
+        ));
+        std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn l2_pointing_outside_the_file_is_an_error_not_a_read() {
+        let mut h = header();
+        h[0x30000..0x30008].copy_from_slice(&(1u64 << 40).to_be_bytes());
+        let (p, f) = temp("l2-out", &h);
+        let q = Qcow2Image::open(&f, false).unwrap();
+        let mut out = Vec::new();
+        assert!(matches!(
+            q.map(&f, 0, 4096, &mut out),
+            Err(MapError::Corrupt(_))
+        ));
+        std::fs::remove_file(p).unwrap();
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Arbitrary header fields and table entries: opening and mapping never panic, and
+        /// every data extent lies inside the file.
+        #[test]
+        fn arbitrary_images_never_panic(
+            fields in proptest::collection::vec((0usize..112, any::<u8>()), 0..24),
+            l1e in any::<u64>(),
+            l2es in proptest::collection::vec(any::<u64>(), 4),
+            off in 0u64..(1 << 30),
+        ) {
+            let mut h = header();
+            for (i, b) in fields {
+                if i >= 4 { h[i] = b; }
+            }
+            if l1e % 3 == 0 { h[0x30000..0x30008].copy_from_slice(&l1e.to_be_bytes()); }
+            for (i, e) in l2es.iter().enumerate() {
+                h[0x40000 + i * 8..0x40008 + i * 8].copy_from_slice(&e.to_be_bytes());
+            }
+            let (p, f) = temp("fuzz", &h);
+            if let Ok(q) = Qcow2Image::open(&f, false) {
+                let size = q.size_bytes;
+                if size > 0 {
+                    let start = off % size;
+                    let len = (size - start).min(4 * 65536);
+                    let mut out = Vec::new();
+                    if q.map(&f, start, len, &mut out).is_ok() {
+                        let total: u64 = out.iter().map(|e| e.len()).sum();
+                        prop_assert_eq!(total, len);
+                        for e in &out {
+                            if let Extent::Data { host_offset, len } = *e {
+                                prop_assert!(host_offset + len <= h.len() as u64 + q.cluster_size());
+                            }
+                        }
+                    }
+                }
+            }
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! qcow2 interop: images made and written by qemu-img / qemu-io (allocated, compressed with
+//! zlib and zstd, zero clusters, partial clusters, v2 and v3) read through vublk with libblkio
+//! must equal what `qemu-img convert -O raw` makes of them.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+fn have_qemu_tools() -> bool {
+    let ok = |p: &str| {
+        Command::new(p)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if ok("qemu-img") && ok("qemu-io") {
+        return true;
+    }
+    skip_or_fail::<()>("qemu-img/qemu-io not installed");
+    false
+}
+
+fn run(cmd: &mut Command) {
+    let o = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        o.status.success(),
+        "{cmd:?} failed:\n{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Patterns: plain data, compressed clusters, zero clusters, partial clusters, data across
+/// cluster boundaries, and untouched (unallocated) space.
+/// Compressed writes must cover whole clusters of `cluster` bytes.
+fn qemu_io_writes(cluster: u64) -> Vec<String> {
+    let c = cluster.max(64 << 10);
+    vec![
+        "write -P 0xaa 0 1M".into(),
+        format!("write -c -P 0xbb {} {}", 24 * MIB, c),
+        format!("write -c -P 0x11 {} {}", 26 * MIB, 2 * c),
+        "write -z 3M 128k".into(),
+        "write -P 0xcc 3M 4k".into(),
+        "write -P 0xdd 5M 4k".into(),
+        "write -P 0xee 10485248 7168".into(),
+        "write -P 0x77 16M 3M".into(),
+    ]
+}
+
+fn make_image(
+    dir: &TestDir,
+    name: &str,
+    create_opts: &str,
+    cluster: u64,
+) -> (std::path::PathBuf, Vec<u8>) {
+    let img = dir.join(&format!("{name}.qcow2"));
+    run(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-o", create_opts])
+        .arg(&img)
+        .arg("32M"));
+    let mut io = Command::new("qemu-io");
+    io.args(["-f", "qcow2"]);
+    for w in qemu_io_writes(cluster) {
+        io.args(["-c", &w]);
+    }
+    run(io.arg(&img));
+    let raw = dir.join(&format!("{name}.raw"));
+    run(Command::new("qemu-img")
+        .args(["convert", "-f", "qcow2", "-O", "raw"])
+        .arg(&img)
+        .arg(&raw));
+    let expected = read_file(&raw);
+    (img, expected)
+}
+
+fn check_through_vublk(dir: &TestDir, img: &Path, expected: &[u8], extra: &[&str]) {
+    let opts = BackendOpts {
+        read_only: true,
+        extra_args: extra.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    };
+    let backend = Backend::start(dir, img, &opts);
+    let mut c = connect(
+        &backend.socket,
+        ClientOpts {
+            read_only: true,
+            ..Default::default()
+        },
+    );
+    assert_eq!(
+        c.capacity(),
+        expected.len() as u64,
+        "capacity is the virtual size"
+    );
+    // Whole disk in 1 MiB reads (many extents each), then reads that start and end inside
+    // clusters of every kind.
+    assert_same(&c.read_all(0), expected, "whole disk");
+    for (off, len) in [
+        (0u64, 4096usize),
+        (2 * MIB - 4096, 12288),
+        (24 * MIB + 65536 - 4096, 8192),
+        (26 * MIB - 512, 4096),
+        (3 * MIB - 512, 8192),
+        (10485248 - 512, 9216),
+        (8 * MIB + 65536 - 512, 1024),
+        (5 * MIB, 512),
+        (20 * MIB, 65536),
+    ] {
+        let got = c
+            .read_at(0, off, len)
+            .unwrap_or_else(|e| panic!("read {len} at {off}: {e}"));
+        assert_same(
+            &got,
+            &expected[off as usize..off as usize + len],
+            &format!("read {len} at {off}"),
+        );
+    }
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    assert!(
+        backend.log_contents().contains("qcow2 v"),
+        "not served as qcow2"
+    );
+}
+
+#[test]
+fn qemu_written_images_read_back_identically() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-interop");
+    for (name, opts, cluster) in [
+        ("v3-zlib", "compat=1.1,compression_type=zlib", 64 << 10),
+        ("v3-zstd", "compat=1.1,compression_type=zstd", 64 << 10),
+        ("v2", "compat=0.10", 64 << 10),
+        ("v3-4k-clusters", "compat=1.1,cluster_size=4096", 4096),
+        ("v3-2m-clusters", "compat=1.1,cluster_size=2M", 2 << 20),
+    ] {
+        let (img, expected) = make_image(&dir, name, opts, cluster);
+        // Probed by magic, and named explicitly.
+        check_through_vublk(&dir, &img, &expected, &[]);
+        check_through_vublk(
+            &dir,
+            &img,
+            &expected,
+            &["--format", "qcow2", "--aio", "threads"],
+        );
+    }
+}
+
+/// Start vublk expecting a refusal: exit status 1 with a message (never a served socket).
+fn start_error(img: &Path, extra: &[&str]) -> String {
+    let dir = img.parent().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .arg("--socket-path")
+        .arg(dir.join("refused.sock"))
+        .arg("--blk-file")
+        .arg(img)
+        .args(extra)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "vublk started serving {} instead of refusing it",
+                img.display()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    use std::io::Read;
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    err
+}
+
+#[test]
+fn unsupported_qcow2_features_are_refused_with_a_message() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-refused");
+    let base = dir.join("base.qcow2");
+    run(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&base)
+        .arg("8M"));
+    let err = start_error(&base, &[]);
+    assert!(err.contains("--read-only"), "writable qcow2: {err}");
+
+    let top = dir.join("top.qcow2");
+    run(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(&base)
+        .arg(&top));
+    let err = start_error(&top, &["--read-only"]);
+    assert!(err.contains("backing file"), "backing: {err}");
+
+    // A header with an impossible cluster size.
+    let bad = dir.join("bad.qcow2");
+    let mut bytes = std::fs::read(&base).unwrap();
+    bytes[20..24].copy_from_slice(&30u32.to_be_bytes());
+    std::fs::write(&bad, &bytes).unwrap();
+    let err = start_error(&bad, &["--read-only", "--format", "qcow2"]);
+    assert!(err.contains("cluster size"), "bad cluster bits: {err}");
+    let msgs: Vec<&str> = err.lines().filter(|l| l.starts_with("vublk:")).collect();
+    assert_eq!(msgs.len(), 1, "one error line: {err}");
+}
