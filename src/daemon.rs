@@ -114,6 +114,7 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         detect_zeroes: cfg.detect_zeroes,
         discard_unmap: cfg.discard == crate::args::DiscardMode::Unmap,
         is_block_device: img.is_block_device,
+        probed_raw: cfg.format.is_none() && format == Format::Raw,
     };
     if cfg.detect_zeroes != crate::zero::DetectZeroes::Off {
         info!(

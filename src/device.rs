@@ -40,6 +40,9 @@ pub struct DeviceParams {
     pub discard_unmap: bool,
     /// The image is a block device: DISCARD uses BLKDISCARD.
     pub is_block_device: bool,
+    /// The format was probed as raw: refuse guest writes that would make the image probe as
+    /// another format next time (a guest planting a qcow2 header naming a host file).
+    pub probed_raw: bool,
 }
 
 /// Zero-write statistics, shared by all queues and readable at any time.
@@ -234,6 +237,7 @@ mod tests {
                 detect_zeroes: DetectZeroes::Off,
                 discard_unmap: false,
                 is_block_device: false,
+                probed_raw: false,
             },
         )
     }

@@ -499,6 +499,13 @@ impl QueueWorker {
         Ok(slot.pending > 0)
     }
 
+    /// Would this write (at offset 0) start the image with a format magic?
+    fn plants_format_header(&self, idx: u16, mem: &Mem) -> bool {
+        let mut magic = [0u8; 4];
+        let data = &self.slots[usize::from(idx)].req.data;
+        copy_from_guest_prefix(mem, data, &mut magic) && magic == crate::image::qcow2::MAGIC
+    }
+
     /// detect-zeroes: is the whole write all zero? Reads guest memory in place.
     fn write_is_zero(&self, idx: u16, mem: &Mem) -> bool {
         let slot = &self.slots[usize::from(idx)];
@@ -534,6 +541,19 @@ impl QueueWorker {
             (is_read, slot.req.offset_bytes(), slot.req.data_len)
         };
         if len == 0 {
+            return Ok(false);
+        }
+        if !is_read
+            && offset == 0
+            && self.dev.params.probed_raw
+            && self.plants_format_header(idx, &mem)
+        {
+            warn!(
+                "queue {}: refused a guest write that would make this probed raw image look \
+                 like qcow2 (use --format raw to allow it)",
+                self.index
+            );
+            self.slots[usize::from(idx)].status = status::IOERR;
             return Ok(false);
         }
         if !is_read
@@ -1049,6 +1069,22 @@ fn block_span(offset: u64, len: u64, block: u64) -> (u64, u64) {
     let start = offset / block * block;
     let end = (offset + len).div_ceil(block) * block;
     (start, end)
+}
+
+/// The first `dst.len()` bytes of the segments (false if they are shorter).
+fn copy_from_guest_prefix(mem: &Mem, segs: &[crate::virtio_blk::Segment], dst: &mut [u8]) -> bool {
+    let mut done = 0;
+    for seg in segs {
+        if done == dst.len() {
+            break;
+        }
+        let n = (seg.len as usize).min(dst.len() - done);
+        if mem.read_slice(&mut dst[done..done + n], seg.addr).is_err() {
+            return false;
+        }
+        done += n;
+    }
+    done == dst.len()
 }
 
 /// Gather the request's guest segments into `dst` (exactly their total length).

@@ -162,6 +162,7 @@ fn device(img: &Image, read_only: bool) -> Arc<Device> {
             detect_zeroes: crate::zero::DetectZeroes::Off,
             discard_unmap: true,
             is_block_device: false,
+            probed_raw: true,
         },
     ))
 }
@@ -419,4 +420,29 @@ fn last_resort_zeroing_writes_zeroes() {
     assert!(data[..4096].iter().all(|&b| b == 0x33));
     assert!(data[4096..4096 + (2 << 20) + 512].iter().all(|&b| b == 0));
     assert!(data[4096 + (2 << 20) + 512..].iter().all(|&b| b == 0x33));
+}
+
+/// A probed raw image: a guest write that would make sector 0 look like qcow2 is refused
+/// (next start would serve the image as qcow2); other writes to sector 0 go through.
+#[test]
+fn probed_raw_refuses_planting_a_format_header() {
+    let img = image("plant", &vec![0u8; 1 << 20]);
+    let mut d = Driver::new();
+    let mut hdr = [0u8; 512];
+    hdr[..4].copy_from_slice(b"QFI\xfb");
+    d.mem.write_slice(&hdr, GuestAddress(DATA)).unwrap();
+    let (_, st_bad) = d.request(req_type::OUT, 0, &[(DATA, 512, false)]);
+    d.mem
+        .write_slice(&[7u8; 512], GuestAddress(DATA + 4096))
+        .unwrap();
+    let (_, st_ok) = d.request(req_type::OUT, 1, &[(DATA + 4096, 512, false)]);
+    run(&d, device(&img, false), Engine::Sync(SyncEngine::new()));
+    assert_eq!(d.status(st_bad), status::IOERR);
+    assert_eq!(d.status(st_ok), status::OK);
+    let f = std::fs::read(&img.path).unwrap();
+    assert!(
+        f[..512].iter().all(|&b| b == 0),
+        "the header must not reach the file"
+    );
+    assert!(f[512..1024].iter().all(|&b| b == 7));
 }
