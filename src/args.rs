@@ -24,6 +24,11 @@ pub struct Args {
     #[arg(long, value_enum)]
     pub format: Option<Format>,
 
+    /// Backing files of qcow2 images: follow them (read-only, relative to the image), or
+    /// refuse images that have one.
+    #[arg(long, value_enum, default_value_t = BackingMode::Follow)]
+    pub backing: BackingMode,
+
     /// Serve the image read-only (guest writes fail with an I/O error).
     #[arg(long)]
     pub read_only: bool,
@@ -122,4 +127,13 @@ pub enum DiscardMode {
     Ignore,
     /// DISCARD punches holes; WRITE_ZEROES with the unmap flag deallocates.
     Unmap,
+}
+
+/// `--backing` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackingMode {
+    /// Open the backing chain read-only (at most 16 deep).
+    Follow,
+    /// Refuse images that have a backing file.
+    None,
 }

@@ -32,6 +32,7 @@ pub struct Config {
     pub blk_file: PathBuf,
     /// None: probe by magic.
     pub format: Option<Format>,
+    pub follow_backing: bool,
     pub read_only: bool,
     pub num_queues: u16,
     pub queue_size: u16,
@@ -131,6 +132,7 @@ impl Config {
             socket,
             blk_file,
             format: args.format,
+            follow_backing: args.backing == crate::args::BackingMode::Follow,
             read_only: args.read_only,
             num_queues: args.num_queues as u16,
             queue_size: args.queue_size as u16,

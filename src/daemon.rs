@@ -18,6 +18,7 @@ use crate::args::{AioMode, CacheMode, Format};
 use crate::backend::{completion_event_id, VhostUserBlkBackend};
 use crate::config::{Config, Socket};
 use crate::device::{Device, DeviceParams};
+use crate::image::chain::{open_chain, ChainError};
 use crate::image::qcow2::{self, Qcow2Error, Qcow2Image};
 use crate::image::{open_raw, OpenError};
 use crate::io::align::{self, ProbeSource};
@@ -29,6 +30,8 @@ use crate::worker::QueueWorker;
 pub enum DaemonError {
     #[error(transparent)]
     Image(#[from] OpenError),
+    #[error(transparent)]
+    Chain(#[from] ChainError),
     #[error("image {}", .path.display())]
     Qcow2 { path: PathBuf, source: Qcow2Error },
     #[error("socket path {0} is in use by another process (is another vublk serving it?)")]
@@ -102,6 +105,22 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
             (Some(q), size)
         }
     };
+    let backing = match &qcow2 {
+        Some(q) => open_chain(
+            &cfg.blk_file,
+            q.backing_file.as_deref(),
+            cfg.follow_backing,
+            direct,
+        )?,
+        None => Vec::new(),
+    };
+    for l in &backing {
+        info!(
+            "backing file {} ({}, read-only)",
+            l.path.display(),
+            if l.qcow2.is_some() { "qcow2" } else { "raw" }
+        );
+    }
     let params = DeviceParams {
         size_bytes,
         logical_block_size: cfg.logical_block_size,
@@ -137,6 +156,7 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
     );
     let mut dev = Device::new(img.file, params);
     dev.qcow2 = qcow2;
+    dev.backing = backing;
     Ok(Arc::new(dev))
 }
 

@@ -82,6 +82,8 @@ pub struct Device {
     pub zero_stats: ZeroStats,
     /// The qcow2 mapping, for qcow2 images (None: raw).
     pub qcow2: Option<crate::image::qcow2::Qcow2Image>,
+    /// The backing chain below a qcow2 image, nearest first.
+    pub backing: Vec<crate::image::chain::Layer>,
     /// Present when a guest block is smaller than the file's direct-I/O block, so sub-block
     /// writes are read-modify-written and must be serialised against overlapping writes.
     pub write_ranges: Option<RangeLocks>,
@@ -108,6 +110,7 @@ impl Device {
             write_ranges: rmw_possible.then(RangeLocks::default),
             zero_stats: ZeroStats::default(),
             qcow2: None,
+            backing: Vec::new(),
             file,
             params,
             limits,
@@ -135,6 +138,17 @@ impl Device {
 
     pub fn set_writeback(&self, on: bool) {
         self.writeback.store(on, Ordering::Relaxed);
+    }
+
+    /// The file and qcow2 mapping of chain layer `layer` (0 = the image itself).
+    pub fn layer(&self, layer: usize) -> Option<(&File, Option<&crate::image::qcow2::Qcow2Image>)> {
+        if layer == 0 {
+            Some((&self.file, self.qcow2.as_ref()))
+        } else {
+            self.backing
+                .get(layer - 1)
+                .map(|l| (&l.file, l.qcow2.as_ref()))
+        }
     }
 
     /// Serial for GET_ID, padded with zeros to 20 bytes.

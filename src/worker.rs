@@ -15,6 +15,7 @@ use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
 
 use crate::device::Device;
+use crate::image::chain::{resolve_read, Piece};
 use crate::image::qcow2::Extent;
 use crate::io::align::iovecs_aligned;
 use crate::io::bounce::{AlignedBuf, BouncePool};
@@ -135,9 +136,12 @@ pub struct QueueWorker {
     completions: Vec<Completion>,
     /// Requests finished while the vring was not at hand: (head, used_len) to add.
     deferred_used: Vec<(u16, u32)>,
-    /// Scratch for qcow2 mappings and the host offsets of their data extents.
+    /// Scratch for qcow2 mappings, resolved pieces, and the host offsets and files of their
+    /// data pieces.
     extents: Vec<Extent>,
+    pieces: Vec<Piece>,
     extent_offsets: Vec<u64>,
+    extent_fds: Vec<i32>,
     /// We stopped popping because every slot is in use; resume on the next completion.
     stalled: bool,
     bounce: BouncePool,
@@ -172,7 +176,9 @@ impl QueueWorker {
             completions: Vec::with_capacity(n),
             deferred_used: Vec::with_capacity(n),
             extents: Vec::new(),
+            pieces: Vec::new(),
             extent_offsets: Vec::new(),
+            extent_fds: Vec::new(),
             stalled: false,
             bounce,
             stats: QueueStats::default(),
@@ -654,8 +660,9 @@ impl QueueWorker {
     }
 
     /// Where a read goes in the file. Raw: where it is. qcow2: the host offset when the
-    /// request maps to one data extent (then it is zero-copy like raw); otherwise the request
-    /// is planned extent by extent here and `Err` carries the submission result.
+    /// request maps to one data extent of the image itself (then it is zero-copy like raw);
+    /// otherwise the request is planned piece by piece through the backing chain here and
+    /// `Err` carries the submission result.
     fn plan_read(
         &mut self,
         idx: u16,
@@ -667,79 +674,105 @@ impl QueueWorker {
         let Some(q) = dev.qcow2.as_ref() else {
             return Ok(offset);
         };
-        let mut exts = std::mem::take(&mut self.extents);
-        let planned = q.map(&dev.file, offset, len, &mut exts);
+        let mut scratch = std::mem::take(&mut self.extents);
+        let mut pieces = std::mem::take(&mut self.pieces);
+        let planned = resolve_read(
+            q,
+            &dev.file,
+            &dev.backing,
+            offset,
+            len,
+            &mut scratch,
+            &mut pieces,
+        );
         let r = match planned {
             Err(e) => {
                 error!("queue {}: qcow2 read at {offset}: {e}", self.index);
                 self.slots[usize::from(idx)].status = status::IOERR;
                 Err(Ok(false))
             }
-            Ok(()) => match exts.as_slice() {
-                [Extent::Data { host_offset, .. }] => Ok(*host_offset),
-                _ => Err(self.submit_extents(idx, mem, q, &exts)),
+            Ok(()) => match pieces.as_slice() {
+                [Piece::Data {
+                    layer: 0,
+                    host_offset,
+                    ..
+                }] => Ok(*host_offset),
+                _ => Err(self.submit_pieces(idx, mem, &dev, &pieces)),
             },
         };
-        self.extents = exts;
+        self.extents = scratch;
+        self.pieces = pieces;
         r
     }
 
-    /// A qcow2 read spanning several extents: data extents are read into one bounce buffer,
-    /// zero extents are zero-filled and compressed ones decompressed into it; `finish` copies
-    /// the buffer to the guest.
-    fn submit_extents(
+    /// A qcow2 read spanning several pieces: data pieces (of the image or of a backing file)
+    /// are read into one bounce buffer, zero pieces are zero-filled and compressed ones
+    /// decompressed into it; `finish` copies the buffer to the guest.
+    fn submit_pieces(
         &mut self,
         idx: u16,
         _mem: &Arc<Mem>,
-        q: &crate::image::qcow2::Qcow2Image,
-        exts: &[Extent],
+        dev: &Device,
+        pieces: &[Piece],
     ) -> std::io::Result<bool> {
-        let fd = self.dev.file.as_raw_fd();
         let len = self.slots[usize::from(idx)].req.data_len as usize;
         let mut buf = self.bounce.get(len)?;
         self.extent_offsets.clear();
+        self.extent_fds.clear();
         let slot = &mut self.slots[usize::from(idx)];
         slot.iov.clear();
-        slot.iov.reserve(exts.len());
+        slot.iov.reserve(pieces.len());
         let base = buf.as_mut_ptr();
         let mut cluster_buf: Vec<u8> = Vec::new();
         let mut pos = 0usize;
-        for ext in exts {
-            let n = ext.len() as usize;
-            match *ext {
-                Extent::Data { host_offset, .. } => {
+        for piece in pieces {
+            let n = piece.len() as usize;
+            match *piece {
+                Piece::Data {
+                    layer, host_offset, ..
+                } => {
+                    let Some((file, _)) = dev.layer(layer) else {
+                        slot.status = status::IOERR;
+                        break;
+                    };
                     slot.iov.push(libc::iovec {
                         // SAFETY: pos + n <= len <= the buffer's length.
                         iov_base: unsafe { base.add(pos) }.cast(),
                         iov_len: n,
                     });
                     self.extent_offsets.push(host_offset);
+                    self.extent_fds.push(file.as_raw_fd());
                 }
-                Extent::Zero { .. } => buf.as_mut_slice()[pos..pos + n].fill(0),
-                Extent::Compressed {
+                Piece::Zero { .. } => buf.as_mut_slice()[pos..pos + n].fill(0),
+                Piece::Compressed {
+                    layer,
                     host_offset,
                     compressed_len,
                     skip,
                     ..
                 } => {
+                    let Some((file, Some(q))) = dev.layer(layer) else {
+                        slot.status = status::IOERR;
+                        break;
+                    };
                     cluster_buf.resize(q.cluster_size() as usize, 0);
-                    if let Err(e) = q.decompress(
-                        &self.dev.file,
-                        host_offset,
-                        compressed_len,
-                        &mut cluster_buf,
-                    ) {
+                    if let Err(e) =
+                        q.decompress(file, host_offset, compressed_len, &mut cluster_buf)
+                    {
                         error!("queue {}: qcow2 compressed cluster: {e}", self.index);
                         slot.status = status::IOERR;
-                        slot.iov.clear();
-                        self.bounce.put(buf);
-                        return Ok(false);
+                        break;
                     }
                     let skip = skip as usize;
                     buf.as_mut_slice()[pos..pos + n].copy_from_slice(&cluster_buf[skip..skip + n]);
                 }
             }
             pos += n;
+        }
+        if slot.status != status::OK {
+            slot.iov.clear();
+            self.bounce.put(buf);
+            return Ok(false);
         }
         slot.bounce = Some(buf);
         slot.bounce_skip = 0;
@@ -753,8 +786,11 @@ impl QueueWorker {
             // SAFETY: the iovec points into slot.bounce, which the slot keeps until the
             // completion is reaped; slot.iov is not resized after this loop started.
             unsafe {
-                self.engine
-                    .push(fd, &op, user_data(idx, OpKind::ReadPart, i as u32))?
+                self.engine.push(
+                    self.extent_fds[i],
+                    &op,
+                    user_data(idx, OpKind::ReadPart, i as u32),
+                )?
             };
         }
         Ok(slot.pending > 0)

@@ -210,8 +210,8 @@ fn unsupported_qcow2_features_are_refused_with_a_message() {
         .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
         .arg(&base)
         .arg(&top));
-    let err = start_error(&top, &["--read-only"]);
-    assert!(err.contains("backing file"), "backing: {err}");
+    let err = start_error(&top, &["--read-only", "--backing", "none"]);
+    assert!(err.contains("backing file"), "--backing none: {err}");
 
     // A header with an impossible cluster size.
     let bad = dir.join("bad.qcow2");
@@ -222,4 +222,83 @@ fn unsupported_qcow2_features_are_refused_with_a_message() {
     assert!(err.contains("cluster size"), "bad cluster bits: {err}");
     let msgs: Vec<&str> = err.lines().filter(|l| l.starts_with("vublk:")).collect();
     assert_eq!(msgs.len(), 1, "one error line: {err}");
+}
+
+fn qemu_io(img: &Path, fmt: &str, cmds: &[&str]) {
+    let mut io = Command::new("qemu-io");
+    io.args(["-f", fmt]);
+    for c in cmds {
+        io.args(["-c", c]);
+    }
+    run(io.arg(img));
+}
+
+/// Backing chains as qemu-img makes them: qcow2 over qcow2 over raw, a backing file smaller
+/// than the image, relative names; reads fall through to the right layer.
+#[test]
+fn backing_chains_read_back_identically() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-chain");
+    // base.raw (16 MiB) <- mid.qcow2 (24 MiB) <- top.qcow2 (32 MiB)
+    let base = dir.join("base.raw");
+    create_pattern_image(&base, 16 * MIB, 5);
+    let mid = dir.join("mid.qcow2");
+    run(Command::new("qemu-img").current_dir(dir.join("")).args([
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "raw",
+        "-b",
+        "base.raw",
+        "mid.qcow2",
+        "24M",
+    ]));
+    qemu_io(
+        &mid,
+        "qcow2",
+        &[
+            "write -P 0x21 1M 64k",
+            "write -z 2M 64k",
+            "write -c -P 0x22 20M 64k",
+        ],
+    );
+    let top = dir.join("top.qcow2");
+    run(Command::new("qemu-img").current_dir(dir.join("")).args([
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "qcow2",
+        "-b",
+        "mid.qcow2",
+        "top.qcow2",
+        "32M",
+    ]));
+    qemu_io(
+        &top,
+        "qcow2",
+        &[
+            "write -P 0x31 1M 4k",
+            "write -P 0x32 3M 128k",
+            "write -P 0x33 30M 4k",
+        ],
+    );
+    let raw = dir.join("expected.raw");
+    run(Command::new("qemu-img")
+        .args(["convert", "-f", "qcow2", "-O", "raw"])
+        .arg(&top)
+        .arg(&raw));
+    let expected = read_file(&raw);
+    check_through_vublk(&dir, &top, &expected, &[]);
+    check_through_vublk(
+        &dir,
+        &top,
+        &expected,
+        &["--aio", "threads", "--cache", "writeback"],
+    );
 }

@@ -55,8 +55,8 @@ pub enum Qcow2Error {
     Dirty,
     #[error("qcow2 compression type {0} is not supported (zlib = 0, zstd = 1)")]
     CompressionType(u8),
-    #[error("qcow2 image has a backing file ({0}): backing files are not supported yet")]
-    Backing(String),
+    #[error("qcow2 backing file name is not readable")]
+    BackingName,
     #[error("qcow2 L1 table of {0} entries is too large or does not cover the image")]
     L1Size(u64),
     #[error("qcow2 L1 table offset {0:#x} is not cluster aligned or outside the file")]
@@ -79,8 +79,10 @@ pub enum Compression {
 pub enum Extent {
     /// `len` bytes at `host_offset` in the image file.
     Data { host_offset: u64, len: u64 },
-    /// Reads as zeroes (zero flag, or unallocated with no backing file).
+    /// Reads as zeroes (zero flag).
     Zero { len: u64 },
+    /// Not allocated here: reads fall through to the backing file, or zeroes without one.
+    Unallocated { len: u64 },
     /// Part of a compressed cluster: `skip` bytes into the decompressed cluster.
     Compressed {
         host_offset: u64,
@@ -93,7 +95,10 @@ pub enum Extent {
 impl Extent {
     pub fn len(&self) -> u64 {
         match *self {
-            Extent::Data { len, .. } | Extent::Zero { len } | Extent::Compressed { len, .. } => len,
+            Extent::Data { len, .. }
+            | Extent::Zero { len }
+            | Extent::Unallocated { len }
+            | Extent::Compressed { len, .. } => len,
         }
     }
 
@@ -126,6 +131,8 @@ pub struct Qcow2Image {
     file_size: u64,
     l1: Vec<u64>,
     pub compression: Compression,
+    /// The backing file name as stored in the header (relative to the image's directory).
+    pub backing_file: Option<String>,
     l2_cache: Mutex<L2Cache>,
 }
 
@@ -214,14 +221,17 @@ impl Qcow2Image {
                 };
             }
         }
-        if backing_offset != 0 {
+        let backing_file = if backing_offset != 0 {
+            // The spec bounds the name to 1023 bytes; it lives in the first cluster.
             let name = usize::try_from(backing_offset)
                 .ok()
-                .and_then(|o| hdr.get(o..o.checked_add(backing_len.min(1023))?))
-                .map(|b| String::from_utf8_lossy(b).into_owned())
-                .unwrap_or_else(|| "unreadable name".into());
-            return Err(Qcow2Error::Backing(name));
-        }
+                .filter(|_| backing_len > 0 && backing_len <= 1023)
+                .and_then(|o| hdr.get(o..o.checked_add(backing_len)?))
+                .ok_or(Qcow2Error::BackingName)?;
+            Some(String::from_utf8(name.to_vec()).map_err(|_| Qcow2Error::BackingName)?)
+        } else {
+            None
+        };
         let cluster_size = 1u64 << cluster_bits;
         let l2_bits = cluster_bits - 3;
         let per_l1 = 1u64 << (cluster_bits + l2_bits);
@@ -252,6 +262,7 @@ impl Qcow2Image {
             file_size,
             l1,
             compression,
+            backing_file,
             l2_cache: Mutex::new(L2Cache {
                 tables: VecDeque::with_capacity(capacity),
                 capacity,
@@ -332,8 +343,10 @@ impl Qcow2Image {
                 }
             } else {
                 let host = e & L2_OFFSET_MASK;
-                if e & L2_ZERO != 0 && self.version >= 3 || host == 0 {
+                if e & L2_ZERO != 0 && self.version >= 3 {
                     Extent::Zero { len: n }
+                } else if host == 0 {
+                    Extent::Unallocated { len: n }
                 } else {
                     if host % cluster != 0
                         || host + cluster > self.file_size.next_multiple_of(cluster)
@@ -357,6 +370,7 @@ impl Qcow2Image {
                     },
                 ) if *host_offset + *len == h => *len += l,
                 (Some(Extent::Zero { len }), Extent::Zero { len: l }) => *len += l,
+                (Some(Extent::Unallocated { len }), Extent::Unallocated { len: l }) => *len += l,
                 _ => out.push(ext),
             }
             pos += n;
@@ -468,7 +482,7 @@ mod tests {
         assert_eq!(
             out,
             vec![
-                Extent::Zero { len: 65536 },
+                Extent::Unallocated { len: 65536 },
                 Extent::Data {
                     host_offset: 0x40000,
                     len: 65536

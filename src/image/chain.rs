@@ -1,0 +1,219 @@
+//! Backing chains: a qcow2 image's unallocated clusters read from its backing file (qcow2 or
+//! raw, opened read-only, path relative to the image), recursively, to a bounded depth.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use super::qcow2::{self, Extent, MapError, Qcow2Error, Qcow2Image};
+
+/// Longest chain we follow: deeper chains are refused (a loop or a hostile image).
+pub const MAX_BACKING_DEPTH: usize = 16;
+
+/// One backing image.
+pub struct Layer {
+    pub path: PathBuf,
+    pub file: File,
+    /// None: raw.
+    pub qcow2: Option<Qcow2Image>,
+    pub size_bytes: u64,
+}
+
+impl std::fmt::Debug for Layer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Layer")
+            .field("path", &self.path)
+            .field("qcow2", &self.qcow2.is_some())
+            .finish()
+    }
+}
+
+/// Why a backing chain cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum ChainError {
+    #[error("the image has a backing file ({0}) and --backing none refuses it")]
+    Refused(String),
+    #[error("backing chain deeper than {MAX_BACKING_DEPTH} (a loop?)")]
+    TooDeep,
+    #[error("cannot open backing file {0}")]
+    Open(PathBuf, #[source] std::io::Error),
+    #[error("backing file {0}")]
+    Qcow2(PathBuf, #[source] Qcow2Error),
+}
+
+/// Open the backing chain below an image whose header names `backing` (None: no chain).
+pub fn open_chain(
+    image: &Path,
+    backing: Option<&str>,
+    follow: bool,
+    direct: bool,
+) -> Result<Vec<Layer>, ChainError> {
+    let mut layers = Vec::new();
+    let mut next = backing.map(|b| resolve(image, b));
+    if let (Some(p), false) = (&next, follow) {
+        return Err(ChainError::Refused(p.display().to_string()));
+    }
+    while let Some(path) = next.take() {
+        if layers.len() >= MAX_BACKING_DEPTH {
+            return Err(ChainError::TooDeep);
+        }
+        let mut o = OpenOptions::new();
+        o.read(true);
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        let file = o
+            .open(&path)
+            .map_err(|e| ChainError::Open(path.clone(), e))?;
+        let (q, size_bytes) = if qcow2::probe(&file) {
+            let q =
+                Qcow2Image::open(&file, false).map_err(|e| ChainError::Qcow2(path.clone(), e))?;
+            next = q.backing_file.as_deref().map(|b| resolve(&path, b));
+            let size = q.size_bytes;
+            (Some(q), size)
+        } else {
+            let size = file
+                .metadata()
+                .map_err(|e| ChainError::Open(path.clone(), e))?
+                .len();
+            (None, size)
+        };
+        layers.push(Layer {
+            path,
+            file,
+            qcow2: q,
+            size_bytes,
+        });
+    }
+    Ok(layers)
+}
+
+/// A backing name is relative to the directory of the image that names it.
+fn resolve(image: &Path, backing: &str) -> PathBuf {
+    let b = Path::new(backing);
+    if b.is_absolute() {
+        b.to_path_buf()
+    } else {
+        image.parent().unwrap_or(Path::new(".")).join(b)
+    }
+}
+
+/// A resolved piece of a read: which file (0 = the image itself, i = backing layer i - 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Piece {
+    Data {
+        layer: usize,
+        host_offset: u64,
+        len: u64,
+    },
+    Zero {
+        len: u64,
+    },
+    Compressed {
+        layer: usize,
+        host_offset: u64,
+        compressed_len: u64,
+        skip: u64,
+        len: u64,
+    },
+}
+
+impl Piece {
+    pub fn len(&self) -> u64 {
+        match *self {
+            Piece::Data { len, .. } | Piece::Zero { len } | Piece::Compressed { len, .. } => len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Resolve [offset, offset + len) of the top image through the chain into pieces.
+pub fn resolve_read(
+    top: &Qcow2Image,
+    top_file: &File,
+    chain: &[Layer],
+    offset: u64,
+    len: u64,
+    scratch: &mut Vec<Extent>,
+    out: &mut Vec<Piece>,
+) -> Result<(), MapError> {
+    out.clear();
+    resolve_in(Some(top), top_file, 0, chain, offset, len, scratch, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn resolve_in(
+    q: Option<&Qcow2Image>,
+    file: &File,
+    layer: usize,
+    chain: &[Layer],
+    offset: u64,
+    len: u64,
+    scratch: &mut Vec<Extent>,
+    out: &mut Vec<Piece>,
+) -> Result<(), MapError> {
+    let Some(q) = q else {
+        // Raw layer: identity.
+        out.push(Piece::Data {
+            layer,
+            host_offset: offset,
+            len,
+        });
+        return Ok(());
+    };
+    q.map(file, offset, len, scratch)?;
+    // The recursion needs `scratch` again: take this level's extents out.
+    let exts = std::mem::take(scratch);
+    let mut pos = offset;
+    for e in &exts {
+        let n = e.len();
+        match *e {
+            Extent::Data { host_offset, len } => out.push(Piece::Data {
+                layer,
+                host_offset,
+                len,
+            }),
+            Extent::Zero { len } => out.push(Piece::Zero { len }),
+            Extent::Compressed {
+                host_offset,
+                compressed_len,
+                skip,
+                len,
+            } => out.push(Piece::Compressed {
+                layer,
+                host_offset,
+                compressed_len,
+                skip,
+                len,
+            }),
+            Extent::Unallocated { len } => match chain.get(layer) {
+                None => out.push(Piece::Zero { len }),
+                Some(below) => {
+                    // A backing file smaller than the image reads as zeroes past its end.
+                    let inside = below.size_bytes.saturating_sub(pos).min(len);
+                    if inside > 0 {
+                        resolve_in(
+                            below.qcow2.as_ref(),
+                            &below.file,
+                            layer + 1,
+                            chain,
+                            pos,
+                            inside,
+                            scratch,
+                            out,
+                        )?;
+                    }
+                    if inside < len {
+                        out.push(Piece::Zero { len: len - inside });
+                    }
+                }
+            },
+        }
+        pos += n;
+    }
+    *scratch = exts;
+    Ok(())
+}
