@@ -9,7 +9,7 @@ sock=${2:-/tmp/vublk.sock}
 shift $(( $# > 2 ? 2 : $# ))
 cargo build --release --manifest-path "$here/Cargo.toml" >&2
 if [ ! -e "$img" ]; then
-    truncate -s "${VUBLK_DEFAULT_SIZE:-8G}" "$img"
+    "$here/target/release/vublk" create --format raw --size "${VUBLK_DEFAULT_SIZE:-8G}" "$img"
     echo "created sparse raw image $img (${VUBLK_DEFAULT_SIZE:-8G})" >&2
 fi
 cat >&2 <<MSG

@@ -2,12 +2,15 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 
 /// vhost-user-blk backend: serve a disk image to QEMU, cloud-hypervisor or libblkio.
 #[derive(Debug, Parser)]
-#[command(name = "vublk", version, about, long_about = None)]
+#[command(name = "vublk", version, about, long_about = None, args_conflicts_with_subcommands = true)]
 pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     /// Listen on this UNIX socket path (created; a stale socket file is replaced).
     #[arg(long, value_name = "PATH")]
     pub socket_path: Option<PathBuf>,
@@ -136,4 +139,53 @@ pub enum BackingMode {
     Follow,
     /// Refuse images that have a backing file.
     None,
+}
+
+/// Subcommands (without one, vublk serves an image).
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create a new raw or qcow2 image (never overwrites).
+    Create(CreateArgs),
+}
+
+/// `vublk create` options.
+#[derive(Debug, clap::Args)]
+pub struct CreateArgs {
+    /// Image format.
+    #[arg(long, value_enum)]
+    pub format: Format,
+    /// Virtual size, e.g. 8G, 512M, 1T or bytes (default: the backing file's size).
+    #[arg(long, value_name = "SIZE")]
+    pub size: Option<String>,
+    /// qcow2 cluster size, a power of two from 512 to 2M.
+    #[arg(long, value_name = "BYTES", default_value = "64K")]
+    pub cluster_size: String,
+    /// qcow2 compression type for compressed clusters.
+    #[arg(long, value_enum, default_value_t = CompressionArg::Zlib)]
+    pub compression_type: CompressionArg,
+    /// qcow2 backing file (stored as given, relative to the new image).
+    #[arg(long, value_name = "FILE")]
+    pub backing: Option<PathBuf>,
+    /// The image to create.
+    pub file: PathBuf,
+}
+
+/// `--compression-type` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CompressionArg {
+    Zlib,
+    Zstd,
+}
+
+/// Parse a size with an optional binary suffix (K, M, G, T).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, shift) = match s.chars().last()? {
+        'k' | 'K' => (&s[..s.len() - 1], 10),
+        'm' | 'M' => (&s[..s.len() - 1], 20),
+        'g' | 'G' => (&s[..s.len() - 1], 30),
+        't' | 'T' => (&s[..s.len() - 1], 40),
+        _ => (s, 0),
+    };
+    num.parse::<u64>().ok()?.checked_mul(1u64 << shift)
 }

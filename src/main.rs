@@ -26,6 +26,22 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    if let Some(vublk::args::Command::Create(c)) = &args.command {
+        let params = match vublk::image::create::params_from_args(c) {
+            Ok(p) => p,
+            Err(msg) => {
+                eprintln!("vublk create: {msg}");
+                return ExitCode::from(EXIT_USAGE);
+            }
+        };
+        return match vublk::image::create::create(&c.file, &params) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                print_error_chain("vublk create", &e);
+                ExitCode::FAILURE
+            }
+        };
+    }
     if args.print_capabilities {
         println!("{}", capabilities_json());
         return ExitCode::SUCCESS;
@@ -44,14 +60,19 @@ fn main() -> ExitCode {
     match vublk::daemon::run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let mut msg = format!("vublk: {e}");
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg.push_str(&format!(": {s}"));
-                src = s.source();
-            }
-            eprintln!("{msg}");
+            print_error_chain("vublk", &e);
             ExitCode::FAILURE
         }
     }
+}
+
+/// One line: the error and every source, colon-separated.
+fn print_error_chain(prefix: &str, e: &dyn std::error::Error) {
+    let mut msg = format!("{prefix}: {e}");
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    eprintln!("{msg}");
 }

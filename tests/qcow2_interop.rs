@@ -302,3 +302,79 @@ fn backing_chains_read_back_identically() {
         &["--aio", "threads", "--cache", "writeback"],
     );
 }
+
+/// `vublk create` makes images qemu-img accepts (check clean, info as asked), that qemu-io can
+/// write and vublk then serves identically.
+#[test]
+fn vublk_create_makes_images_qemu_accepts() {
+    if skip_unless_vublk("vublk create is vublk's") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-create");
+    let create = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .arg("create")
+            .args(args)
+            .current_dir(dir.join(""))
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "vublk create {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    create(&["--format", "qcow2", "--size", "32M", "a.qcow2"]);
+    create(&[
+        "--format",
+        "qcow2",
+        "--size",
+        "32M",
+        "--compression-type",
+        "zstd",
+        "--cluster-size",
+        "4K",
+        "b.qcow2",
+    ]);
+    create(&["--format", "qcow2", "--backing", "a.qcow2", "c.qcow2"]);
+    create(&["--format", "raw", "--size", "32M", "d.raw"]);
+    for (img, fmt, cluster) in [
+        ("a.qcow2", "qcow2", 65536u64),
+        ("b.qcow2", "qcow2", 4096),
+        ("d.raw", "raw", 65536),
+    ] {
+        let p = dir.join(img);
+        if fmt == "qcow2" {
+            run(Command::new("qemu-img").args(["check", "-q"]).arg(&p));
+        }
+        let mut io = Command::new("qemu-io");
+        io.args(["-f", fmt]);
+        for w in qemu_io_writes(cluster) {
+            if fmt == "raw" && w.contains(" -c ") {
+                continue;
+            }
+            io.args(["-c", &w]);
+        }
+        run(io.arg(&p));
+    }
+    let info = Command::new("qemu-img")
+        .args(["info"])
+        .arg(dir.join("c.qcow2"))
+        .output()
+        .unwrap();
+    let info = String::from_utf8_lossy(&info.stdout);
+    assert!(
+        info.contains("backing file: a.qcow2") && info.contains("32 MiB"),
+        "{info}"
+    );
+    for img in ["a.qcow2", "b.qcow2", "c.qcow2"] {
+        let p = dir.join(img);
+        run(Command::new("qemu-img").args(["check", "-q"]).arg(&p));
+        let raw = dir.join(&format!("{img}.raw"));
+        run(Command::new("qemu-img")
+            .args(["convert", "-O", "raw"])
+            .arg(&p)
+            .arg(&raw));
+        check_through_vublk(&dir, &p, &read_file(&raw), &[]);
+    }
+}

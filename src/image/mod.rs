@@ -2,6 +2,7 @@
 //! N is the file's byte N, so there is nothing to plan; qcow2 maps guest ranges to extents.
 
 pub mod chain;
+pub mod create;
 pub mod qcow2;
 mod raw;
 
