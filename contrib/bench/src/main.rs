@@ -67,8 +67,9 @@ struct Opts {
     /// A few hundred I/Os per workload and backend: checks that everything runs.
     #[arg(long)]
     smoke: bool,
-    /// Extra backends: NAME=vublk:ARGS (vublk with extra options, whitespace-separated) or
-    /// NAME=qsd:OPTS (extra --blockdev options, comma-separated); use NAME in --backends.
+    /// Extra backends: NAME=vublk[@IMAGE]:ARGS (vublk with extra options, whitespace-separated)
+    /// or NAME=qsd[@IMAGE]:OPTS (extra --blockdev options, comma-separated); use NAME in
+    /// --backends. @IMAGE serves another image (e.g. a qcow2 copy of --image).
     #[arg(long = "variant", value_name = "NAME=KIND:ARGS")]
     variants: Vec<String>,
     /// Instead of workloads: write --size bytes of zeroes (1 MiB requests, depth 4) into a
@@ -169,6 +170,8 @@ struct Backend {
     kind: BackendKind,
     /// vublk: extra arguments; qsd: extra --blockdev options.
     extra: Vec<String>,
+    /// Serve this image instead of --image (e.g. a qcow2 copy).
+    image: Option<PathBuf>,
 }
 
 impl Backend {
@@ -182,6 +185,7 @@ fn resolve_backends(opts: &Opts) -> Vec<Backend> {
         name: name.to_owned(),
         kind,
         extra: Vec::new(),
+        image: None,
     };
     opts.backends
         .iter()
@@ -205,16 +209,22 @@ fn resolve_backends(opts: &Opts) -> Vec<Backend> {
                         panic!("unknown backend {other}: file, vublk, qsd or a --variant")
                     });
                 let (kind, args) = spec.split_once(':').unwrap_or((spec, ""));
+                let (kind, image) = match kind.split_once('@') {
+                    Some((k, img)) => (k, Some(PathBuf::from(img))),
+                    None => (kind, None),
+                };
                 match kind {
                     "vublk" => Backend {
                         name: other.to_owned(),
                         kind: BackendKind::Vublk,
                         extra: args.split_whitespace().map(str::to_owned).collect(),
+                        image,
                     },
                     "qsd" => Backend {
                         name: other.to_owned(),
                         kind: BackendKind::Qsd,
                         extra: vec![args.to_owned()],
+                        image,
                     },
                     k => panic!("--variant {other}: kind {k} must be vublk or qsd"),
                 }
@@ -555,6 +565,9 @@ fn connect_client(
     if backend.kind == BackendKind::File {
         b.set_bool("direct", true).expect("direct");
     }
+    if backend.extra.iter().any(|a| a == "--read-only" || a.contains("read-only=on")) {
+        b.set_bool("read-only", true).expect("read-only");
+    }
     b.connect().expect("connect");
     b.set_i32("num-queues", queues as i32).expect("num-queues");
     let started = b.start().expect("start");
@@ -562,8 +575,9 @@ fn connect_client(
 }
 
 fn run_once(backend: &Backend, wl: &Workload, opts: &Opts, vublk: &Path, work: &Path) -> RunResult {
-    let server = start_server(backend, &opts.image, opts, vublk, work);
-    let (mut b, queues) = connect_client(backend, &server, &opts.image, wl.queues);
+    let image = backend.image.as_deref().unwrap_or(&opts.image);
+    let server = start_server(backend, image, opts, vublk, work);
+    let (mut b, queues) = connect_client(backend, &server, image, wl.queues);
     let capacity = b.get_u64("capacity").expect("capacity");
     let region_len = wl.queues * wl.depth * wl.bs;
     let region = b.alloc_mem_region(region_len).expect("alloc region");
