@@ -716,6 +716,15 @@ impl QueueWorker {
         pieces: &[Piece],
     ) -> std::io::Result<bool> {
         let len = self.slots[usize::from(idx)].req.data_len as usize;
+        if pieces.iter().map(|p| p.len()).sum::<u64>() != len as u64 {
+            // Never index the buffer with a plan that does not cover the request exactly.
+            error!(
+                "queue {}: qcow2 plan does not cover the request",
+                self.index
+            );
+            self.slots[usize::from(idx)].status = status::IOERR;
+            return Ok(false);
+        }
         let mut buf = self.bounce.get(len)?;
         self.extent_offsets.clear();
         self.extent_fds.clear();

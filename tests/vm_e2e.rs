@@ -155,6 +155,8 @@ struct Variant {
     mode: Option<&'static str>,
     /// Extra `vhost-user-blk-pci` properties, e.g. `,write-zeroes=off`.
     device_props: &'static str,
+    /// Builds the image to serve in the run directory (default: a sparse raw file).
+    prepare: Option<fn(&Path, u64) -> PathBuf>,
 }
 
 /// What a zero-write run may leave allocated in the image, in bytes.
@@ -183,6 +185,7 @@ fn guest_mkfs_fsck_and_pattern_io() {
         logical_block: 512,
         mode: None,
         device_props: "",
+        prepare: None,
     });
 }
 
@@ -203,6 +206,7 @@ fn guest_on_4k_blocks_with_threads_engine_and_page_cache() {
         logical_block: 4096,
         mode: None,
         device_props: "",
+        prepare: None,
     });
 }
 
@@ -227,6 +231,7 @@ fn guest_zero_writes_with_and_without_detect_zeroes() {
                 logical_block: 512,
                 mode: Some(mode),
                 device_props: ",write-zeroes=off",
+                prepare: None,
             });
         }
     }
@@ -305,10 +310,16 @@ fn run_guest(variant: &Variant) {
     )
     .expect("creating run directory");
     run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
-    let image = run.path.join("disk.img");
-    File::create(&image)
-        .and_then(|f| f.set_len(disk_size))
-        .expect("creating sparse disk image");
+    let image = match variant.prepare {
+        Some(prepare) => prepare(&run.path, disk_size),
+        None => {
+            let image = run.path.join("disk.img");
+            File::create(&image)
+                .and_then(|f| f.set_len(disk_size))
+                .expect("creating sparse disk image");
+            image
+        }
+    };
     let mut sock = run.path.join("vhost-user-blk.sock");
     if sock.as_os_str().len() > 100 {
         // sun_path holds 108 bytes
@@ -511,6 +522,13 @@ fn run_guest(variant: &Variant) {
             {
                 println!("[vm] {}: {}", variant.name, l.trim());
             }
+            if mode == "ro-verify" {
+                assert!(
+                    log.contains("qcow2 v3") && log.contains("backing file"),
+                    "not served as a qcow2 chain:\n{}",
+                    tail(&log, 20)
+                );
+            }
             let (min, max) = zero_mode_allocation_limit(variant, disk_size);
             assert!(
                 (min..=max).contains(&allocated),
@@ -597,4 +615,123 @@ fn run_guest(variant: &Variant) {
     if sock.parent() != Some(run.path.as_path()) {
         let _ = fs::remove_file(&sock);
     }
+}
+
+/// A qcow2 image with compressed clusters over a raw backing file: ext4 made on the host with
+/// files and their checksums (mke2fs -d), converted to a compressed qcow2 whose second half is
+/// a qcow2 overlay on a raw base. The guest fscks it and checks every file, read-only.
+fn prepare_qcow2_chain(dir: &Path, size: u64) -> PathBuf {
+    let files = dir.join("fs-content");
+    fs::create_dir_all(&files).unwrap();
+    let mut sums = String::new();
+    for i in 0..24u64 {
+        let name = format!("file-{i:02}");
+        let mut data = vec![0u8; (64 << 10) * (i as usize + 1) + i as usize * 777];
+        let mut x = 0x1234_5678u64.wrapping_add(i);
+        for b in data.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Half compressible, half random, so compressed clusters hold real data.
+            *b = if (x >> 40) % 2 == 0 {
+                (x >> 3) as u8 & 0x0f
+            } else {
+                x as u8
+            };
+        }
+        fs::write(files.join(&name), &data).unwrap();
+        let out = Command::new("sha256sum")
+            .arg(&name)
+            .current_dir(&files)
+            .output()
+            .unwrap();
+        sums.push_str(&String::from_utf8_lossy(&out.stdout));
+    }
+    fs::write(files.join("sums.txt"), sums).unwrap();
+    let raw = dir.join("fs.raw");
+    let st = Command::new("mkfs.ext4")
+        .args(["-F", "-q", "-d"])
+        .arg(&files)
+        .arg(&raw)
+        .arg(format!("{}k", size >> 10))
+        .status()
+        .unwrap();
+    assert!(st.success(), "mkfs.ext4 -d failed");
+    // base.raw: the filesystem; top.qcow2: a compressed qcow2 copy of it layered over the raw
+    // base (unallocated clusters read from the base).
+    let base = dir.join("base.raw");
+    fs::copy(&raw, &base).unwrap();
+    let full = dir.join("full.qcow2");
+    let st = Command::new("qemu-img")
+        .args([
+            "convert",
+            "-c",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            "-o",
+            "compression_type=zstd",
+        ])
+        .arg(&raw)
+        .arg(&full)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    // The overlay: compressed qcow2 data for the first half, the base for the rest.
+    let top = dir.join("top.qcow2");
+    let st = Command::new("qemu-img")
+        .current_dir(dir)
+        .args([
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            "-b",
+            "base.raw",
+            "top.qcow2",
+        ])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let half = size / 2;
+    // Copy the first half of the filesystem into the overlay as compressed clusters:
+    // `convert -n` writes into the existing overlay; the second half reads from the base.
+    let st = Command::new("qemu-img")
+        .args(["convert", "-n", "-c", "-O", "qcow2", "--image-opts"])
+        .arg(format!(
+            "driver=raw,offset=0,size={half},file.driver=qcow2,file.file.filename={}",
+            full.display()
+        ))
+        .arg(&top)
+        .status()
+        .unwrap();
+    assert!(st.success(), "qemu-img convert -n into the overlay failed");
+    let st = Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "qcow2"])
+        .arg(&raw)
+        .arg(&top)
+        .status()
+        .unwrap();
+    assert!(
+        st.success(),
+        "the overlay chain differs from the filesystem image"
+    );
+    top
+}
+
+/// A read-only qcow2 (compressed clusters over a raw backing file) in a Linux guest.
+#[test]
+fn guest_reads_a_compressed_qcow2_over_a_raw_backing_file() {
+    run_guest(&Variant {
+        name: "qcow2-ro",
+        vublk_args: &["--read-only"],
+        serial: None,
+        logical_block: 512,
+        mode: Some("ro-verify"),
+        device_props: "",
+        prepare: Some(prepare_qcow2_chain),
+    });
 }

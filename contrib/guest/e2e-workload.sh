@@ -75,7 +75,7 @@ say "INFO device=$DEV bytes=$DEV_BYTES ($((DEV_BYTES / MIB)) MiB) queues=$NQ wri
 if [ -n "${E2E_QUEUES:-}" ] && [ "$NQ" != "$E2E_QUEUES" ]; then
 	fail queue-count "guest has $NQ queues, expected $E2E_QUEUES"
 fi
-[ "$RO" = 0 ] || fail device-writable "device is read-only"
+[ "$RO" = 0 ] || [ "${E2E_MODE:-}" = ro-verify ] || fail device-writable "device is read-only"
 if [ -n "${E2E_LBS:-}" ] && [ "$LBS" != "$E2E_LBS" ]; then
 	fail logical-block-size "guest sees $LBS-byte blocks, expected $E2E_LBS"
 fi
@@ -98,6 +98,19 @@ zero-dd)
 	run zero-dd "$DD" if=/dev/zero of="$DEV" bs=1M count=$((DEV_BYTES / MIB)) oflag=direct \
 		status=none
 	run zero-dd-sync sync
+	phase
+	exit 0
+	;;
+ro-verify)
+	# A read-only disk prepared on the host (ext4 with files and their sha256 list).
+	phase ro-fsck
+	run ro-fsck "$FSCK" -fn "$DEV"
+	phase ro-verify
+	run mkdir-ro mkdir -p "$MNT"
+	run mount-ro mount -t ext4 -o ro,noload "$DEV" "$MNT"
+	(cd "$MNT" && "$SHA" -c --quiet sums.txt) || fail ro-verify-checksums
+	say "INFO verified $(wc -l <"$MNT/sums.txt") files read-only"
+	run umount-ro umount "$MNT"
 	phase
 	exit 0
 	;;

@@ -565,7 +565,11 @@ fn connect_client(
     if backend.kind == BackendKind::File {
         b.set_bool("direct", true).expect("direct");
     }
-    if backend.extra.iter().any(|a| a == "--read-only" || a.contains("read-only=on")) {
+    if backend
+        .extra
+        .iter()
+        .any(|a| a == "--read-only" || a.contains("read-only=on"))
+    {
         b.set_bool("read-only", true).expect("read-only");
     }
     b.connect().expect("connect");
