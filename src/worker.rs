@@ -450,6 +450,14 @@ impl QueueWorker {
             // --discard ignore: DISCARD is a hint the device may ignore (5.2.6.2).
             return Ok(false);
         }
+        if self.dev.qcow2.is_some() {
+            // qcow2 (this increment): DISCARD is a hint and is ignored; zeroes are written
+            // as data through the allocating write path.
+            if !discard {
+                self.qcow2_write_zeroes(idx);
+            }
+            return Ok(false);
+        }
         if self.dev.write_ranges.is_some() {
             let r = &self.slots[usize::from(idx)].req.ranges;
             let lo = r.iter().map(|r| r.offset_bytes).min().unwrap_or(0);
@@ -547,6 +555,10 @@ impl QueueWorker {
             (is_read, slot.req.offset_bytes(), slot.req.data_len)
         };
         if len == 0 {
+            return Ok(false);
+        }
+        if !is_read && self.dev.qcow2.is_some() {
+            self.qcow2_write(idx, &mem);
             return Ok(false);
         }
         if !is_read
@@ -803,6 +815,76 @@ impl QueueWorker {
             };
         }
         Ok(slot.pending > 0)
+    }
+
+    /// qcow2 write, synchronous on this queue's thread (one allocating writer per image at a
+    /// time): gather the guest data, let the format allocate and order metadata.
+    fn qcow2_write(&mut self, idx: u16, mem: &Arc<Mem>) {
+        let (offset, len) = {
+            let r = &self.slots[usize::from(idx)].req;
+            (r.offset_bytes(), r.data_len as usize)
+        };
+        let status = match self.bounce.get(len) {
+            Err(_) => status::IOERR,
+            Ok(mut buf) => {
+                let r = copy_from_guest(
+                    mem,
+                    &self.slots[usize::from(idx)].req.data,
+                    &mut buf.as_mut_slice()[..len],
+                )
+                .map_err(|e| e.to_string())
+                .and_then(|()| self.qcow2_write_bytes(offset, &buf.as_slice()[..len]));
+                self.bounce.put(buf);
+                match r {
+                    Ok(()) => status::OK,
+                    Err(e) => {
+                        error!("queue {}: qcow2 write at {offset}: {e}", self.index);
+                        status::IOERR
+                    }
+                }
+            }
+        };
+        self.slots[usize::from(idx)].status = status;
+    }
+
+    fn qcow2_write_zeroes(&mut self, idx: u16) {
+        const CHUNK: u64 = 1 << 20;
+        let zero = vec![0u8; CHUNK as usize];
+        let ranges: Vec<(u64, u64)> = self.slots[usize::from(idx)]
+            .req
+            .ranges
+            .iter()
+            .map(|r| (r.offset_bytes, r.len_bytes))
+            .collect();
+        for (off, len) in ranges {
+            let mut pos = off;
+            while pos < off + len {
+                let n = (off + len - pos).min(CHUNK);
+                if let Err(e) = self.qcow2_write_bytes(pos, &zero[..n as usize]) {
+                    error!("queue {}: qcow2 write zeroes at {pos}: {e}", self.index);
+                    self.slots[usize::from(idx)].status = status::IOERR;
+                    return;
+                }
+                pos += n;
+            }
+        }
+    }
+
+    fn qcow2_write_bytes(&mut self, offset: u64, data: &[u8]) -> Result<(), String> {
+        let dev = self.dev.clone();
+        let Some(q) = dev.qcow2.as_ref() else {
+            return Err("not a qcow2 image".into());
+        };
+        if !dev.writeback() {
+            self.stats.durable_writes += 1;
+        }
+        let mut fill_old = |cl_start: u64, buf: &mut [u8]| read_old_cluster(&dev, q, cl_start, buf);
+        q.write(&dev.file, offset, data, &mut fill_old)
+            .map_err(|e| e.to_string())?;
+        if !dev.writeback() {
+            dev.file.sync_data().map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 
     /// Take a write range, waiting for conflicting holders. While waiting, this queue's own
@@ -1107,6 +1189,63 @@ fn avail_pending(vring: &VringRwLock<GuestMemoryAtomic<Mem>>, mem: &Mem) -> bool
     q.ready()
         && q.avail_idx(mem, std::sync::atomic::Ordering::Acquire)
             .is_ok_and(|i| i.0 != q.next_avail())
+}
+
+/// Read a whole cluster of the guest disk (through the backing chain), synchronously: the
+/// old contents a copy-on-write keeps around the new data.
+fn read_old_cluster(
+    dev: &Device,
+    q: &crate::image::qcow2::Qcow2Image,
+    cl_start: u64,
+    buf: &mut [u8],
+) -> Result<(), crate::image::qcow2::MapError> {
+    use crate::image::qcow2::MapError;
+    let mut scratch = Vec::new();
+    let mut pieces = Vec::new();
+    // The last cluster may extend past the virtual size: only map what exists.
+    let len = (buf.len() as u64).min(q.size_bytes.saturating_sub(cl_start));
+    buf.fill(0);
+    resolve_read(
+        q,
+        &dev.file,
+        &dev.backing,
+        cl_start,
+        len,
+        &mut scratch,
+        &mut pieces,
+    )?;
+    let mut pos = 0usize;
+    let mut cluster_buf = Vec::new();
+    for p in &pieces {
+        let n = p.len() as usize;
+        match *p {
+            Piece::Zero { .. } => {}
+            Piece::Data {
+                layer, host_offset, ..
+            } => {
+                let (file, _) = dev.layer(layer).ok_or(MapError::Corrupt("bad layer"))?;
+                let d = crate::image::qcow2::read_aligned(file, host_offset, n)
+                    .map_err(MapError::Io)?;
+                buf[pos..pos + n].copy_from_slice(&d);
+            }
+            Piece::Compressed {
+                layer,
+                host_offset,
+                compressed_len,
+                skip,
+                ..
+            } => {
+                let (file, lq) = dev.layer(layer).ok_or(MapError::Corrupt("bad layer"))?;
+                let lq = lq.ok_or(MapError::Corrupt("compressed data in a raw layer"))?;
+                cluster_buf.resize(lq.cluster_size() as usize, 0);
+                lq.decompress(file, host_offset, compressed_len, &mut cluster_buf)?;
+                let skip = skip as usize;
+                buf[pos..pos + n].copy_from_slice(&cluster_buf[skip..skip + n]);
+            }
+        }
+        pos += n;
+    }
+    Ok(())
 }
 
 /// The file blocks of `block` bytes that cover [offset, offset + len).

@@ -21,6 +21,8 @@ const INCOMPAT_KNOWN: u64 =
 /// L2 entry bits.
 const L2_COMPRESSED: u64 = 1 << 62;
 const L2_ZERO: u64 = 1;
+/// "Copied": the refcount is exactly 1, so the cluster may be written in place.
+const L2_COPIED: u64 = 1 << 63;
 const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 /// L1 entry: offset of the L2 table.
 const L1_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
@@ -63,8 +65,10 @@ pub enum Qcow2Error {
     L1Offset(u64),
     #[error("cannot read the qcow2 L1 table")]
     ReadL1(#[source] io::Error),
-    #[error("writing qcow2 images is not supported yet: use --read-only")]
-    Writable,
+    #[error("writing qcow2 images with {0}-bit refcounts is not supported yet: use --read-only")]
+    RefcountOrder(u32),
+    #[error("qcow2 refcount table is outside the file or empty")]
+    RefcountTable,
 }
 
 /// The kind of compression for compressed clusters.
@@ -116,6 +120,18 @@ pub enum MapError {
     Corrupt(&'static str),
 }
 
+/// Fills a cluster buffer with the guest disk's current contents at a cluster-aligned guest
+/// offset (through the backing chain): what a copy-on-write keeps around new data.
+pub type FillOld<'a> = dyn FnMut(u64, &mut [u8]) -> Result<(), MapError> + 'a;
+
+/// Allocation state of a writable image.
+struct WriteState {
+    refcount_table: Vec<u64>,
+    refcount_table_offset: u64,
+    /// Next cluster to allocate: the end of the file (clusters freed are leaked for now).
+    next_free: u64,
+}
+
 struct L2Cache {
     /// (L2 table offset, entries), most recently used at the back.
     tables: VecDeque<(u64, Vec<u64>)>,
@@ -128,8 +144,12 @@ pub struct Qcow2Image {
     cluster_bits: u32,
     l2_bits: u32,
     pub size_bytes: u64,
-    file_size: u64,
-    l1: Vec<u64>,
+    /// Grows as clusters are allocated.
+    file_size: std::sync::atomic::AtomicU64,
+    l1: std::sync::RwLock<Vec<u64>>,
+    l1_offset: u64,
+    /// Present when opened writable: allocation state, behind one lock.
+    write: Option<Mutex<WriteState>>,
     pub compression: Compression,
     /// The backing file name as stored in the header (relative to the image's directory).
     pub backing_file: Option<String>,
@@ -164,9 +184,6 @@ pub fn probe(file: &File) -> bool {
 impl Qcow2Image {
     /// Open and validate. `file` may be opened O_DIRECT: metadata is read with aligned buffers.
     pub fn open(file: &File, writable: bool) -> Result<Self, Qcow2Error> {
-        if writable {
-            return Err(Qcow2Error::Writable);
-        }
         let file_size = file.metadata().map_err(Qcow2Error::ReadHeader)?.len();
         let hdr = read_aligned(file, 0, 4096).map_err(Qcow2Error::ReadHeader)?;
         if hdr.len() < 72 || hdr[0..4] != MAGIC {
@@ -253,14 +270,40 @@ impl Qcow2Image {
             Vec::new()
         };
         let l1 = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
+        let write = if writable {
+            let refcount_order = if version == 3 { be32(&hdr, 96) } else { 4 };
+            if refcount_order != 4 {
+                return Err(Qcow2Error::RefcountOrder(refcount_order));
+            }
+            let rt_offset = be64(&hdr, 48);
+            let rt_clusters = u64::from(be32(&hdr, 56));
+            if rt_offset % cluster_size != 0
+                || rt_clusters == 0
+                || rt_clusters * cluster_size > MAX_L1_BYTES
+                || rt_offset + rt_clusters * cluster_size > file_size
+            {
+                return Err(Qcow2Error::RefcountTable);
+            }
+            let rt = read_aligned(file, rt_offset, (rt_clusters * cluster_size) as usize)
+                .map_err(Qcow2Error::ReadL1)?;
+            Some(Mutex::new(WriteState {
+                refcount_table: rt.chunks_exact(8).map(|c| be64(c, 0)).collect(),
+                refcount_table_offset: rt_offset,
+                next_free: file_size.next_multiple_of(cluster_size),
+            }))
+        } else {
+            None
+        };
         let capacity = (L2_CACHE_BYTES >> cluster_bits).max(4) as usize;
         Ok(Qcow2Image {
             version,
             cluster_bits,
             l2_bits,
             size_bytes,
-            file_size,
-            l1,
+            file_size: std::sync::atomic::AtomicU64::new(file_size),
+            l1: std::sync::RwLock::new(l1),
+            l1_offset,
+            write,
             compression,
             backing_file,
             l2_cache: Mutex::new(L2Cache {
@@ -268,6 +311,10 @@ impl Qcow2Image {
                 capacity,
             }),
         })
+    }
+
+    fn file_len(&self) -> u64 {
+        self.file_size.load(std::sync::atomic::Ordering::Acquire)
     }
 
     pub fn cluster_size(&self) -> u64 {
@@ -278,7 +325,13 @@ impl Qcow2Image {
     fn l2_entry(&self, file: &File, guest_offset: u64) -> Result<u64, MapError> {
         let l2_index = (guest_offset >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
         let l1_index = (guest_offset >> (self.cluster_bits + self.l2_bits)) as usize;
-        let Some(&l1e) = self.l1.get(l1_index) else {
+        let Some(l1e) = self
+            .l1
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(l1_index)
+            .copied()
+        else {
             return Err(MapError::Corrupt("guest offset beyond the L1 table"));
         };
         let l2_offset = l1e & L1_OFFSET_MASK;
@@ -286,7 +339,7 @@ impl Qcow2Image {
             return Ok(0);
         }
         let cluster = self.cluster_size();
-        if l2_offset % cluster != 0 || l2_offset + cluster > self.file_size {
+        if l2_offset % cluster != 0 || l2_offset + cluster > self.file_len() {
             return Err(MapError::Corrupt(
                 "L2 table offset unaligned or outside the file",
             ));
@@ -332,12 +385,13 @@ impl Qcow2Image {
                 let host_offset = e & ((1u64 << x) - 1);
                 let sectors = ((e & !L2_COMPRESSED) >> x) + 1;
                 let compressed_len = (sectors * 512).saturating_sub(host_offset & 511);
-                if host_offset >= self.file_size {
+                let file_size = self.file_len();
+                if host_offset >= file_size {
                     return Err(MapError::Corrupt("compressed cluster outside the file"));
                 }
                 Extent::Compressed {
                     host_offset,
-                    compressed_len: compressed_len.min(self.file_size - host_offset),
+                    compressed_len: compressed_len.min(file_size - host_offset),
                     skip: in_cluster,
                     len: n,
                 }
@@ -349,7 +403,7 @@ impl Qcow2Image {
                     Extent::Unallocated { len: n }
                 } else {
                     if host % cluster != 0
-                        || host + cluster > self.file_size.next_multiple_of(cluster)
+                        || host + cluster > self.file_len().next_multiple_of(cluster)
                     {
                         return Err(MapError::Corrupt(
                             "data cluster unaligned or outside the file",
@@ -374,6 +428,280 @@ impl Qcow2Image {
                 _ => out.push(ext),
             }
             pos += n;
+        }
+        Ok(())
+    }
+
+    /// Is the image open for writing?
+    pub fn writable(&self) -> bool {
+        self.write.is_some()
+    }
+
+    /// Write `data` at guest `offset` (synchronously, one request at a time per image).
+    /// Clusters owned by this image alone are written in place; others (unallocated, zero,
+    /// compressed, shared, or from the backing file) get a new cluster, filled with their old
+    /// contents by `fill_old` and then `data`. Order, so that a crash at any point leaves a
+    /// consistent image (at worst leaked clusters): refcount of the new cluster, then its data,
+    /// then the L2 entry; the old cluster's refcount is dropped last.
+    pub fn write(
+        &self,
+        file: &File,
+        offset: u64,
+        data: &[u8],
+        fill_old: &mut FillOld<'_>,
+    ) -> Result<(), MapError> {
+        let Some(ws) = self.write.as_ref() else {
+            return Err(MapError::Corrupt("image is read-only"));
+        };
+        let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+        let c = self.cluster_size();
+        let end = offset + data.len() as u64;
+        let mut pos = offset;
+        let mut cluster =
+            crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
+        while pos < end {
+            let cl_start = pos & !(c - 1);
+            let in_cl = (pos - cl_start) as usize;
+            let n = ((c - in_cl as u64).min(end - pos)) as usize;
+            let src = &data[(pos - offset) as usize..(pos - offset) as usize + n];
+            let e = self.l2_entry(file, cl_start)?;
+            let host = e & L2_OFFSET_MASK;
+            let in_place =
+                e & L2_COMPRESSED == 0 && e & L2_COPIED != 0 && e & L2_ZERO == 0 && host != 0;
+            if in_place {
+                write_all_aligned(file, host + in_cl as u64, src).map_err(MapError::Io)?;
+            } else {
+                let buf = cluster.as_mut_slice();
+                if n < c as usize {
+                    fill_old(cl_start, buf)?;
+                }
+                buf[in_cl..in_cl + n].copy_from_slice(src);
+                let new = self.alloc_cluster(&mut ws, file)?;
+                write_all_aligned(file, new, buf).map_err(MapError::Io)?;
+                let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
+                let l2_index = (cl_start >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
+                let new_entry = new | L2_COPIED;
+                write_be64(file, l2 + l2_index * 8, new_entry).map_err(MapError::Io)?;
+                self.cache_update(l2, l2_index as usize, new_entry);
+                self.release_old(&mut ws, file, e)?;
+            }
+            pos += n as u64;
+        }
+        Ok(())
+    }
+
+    fn cache_update(&self, l2: u64, index: usize, entry: u64) {
+        let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, t)) = cache.tables.iter_mut().find(|(o, _)| *o == l2) {
+            if let Some(slot) = t.get_mut(index) {
+                *slot = entry;
+            }
+        }
+    }
+
+    /// The L2 table for `guest_offset`, allocating an empty one if the L1 entry is empty.
+    fn ensure_l2(
+        &self,
+        ws: &mut WriteState,
+        file: &File,
+        guest_offset: u64,
+    ) -> Result<u64, MapError> {
+        let l1_index = (guest_offset >> (self.cluster_bits + self.l2_bits)) as usize;
+        let l1e = self
+            .l1
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(l1_index)
+            .copied()
+            .ok_or(MapError::Corrupt("guest offset beyond the L1 table"))?;
+        let l2 = l1e & L1_OFFSET_MASK;
+        if l2 != 0 {
+            if l1e & L2_COPIED == 0 {
+                return Err(MapError::Corrupt(
+                    "writing through an L2 table shared with a snapshot is not supported",
+                ));
+            }
+            return Ok(l2);
+        }
+        let new = self.alloc_cluster(ws, file)?;
+        let zero = crate::io::bounce::AlignedBuf::new(self.cluster_size() as usize, 4096)
+            .map_err(MapError::Io)?;
+        write_all_aligned(file, new, zero.as_slice()).map_err(MapError::Io)?;
+        let entry = new | L2_COPIED;
+        write_be64(file, self.l1_offset + l1_index as u64 * 8, entry).map_err(MapError::Io)?;
+        if let Some(e) = self
+            .l1
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(l1_index)
+        {
+            *e = entry;
+        }
+        Ok(new)
+    }
+
+    /// A new cluster at the end of the file, its refcount set to 1 first.
+    fn alloc_cluster(&self, ws: &mut WriteState, file: &File) -> Result<u64, MapError> {
+        let host = ws.next_free;
+        ws.next_free += self.cluster_size();
+        self.set_refcount(ws, file, host, Some(1))?;
+        self.file_size
+            .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
+        Ok(host)
+    }
+
+    /// Drop one reference to the host cluster(s) an old L2 entry used.
+    fn release_old(&self, ws: &mut WriteState, file: &File, e: u64) -> Result<(), MapError> {
+        let c = self.cluster_size();
+        if e & L2_COMPRESSED != 0 {
+            let x = 62 - (self.cluster_bits - 8);
+            let host = e & ((1u64 << x) - 1);
+            let sectors = ((e & !L2_COMPRESSED) >> x) + 1;
+            let last = host + (sectors * 512).saturating_sub(host & 511).max(1) - 1;
+            let mut cl = host & !(c - 1);
+            while cl <= (last & !(c - 1)) {
+                self.set_refcount(ws, file, cl, None)?;
+                cl += c;
+            }
+        } else if e & L2_OFFSET_MASK != 0 {
+            self.set_refcount(ws, file, e & L2_OFFSET_MASK, None)?;
+        }
+        Ok(())
+    }
+
+    /// Set a cluster's refcount (`Some(v)`) or decrement it (`None`), allocating the refcount
+    /// block if needed. 16-bit refcounts.
+    fn set_refcount(
+        &self,
+        ws: &mut WriteState,
+        file: &File,
+        host: u64,
+        value: Option<u16>,
+    ) -> Result<(), MapError> {
+        let c = self.cluster_size();
+        let per_block = c / 2;
+        let idx = host / c;
+        let ti = (idx / per_block) as usize;
+        if ti >= ws.refcount_table.len() {
+            self.grow_refcount_table(ws, file, ti)?;
+        }
+        let Some(&rb) = ws.refcount_table.get(ti) else {
+            return Err(MapError::Corrupt("refcount table too small"));
+        };
+        let rb = if rb == 0 {
+            // A new refcount block at the end of the file; it covers itself if it falls in
+            // its own range, else it needs a refcount of its own.
+            let block = ws.next_free;
+            ws.next_free += c;
+            self.file_size
+                .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
+            let zero =
+                crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
+            write_all_aligned(file, block, zero.as_slice()).map_err(MapError::Io)?;
+            write_be64(file, ws.refcount_table_offset + ti as u64 * 8, block)
+                .map_err(MapError::Io)?;
+            ws.refcount_table[ti] = block;
+            self.set_refcount(ws, file, block, Some(1))?;
+            block
+        } else {
+            rb
+        };
+        let at = rb + (idx % per_block) * 2;
+        let chunk = at & !4095;
+        let mut buf = read_aligned(file, chunk, 4096).map_err(MapError::Io)?;
+        let i = (at - chunk) as usize;
+        let old = u16::from_be_bytes([buf[i], buf[i + 1]]);
+        let new = match value {
+            Some(v) => v,
+            None => old.saturating_sub(1),
+        };
+        buf[i..i + 2].copy_from_slice(&new.to_be_bytes());
+        write_all_aligned(file, chunk, &buf).map_err(MapError::Io)
+    }
+
+    /// Move the refcount table to a bigger one at the end of the file (with refcount blocks
+    /// for the new clusters where none exist), switch the header to it, then free the old
+    /// table. A crash before the header switch leaves only leaked clusters.
+    fn grow_refcount_table(
+        &self,
+        ws: &mut WriteState,
+        file: &File,
+        needed: usize,
+    ) -> Result<(), MapError> {
+        let c = self.cluster_size();
+        let per_block = c / 2;
+        let per_cluster = (c / 8) as usize;
+        let new_entries = (ws.refcount_table.len() * 2)
+            .max(needed + 1)
+            .next_multiple_of(per_cluster);
+        if (new_entries * 8) as u64 > MAX_L1_BYTES {
+            return Err(MapError::Corrupt("refcount table would exceed 32 MiB"));
+        }
+        let table_clusters = (new_entries / per_cluster) as u64;
+        let start = ws.next_free;
+        let mut table = ws.refcount_table.clone();
+        table.resize(new_entries, 0);
+        // New refcount blocks for any part of the new metadata not covered yet, placed after
+        // the table (repeat: a new block may itself land in an uncovered range).
+        let mut end = start + table_clusters * c;
+        let mut new_blocks: Vec<(usize, u64)> = Vec::new();
+        loop {
+            let first = (start / c / per_block) as usize;
+            let last = ((end - 1) / c / per_block) as usize;
+            if last >= new_entries {
+                return Err(MapError::Corrupt("refcount table growth does not converge"));
+            }
+            let missing: Vec<usize> = (first..=last).filter(|&ti| table[ti] == 0).collect();
+            if missing.is_empty() {
+                break;
+            }
+            for ti in missing {
+                table[ti] = end;
+                new_blocks.push((ti, end));
+                end += c;
+            }
+        }
+        ws.next_free = end;
+        self.file_size
+            .fetch_max(end, std::sync::atomic::Ordering::AcqRel);
+        // New blocks carry the refcounts of the new metadata that falls in their range.
+        for &(ti, off) in &new_blocks {
+            let mut blk = vec![0u8; c as usize];
+            let mut cl = start;
+            while cl < end {
+                if (cl / c / per_block) as usize == ti {
+                    let i = ((cl / c) % per_block) as usize * 2;
+                    blk[i..i + 2].copy_from_slice(&1u16.to_be_bytes());
+                }
+                cl += c;
+            }
+            write_all_aligned(file, off, &blk).map_err(MapError::Io)?;
+        }
+        let old_offset = ws.refcount_table_offset;
+        let old_clusters = (ws.refcount_table.len() / per_cluster) as u64;
+        ws.refcount_table = table;
+        // Metadata clusters in ranges whose blocks already existed.
+        let mut cl = start;
+        while cl < end {
+            let ti = (cl / c / per_block) as usize;
+            if !new_blocks.iter().any(|&(t, _)| t == ti) {
+                self.set_refcount(ws, file, cl, Some(1))?;
+            }
+            cl += c;
+        }
+        let mut raw = vec![0u8; (table_clusters * c) as usize];
+        for (i, e) in ws.refcount_table.iter().enumerate() {
+            raw[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
+        }
+        write_all_aligned(file, start, &raw).map_err(MapError::Io)?;
+        // Switch the header: offset (48) and clusters (56) sit in one sector.
+        let mut hdr = read_aligned(file, 0, 4096).map_err(MapError::Io)?;
+        hdr[48..56].copy_from_slice(&start.to_be_bytes());
+        hdr[56..60].copy_from_slice(&(table_clusters as u32).to_be_bytes());
+        write_all_aligned(file, 0, &hdr).map_err(MapError::Io)?;
+        ws.refcount_table_offset = start;
+        for i in 0..old_clusters {
+            self.set_refcount(ws, file, old_offset + i * c, None)?;
         }
         Ok(())
     }
@@ -414,9 +742,26 @@ impl Qcow2Image {
     }
 }
 
+/// Write a big-endian u64 in place (read-modify-write of its 4 KiB block).
+fn write_be64(file: &File, offset: u64, value: u64) -> io::Result<()> {
+    let chunk = offset & !4095;
+    let mut buf = read_aligned(file, chunk, 4096)?;
+    let i = (offset - chunk) as usize;
+    buf[i..i + 8].copy_from_slice(&value.to_be_bytes());
+    write_all_aligned(file, chunk, &buf)
+}
+
+/// pwrite `data` at `offset` through an aligned copy (the file may be O_DIRECT; offset and
+/// length are multiples of 512 everywhere this is used).
+fn write_all_aligned(file: &File, offset: u64, data: &[u8]) -> io::Result<()> {
+    let mut buf = crate::io::bounce::AlignedBuf::new(data.len().max(1), 4096)?;
+    buf.as_mut_slice()[..data.len()].copy_from_slice(data);
+    file.write_all_at(&buf.as_slice()[..data.len()], offset)
+}
+
 /// Read `len` bytes at `offset` with a 4 KiB-aligned buffer and length (works on O_DIRECT
 /// files); returns exactly the bytes asked for (zero-padded past the end of the file).
-fn read_aligned(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+pub(crate) fn read_aligned(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
     const A: u64 = 4096;
     let start = offset / A * A;
     let end = (offset + len as u64).div_ceil(A) * A;
