@@ -577,6 +577,31 @@ fn run_guest(variant: &Variant) {
     }
 
     // ---- host-side checks on the image the guest wrote
+    // A qcow2 image: qemu-img check it, then compare through a raw conversion.
+    let image = if image.extension().is_some_and(|e| e == "qcow2") {
+        let o = Command::new("qemu-img")
+            .args(["check", "-f", "qcow2"])
+            .arg(&image)
+            .output()
+            .expect("running qemu-img check");
+        assert!(
+            o.status.success(),
+            "qemu-img check of the guest's qcow2 image failed:\n{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        println!("[vm] qemu-img check: clean");
+        let raw = run.path.join("converted.raw");
+        let st = Command::new("qemu-img")
+            .args(["convert", "-f", "qcow2", "-O", "raw"])
+            .arg(&image)
+            .arg(&raw)
+            .status()
+            .expect("qemu-img convert");
+        assert!(st.success());
+        raw
+    } else {
+        image
+    };
     let regions = check_regions(&marks, &image, &guest.pattern)
         .unwrap_or_else(|e| panic!("host check of raw regions failed: {e}"));
     assert_eq!(regions, 3, "expected 3 REGION markers from the guest");
@@ -733,5 +758,32 @@ fn guest_reads_a_compressed_qcow2_over_a_raw_backing_file() {
         mode: Some("ro-verify"),
         device_props: "",
         prepare: Some(prepare_qcow2_chain),
+    });
+}
+
+fn prepare_qcow2_fresh(dir: &Path, size: u64) -> PathBuf {
+    let img = dir.join("disk.qcow2");
+    let st = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .args(["create", "--format", "qcow2", "--size"])
+        .arg(size.to_string())
+        .arg(&img)
+        .status()
+        .unwrap();
+    assert!(st.success(), "vublk create failed");
+    img
+}
+
+/// The full guest workload (mkfs, files, fsck, write cache, trim, raw regions) on a fresh
+/// qcow2 image, then `qemu-img check` and the host-side comparisons on its raw conversion.
+#[test]
+fn guest_mkfs_and_files_on_a_fresh_qcow2() {
+    run_guest(&Variant {
+        name: "qcow2-rw",
+        vublk_args: &["--format", "qcow2"],
+        serial: None,
+        logical_block: 512,
+        mode: None,
+        device_props: "",
+        prepare: Some(prepare_qcow2_fresh),
     });
 }
