@@ -79,6 +79,10 @@ struct Opts {
     /// Instead of workloads: measure the all-zero scanner on host buffers.
     #[arg(long)]
     zero_scan: bool,
+    /// Recreate variant images ending in .qcow2 (empty, the size of --image) before every
+    /// run, to measure writes into a fresh qcow2.
+    #[arg(long)]
+    fresh_qcow2: bool,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -292,16 +296,24 @@ fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work
         }
         BackendKind::Qsd => {
             let mut c = Command::new(&opts.qsd);
-            c.arg("--blockdev")
-                .arg(format!(
-                    "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring{}",
-                    image.display(),
-                    backend
-                        .extra
-                        .iter()
-                        .map(|e| format!(",{e}"))
-                        .collect::<String>()
-                ))
+            let extra = backend
+                .extra
+                .iter()
+                .map(|e| format!(",{e}"))
+                .collect::<String>();
+            let blockdev = if image.extension().is_some_and(|e| e == "qcow2") {
+                format!(
+                    "driver=qcow2,node-name=file0,file.driver=file,file.filename={},\
+                     file.cache.direct=on,file.aio=io_uring{extra}",
+                    image.display()
+                )
+            } else {
+                format!(
+                    "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring{extra}",
+                    image.display()
+                )
+            };
+            c.arg("--blockdev").arg(blockdev)
                 .arg("--export")
                 .arg(format!(
                     "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},\
@@ -580,6 +592,16 @@ fn connect_client(
 
 fn run_once(backend: &Backend, wl: &Workload, opts: &Opts, vublk: &Path, work: &Path) -> RunResult {
     let image = backend.image.as_deref().unwrap_or(&opts.image);
+    if opts.fresh_qcow2 && image.extension().is_some_and(|e| e == "qcow2") {
+        let _ = fs::remove_file(image);
+        let st = Command::new(vublk)
+            .args(["create", "--format", "qcow2", "--size"])
+            .arg(opts.size.to_string())
+            .arg(image)
+            .status()
+            .expect("vublk create");
+        assert!(st.success(), "vublk create {} failed", image.display());
+    }
     let server = start_server(backend, image, opts, vublk, work);
     let (mut b, queues) = connect_client(backend, &server, image, wl.queues);
     let capacity = b.get_u64("capacity").expect("capacity");
