@@ -472,12 +472,24 @@ impl Qcow2Image {
                 write_all_aligned(file, host + in_cl as u64, src).map_err(MapError::Io)?;
             } else {
                 let buf = cluster.as_mut_slice();
-                if n < c as usize {
+                let old_is_zero = if n < c as usize {
                     fill_old(cl_start, buf)?;
-                }
+                    crate::zero::is_zero(&buf[..in_cl]) && crate::zero::is_zero(&buf[in_cl + n..])
+                } else {
+                    true
+                };
                 buf[in_cl..in_cl + n].copy_from_slice(src);
                 let new = self.alloc_cluster(&mut ws, file)?;
-                write_all_aligned(file, new, buf).map_err(MapError::Io)?;
+                if old_is_zero && n < c as usize {
+                    // A fresh cluster past every earlier allocation is a hole: extend the
+                    // file over it and write only the new data (no copy of zeroes).
+                    if file.metadata().map_err(MapError::Io)?.len() < new + c {
+                        file.set_len(new + c).map_err(MapError::Io)?;
+                    }
+                    write_all_aligned(file, new + in_cl as u64, src).map_err(MapError::Io)?;
+                } else {
+                    write_all_aligned(file, new, buf).map_err(MapError::Io)?;
+                }
                 let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
                 let l2_index = (cl_start >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
                 let new_entry = new | L2_COPIED;
