@@ -557,9 +557,22 @@ impl QueueWorker {
         if len == 0 {
             return Ok(false);
         }
-        if !is_read && self.dev.qcow2.is_some() {
-            self.qcow2_write(idx, &mem);
-            return Ok(false);
+        let mut write_offset = offset;
+        if let (false, Some(q)) = (is_read, self.dev.qcow2.as_ref()) {
+            // Clusters owned alone and contiguous: write in place through the ring, like raw.
+            // Anything else needs allocation: the synchronous metadata path.
+            match q.owned_extent(&self.dev.file, offset, len) {
+                Ok(Some(host)) => write_offset = host,
+                Ok(None) => {
+                    self.qcow2_write(idx, &mem);
+                    return Ok(false);
+                }
+                Err(e) => {
+                    error!("queue {}: qcow2 write at {offset}: {e}", self.index);
+                    self.slots[usize::from(idx)].status = status::IOERR;
+                    return Ok(false);
+                }
+            }
         }
         if !is_read
             && offset == 0
@@ -598,16 +611,22 @@ impl QueueWorker {
                 Err(done) => return done,
             }
         } else {
-            offset
+            write_offset
         };
         let block = align.offset as u64;
         let sub_block = direct && (file_offset % block != 0 || len % block != 0);
         if sub_block && !is_read {
-            self.read_modify_write(idx, &mem);
+            if self.dev.qcow2.is_some() {
+                // The read-modify-write path works on raw offsets; qcow2 goes the
+                // synchronous way (it writes through aligned buffers).
+                self.qcow2_write(idx, &mem);
+            } else {
+                self.read_modify_write(idx, &mem);
+            }
             return Ok(false);
         }
         if !is_read && self.dev.write_ranges.is_some() {
-            let key = self.acquire_range(offset, offset + len, Holder::Write);
+            let key = self.acquire_range(file_offset, file_offset + len, Holder::Write);
             self.slots[usize::from(idx)].range_key = key;
         }
         let slot = &mut self.slots[usize::from(idx)];

@@ -432,6 +432,32 @@ impl Qcow2Image {
         Ok(())
     }
 
+    /// If [offset, offset + len) lies in clusters this image owns alone (allocated, COPIED,
+    /// not compressed, not zero) that are contiguous in the file, their host offset: such a
+    /// write can go in place, asynchronously, with no metadata change.
+    pub fn owned_extent(&self, file: &File, offset: u64, len: u64) -> Result<Option<u64>, MapError> {
+        let c = self.cluster_size();
+        let mut pos = offset;
+        let end = offset + len;
+        let mut start_host = None;
+        while pos < end {
+            let cl_start = pos & !(c - 1);
+            let e = self.l2_entry(file, cl_start)?;
+            let host = e & L2_OFFSET_MASK;
+            if e & L2_COMPRESSED != 0 || e & L2_COPIED == 0 || e & L2_ZERO != 0 || host == 0 {
+                return Ok(None);
+            }
+            let here = host + (pos - cl_start);
+            match start_host {
+                None => start_host = Some(here),
+                Some(h) if h + (pos - offset) != here => return Ok(None),
+                Some(_) => {}
+            }
+            pos = cl_start + c;
+        }
+        Ok(start_host)
+    }
+
     /// Is the image open for writing?
     pub fn writable(&self) -> bool {
         self.write.is_some()
