@@ -435,7 +435,12 @@ impl Qcow2Image {
     /// If [offset, offset + len) lies in clusters this image owns alone (allocated, COPIED,
     /// not compressed, not zero) that are contiguous in the file, their host offset: such a
     /// write can go in place, asynchronously, with no metadata change.
-    pub fn owned_extent(&self, file: &File, offset: u64, len: u64) -> Result<Option<u64>, MapError> {
+    pub fn owned_extent(
+        &self,
+        file: &File,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<u64>, MapError> {
         let c = self.cluster_size();
         let mut pos = offset;
         let end = offset + len;

@@ -313,7 +313,8 @@ fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work
                     image.display()
                 )
             };
-            c.arg("--blockdev").arg(blockdev)
+            c.arg("--blockdev")
+                .arg(blockdev)
                 .arg("--export")
                 .arg(format!(
                     "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},\
