@@ -16,7 +16,7 @@ use vm_memory::{Bytes, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend,
 
 use crate::device::Device;
 use crate::image::chain::{resolve_read, Piece};
-use crate::image::qcow2::Extent;
+use crate::image::qcow2::{Extent, ZeroMode};
 use crate::io::align::iovecs_aligned;
 use crate::io::bounce::{AlignedBuf, BouncePool};
 use crate::io::ranges::Holder;
@@ -451,11 +451,7 @@ impl QueueWorker {
             return Ok(false);
         }
         if self.dev.qcow2.is_some() {
-            // qcow2 (this increment): DISCARD is a hint and is ignored; zeroes are written
-            // as data through the allocating write path.
-            if !discard {
-                self.qcow2_write_zeroes(idx);
-            }
+            self.qcow2_zero_ranges(idx, discard, discard_unmap);
             return Ok(false);
         }
         if self.dev.write_ranges.is_some() {
@@ -557,23 +553,6 @@ impl QueueWorker {
         if len == 0 {
             return Ok(false);
         }
-        let mut write_offset = offset;
-        if let (false, Some(q)) = (is_read, self.dev.qcow2.as_ref()) {
-            // Clusters owned alone and contiguous: write in place through the ring, like raw.
-            // Anything else needs allocation: the synchronous metadata path.
-            match q.owned_extent(&self.dev.file, offset, len) {
-                Ok(Some(host)) => write_offset = host,
-                Ok(None) => {
-                    self.qcow2_write(idx, &mem);
-                    return Ok(false);
-                }
-                Err(e) => {
-                    error!("queue {}: qcow2 write at {offset}: {e}", self.index);
-                    self.slots[usize::from(idx)].status = status::IOERR;
-                    return Ok(false);
-                }
-            }
-        }
         if !is_read
             && offset == 0
             && self.dev.params.probed_raw
@@ -604,6 +583,23 @@ impl QueueWorker {
                 unmap,
             });
             return self.submit_zero_ranges(idx);
+        }
+        let mut write_offset = offset;
+        if let (false, Some(q)) = (is_read, self.dev.qcow2.as_ref()) {
+            // Clusters owned alone and contiguous: write in place through the ring, like raw.
+            // Anything else needs allocation: the synchronous metadata path.
+            match q.owned_extent(&self.dev.file, offset, len) {
+                Ok(Some(host)) => write_offset = host,
+                Ok(None) => {
+                    self.qcow2_write(idx, &mem);
+                    return Ok(false);
+                }
+                Err(e) => {
+                    error!("queue {}: qcow2 write at {offset}: {e}", self.index);
+                    self.slots[usize::from(idx)].status = status::IOERR;
+                    return Ok(false);
+                }
+            }
         }
         let file_offset = if is_read {
             match self.plan_read(idx, &mem, offset, len) {
@@ -866,25 +862,52 @@ impl QueueWorker {
         self.slots[usize::from(idx)].status = status;
     }
 
-    fn qcow2_write_zeroes(&mut self, idx: u16) {
-        const CHUNK: u64 = 1 << 20;
-        let zero = vec![0u8; CHUNK as usize];
-        let ranges: Vec<(u64, u64)> = self.slots[usize::from(idx)]
+    /// qcow2 DISCARD / WRITE_ZEROES / detected zero writes: zero flags and unallocation for
+    /// whole clusters, zero data for partial ones (synchronous).
+    fn qcow2_zero_ranges(&mut self, idx: u16, discard: bool, discard_unmap: bool) {
+        let dev = self.dev.clone();
+        let Some(q) = dev.qcow2.as_ref() else {
+            return;
+        };
+        let ranges: Vec<(u64, u64, bool)> = self.slots[usize::from(idx)]
             .req
             .ranges
             .iter()
-            .map(|r| (r.offset_bytes, r.len_bytes))
+            .map(|r| (r.offset_bytes, r.len_bytes, r.unmap))
             .collect();
-        for (off, len) in ranges {
-            let mut pos = off;
-            while pos < off + len {
-                let n = (off + len - pos).min(CHUNK);
-                if let Err(e) = self.qcow2_write_bytes(pos, &zero[..n as usize]) {
-                    error!("queue {}: qcow2 write zeroes at {pos}: {e}", self.index);
-                    self.slots[usize::from(idx)].status = status::IOERR;
-                    return;
-                }
-                pos += n;
+        for (off, len, unmap) in ranges {
+            let mode = if discard {
+                ZeroMode::Discard
+            } else if unmap && discard_unmap {
+                ZeroMode::Unmap
+            } else {
+                ZeroMode::Keep
+            };
+            let mut fill_old =
+                |cl_start: u64, buf: &mut [u8]| read_old_cluster(&dev, q, cl_start, buf);
+            let r = q.zero_range(
+                &dev.file,
+                off,
+                len,
+                mode,
+                !dev.backing.is_empty(),
+                &mut fill_old,
+            );
+            if let Err(e) = r {
+                error!("queue {}: qcow2 zeroing at {off}: {e}", self.index);
+                self.slots[usize::from(idx)].status = status::IOERR;
+                return;
+            }
+            if mode != ZeroMode::Keep {
+                dev.zero_stats
+                    .unmapped_bytes
+                    .fetch_add(len, Ordering::Relaxed);
+            }
+        }
+        if !dev.writeback() {
+            if let Err(e) = dev.file.sync_data() {
+                error!("queue {}: sync after qcow2 zeroing: {e}", self.index);
+                self.slots[usize::from(idx)].status = status::IOERR;
             }
         }
     }

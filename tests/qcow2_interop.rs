@@ -638,3 +638,117 @@ fn two_queues_allocating_the_same_clusters() {
         .arg(&raw)
         .arg(&img));
 }
+
+/// Allocated clusters as `qemu-img check` counts them.
+fn allocated_clusters(img: &Path) -> u64 {
+    let o = Command::new("qemu-img")
+        .args(["check"])
+        .arg(img)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "qemu-img check: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    out.lines()
+        .find_map(|l| {
+            l.split('/')
+                .next()?
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|_| l.contains("allocated"))
+        })
+        .unwrap_or_else(|| panic!("no allocation line in:\n{out}"))
+}
+
+/// Zeroes on qcow2: WRITE_ZEROES without unmap sets the zero flag and keeps the clusters;
+/// with unmap and --discard unmap, DISCARD, and detect-zeroes=unmap they are released.
+#[test]
+fn qcow2_zero_flag_keeps_or_releases_clusters() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-zero");
+    for (name, args, op, releases) in [
+        ("keep", vec![], "wz-no-unmap", false),
+        ("unmap-ignored", vec![], "wz", false),
+        ("unmap", vec!["--discard", "unmap"], "wz", true),
+        ("discard", vec!["--discard", "unmap"], "discard", true),
+        (
+            "dz-unmap",
+            vec!["--discard", "unmap", "--detect-zeroes", "unmap"],
+            "zero-data",
+            true,
+        ),
+        ("dz-on", vec!["--detect-zeroes", "on"], "zero-data", false),
+    ] {
+        let img = dir.join(&format!("{name}.qcow2"));
+        run(Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .args(["create", "--format", "qcow2", "--size", "4M"])
+            .arg(&img));
+        let opts = BackendOpts {
+            extra_args: args.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        };
+        let backend = Backend::start(&dir, &img, &opts);
+        let mut c = connect_queues(&backend.socket, 1);
+        let data = pattern(MIB as usize, 0, 3);
+        assert_eq!(c.write_at(0, 0, &data), 0);
+        assert_eq!(c.submit(0, Op::Flush), 0);
+        let before = {
+            drop(c);
+            assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+            allocated_clusters(&img)
+        };
+        let backend = Backend::start(&dir, &img, &opts);
+        let mut c = connect_queues(&backend.socket, 1);
+        // Zero 512 KiB = 8 whole 64 KiB clusters, plus a partial cluster.
+        let ret = match op {
+            "wz-no-unmap" => c.submit(
+                0,
+                Op::WriteZeroes {
+                    offset: 0,
+                    len: 512 * 1024 + 4096,
+                    flags: blkio::ReqFlags::NO_UNMAP,
+                },
+            ),
+            "wz" => c.submit(
+                0,
+                Op::WriteZeroes {
+                    offset: 0,
+                    len: 512 * 1024 + 4096,
+                    flags: blkio::ReqFlags::empty(),
+                },
+            ),
+            "discard" => c.submit(
+                0,
+                Op::Discard {
+                    offset: 0,
+                    len: 512 * 1024,
+                },
+            ),
+            _ => c.write_at(0, 0, &vec![0u8; 512 * 1024 + 4096]),
+        };
+        assert_eq!(ret, 0, "{name}: {op}");
+        if op != "discard" {
+            assert_all_zero(&c.read_at(0, 0, 512 * 1024 + 4096).unwrap(), name);
+        }
+        assert_same(
+            &c.read_at(0, 600 * 1024, 4096).unwrap(),
+            &data[600 * 1024..604 * 1024],
+            name,
+        );
+        drop(c);
+        assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+        let after = allocated_clusters(&img);
+        eprintln!("{name}: allocated clusters {before} -> {after}");
+        if releases {
+            assert_eq!(after + 8, before, "{name}: 8 clusters should be released");
+        } else {
+            assert_eq!(after, before, "{name}: clusters should stay allocated");
+        }
+    }
+}

@@ -124,6 +124,17 @@ pub enum MapError {
 /// offset (through the backing chain): what a copy-on-write keeps around new data.
 pub type FillOld<'a> = dyn FnMut(u64, &mut [u8]) -> Result<(), MapError> + 'a;
 
+/// How [`Qcow2Image::zero_range`] treats whole clusters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroMode {
+    /// Zero flag, keeping an owned allocation (WRITE_ZEROES without unmap, detect-zeroes on).
+    Keep,
+    /// Zero flag, releasing the host cluster (WRITE_ZEROES with unmap and --discard unmap).
+    Unmap,
+    /// Unallocate (DISCARD with --discard unmap).
+    Discard,
+}
+
 /// Allocation state of a writable image.
 struct WriteState {
     refcount_table: Vec<u64>,
@@ -461,6 +472,62 @@ impl Qcow2Image {
             pos = cl_start + c;
         }
         Ok(start_host)
+    }
+
+    /// Zero [offset, offset + len). Whole clusters of a v3 image get the zero flag: with
+    /// `unmap` their host cluster is released, without it an allocated cluster this image owns
+    /// keeps its space (compressed or shared data is always released). `discard` marks whole
+    /// clusters unallocated instead (zero-flagged when a backing file could show through).
+    /// Partial clusters, and v2 images, get zero data through [`Self::write`].
+    pub fn zero_range(
+        &self,
+        file: &File,
+        offset: u64,
+        len: u64,
+        mode: ZeroMode,
+        has_backing: bool,
+        fill_old: &mut FillOld<'_>,
+    ) -> Result<(), MapError> {
+        let c = self.cluster_size();
+        let end = offset + len;
+        let mut pos = offset;
+        let zero = vec![0u8; c as usize];
+        while pos < end {
+            let cl_start = pos & !(c - 1);
+            let n = (c - (pos - cl_start)).min(end - pos);
+            let whole = pos == cl_start && n == c;
+            if !whole || (self.version < 3 && mode != ZeroMode::Discard) {
+                if mode != ZeroMode::Discard {
+                    self.write(file, pos, &zero[..n as usize], fill_old)?;
+                }
+                pos += n;
+                continue;
+            }
+            let Some(ws) = self.write.as_ref() else {
+                return Err(MapError::Corrupt("image is read-only"));
+            };
+            let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+            let e = self.l2_entry(file, cl_start)?;
+            let host = e & L2_OFFSET_MASK;
+            let keep =
+                mode == ZeroMode::Keep && e & L2_COMPRESSED == 0 && e & L2_COPIED != 0 && host != 0;
+            let new_entry = match mode {
+                ZeroMode::Discard if !has_backing || self.version < 3 => 0,
+                _ if keep => host | L2_COPIED | L2_ZERO,
+                _ => L2_ZERO,
+            };
+            if new_entry != e {
+                let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
+                let l2_index = (cl_start >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
+                write_be64(file, l2 + l2_index * 8, new_entry).map_err(MapError::Io)?;
+                self.cache_update(l2, l2_index as usize, new_entry);
+                if !keep {
+                    self.release_old(&mut ws, file, e)?;
+                }
+            }
+            pos += n;
+        }
+        Ok(())
     }
 
     /// Is the image open for writing?
