@@ -324,6 +324,11 @@ impl Qcow2Image {
         })
     }
 
+    /// Metadata is rewritten in blocks of this size: never more than one cluster.
+    fn meta_chunk(&self) -> u64 {
+        self.cluster_size().min(4096)
+    }
+
     fn file_len(&self) -> u64 {
         self.file_size.load(std::sync::atomic::Ordering::Acquire)
     }
@@ -519,7 +524,8 @@ impl Qcow2Image {
             if new_entry != e {
                 let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
                 let l2_index = (cl_start >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
-                write_be64(file, l2 + l2_index * 8, new_entry).map_err(MapError::Io)?;
+                write_be64(file, l2 + l2_index * 8, new_entry, self.meta_chunk())
+                    .map_err(MapError::Io)?;
                 self.cache_update(l2, l2_index as usize, new_entry);
                 if !keep {
                     self.release_old(&mut ws, file, e)?;
@@ -591,7 +597,8 @@ impl Qcow2Image {
                 let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
                 let l2_index = (cl_start >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
                 let new_entry = new | L2_COPIED;
-                write_be64(file, l2 + l2_index * 8, new_entry).map_err(MapError::Io)?;
+                write_be64(file, l2 + l2_index * 8, new_entry, self.meta_chunk())
+                    .map_err(MapError::Io)?;
                 self.cache_update(l2, l2_index as usize, new_entry);
                 self.release_old(&mut ws, file, e)?;
             }
@@ -638,7 +645,13 @@ impl Qcow2Image {
             .map_err(MapError::Io)?;
         write_all_aligned(file, new, zero.as_slice()).map_err(MapError::Io)?;
         let entry = new | L2_COPIED;
-        write_be64(file, self.l1_offset + l1_index as u64 * 8, entry).map_err(MapError::Io)?;
+        write_be64(
+            file,
+            self.l1_offset + l1_index as u64 * 8,
+            entry,
+            self.meta_chunk(),
+        )
+        .map_err(MapError::Io)?;
         if let Some(e) = self
             .l1
             .write()
@@ -708,8 +721,13 @@ impl Qcow2Image {
             let zero =
                 crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
             write_all_aligned(file, block, zero.as_slice()).map_err(MapError::Io)?;
-            write_be64(file, ws.refcount_table_offset + ti as u64 * 8, block)
-                .map_err(MapError::Io)?;
+            write_be64(
+                file,
+                ws.refcount_table_offset + ti as u64 * 8,
+                block,
+                self.meta_chunk(),
+            )
+            .map_err(MapError::Io)?;
             ws.refcount_table[ti] = block;
             self.set_refcount(ws, file, block, Some(1))?;
             block
@@ -717,8 +735,9 @@ impl Qcow2Image {
             rb
         };
         let at = rb + (idx % per_block) * 2;
-        let chunk = at & !4095;
-        let mut buf = read_aligned(file, chunk, 4096).map_err(MapError::Io)?;
+        let chunk_size = self.meta_chunk();
+        let chunk = at & !(chunk_size - 1);
+        let mut buf = read_aligned(file, chunk, chunk_size as usize).map_err(MapError::Io)?;
         let i = (at - chunk) as usize;
         let old = u16::from_be_bytes([buf[i], buf[i + 1]]);
         let new = match value {
@@ -805,7 +824,7 @@ impl Qcow2Image {
         }
         write_all_aligned(file, start, &raw).map_err(MapError::Io)?;
         // Switch the header: offset (48) and clusters (56) sit in one sector.
-        let mut hdr = read_aligned(file, 0, 4096).map_err(MapError::Io)?;
+        let mut hdr = read_aligned(file, 0, self.meta_chunk() as usize).map_err(MapError::Io)?;
         hdr[48..56].copy_from_slice(&start.to_be_bytes());
         hdr[56..60].copy_from_slice(&(table_clusters as u32).to_be_bytes());
         write_all_aligned(file, 0, &hdr).map_err(MapError::Io)?;
@@ -852,10 +871,12 @@ impl Qcow2Image {
     }
 }
 
-/// Write a big-endian u64 in place (read-modify-write of its 4 KiB block).
-fn write_be64(file: &File, offset: u64, value: u64) -> io::Result<()> {
-    let chunk = offset & !4095;
-    let mut buf = read_aligned(file, chunk, 4096)?;
+/// Write a big-endian u64 in place: read-modify-write of the `chunk`-byte block around it
+/// (`chunk` = min(4 KiB, cluster size), so that the block never covers another cluster,
+/// which could be guest data being written concurrently).
+fn write_be64(file: &File, offset: u64, value: u64, chunk_size: u64) -> io::Result<()> {
+    let chunk = offset & !(chunk_size - 1);
+    let mut buf = read_aligned(file, chunk, chunk_size as usize)?;
     let i = (offset - chunk) as usize;
     buf[i..i + 8].copy_from_slice(&value.to_be_bytes());
     write_all_aligned(file, chunk, &buf)
