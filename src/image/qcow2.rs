@@ -141,6 +141,8 @@ struct WriteState {
     refcount_table_offset: u64,
     /// Next cluster to allocate: the end of the file (clusters freed are leaked for now).
     next_free: u64,
+    /// Refcount block chunks as last written (saves the read of each read-modify-write).
+    refcount_chunks: std::collections::HashMap<u64, Vec<u8>>,
 }
 
 struct L2Cache {
@@ -301,6 +303,7 @@ impl Qcow2Image {
                 refcount_table: rt.chunks_exact(8).map(|c| be64(c, 0)).collect(),
                 refcount_table_offset: rt_offset,
                 next_free: file_size.next_multiple_of(cluster_size),
+                refcount_chunks: std::collections::HashMap::new(),
             }))
         } else {
             None
@@ -524,9 +527,8 @@ impl Qcow2Image {
             if new_entry != e {
                 let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
                 let l2_index = (cl_start >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
-                write_be64(file, l2 + l2_index * 8, new_entry, self.meta_chunk())
+                self.write_l2_entry(file, l2, l2_index as usize, new_entry)
                     .map_err(MapError::Io)?;
-                self.cache_update(l2, l2_index as usize, new_entry);
                 if !keep {
                     self.release_old(&mut ws, file, e)?;
                 }
@@ -597,9 +599,8 @@ impl Qcow2Image {
                 let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
                 let l2_index = (cl_start >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
                 let new_entry = new | L2_COPIED;
-                write_be64(file, l2 + l2_index * 8, new_entry, self.meta_chunk())
+                self.write_l2_entry(file, l2, l2_index as usize, new_entry)
                     .map_err(MapError::Io)?;
-                self.cache_update(l2, l2_index as usize, new_entry);
                 self.release_old(&mut ws, file, e)?;
             }
             pos += n as u64;
@@ -607,12 +608,24 @@ impl Qcow2Image {
         Ok(())
     }
 
-    fn cache_update(&self, l2: u64, index: usize, entry: u64) {
+    /// Write one L2 entry: from the cached table when there is one (no read), else by
+    /// read-modify-write. The cache lock is held across the file write, as readers hold it
+    /// across their table loads, so no reader can cache the table without this entry.
+    fn write_l2_entry(&self, file: &File, l2: u64, index: usize, entry: u64) -> io::Result<()> {
+        let chunk = self.meta_chunk();
+        let per_chunk = (chunk / 8) as usize;
+        let first = index / per_chunk * per_chunk;
         let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, t)) = cache.tables.iter_mut().find(|(o, _)| *o == l2) {
-            if let Some(slot) = t.get_mut(index) {
-                *slot = entry;
+        match cache.tables.iter_mut().find(|(o, _)| *o == l2) {
+            Some((_, t)) if first + per_chunk <= t.len() => {
+                t[index] = entry;
+                let mut b = Vec::with_capacity(chunk as usize);
+                for e in &t[first..first + per_chunk] {
+                    b.extend_from_slice(&e.to_be_bytes());
+                }
+                write_all_aligned(file, l2 + (first as u64) * 8, &b)
             }
+            _ => write_be64(file, l2 + index as u64 * 8, entry, chunk),
         }
     }
 
@@ -737,7 +750,10 @@ impl Qcow2Image {
         let at = rb + (idx % per_block) * 2;
         let chunk_size = self.meta_chunk();
         let chunk = at & !(chunk_size - 1);
-        let mut buf = read_aligned(file, chunk, chunk_size as usize).map_err(MapError::Io)?;
+        let mut buf = match ws.refcount_chunks.remove(&chunk) {
+            Some(b) => b,
+            None => read_aligned(file, chunk, chunk_size as usize).map_err(MapError::Io)?,
+        };
         let i = (at - chunk) as usize;
         let old = u16::from_be_bytes([buf[i], buf[i + 1]]);
         let new = match value {
@@ -745,7 +761,13 @@ impl Qcow2Image {
             None => old.saturating_sub(1),
         };
         buf[i..i + 2].copy_from_slice(&new.to_be_bytes());
-        write_all_aligned(file, chunk, &buf).map_err(MapError::Io)
+        write_all_aligned(file, chunk, &buf).map_err(MapError::Io)?;
+        // Bounded: 4096 chunks of at most 4 KiB.
+        if ws.refcount_chunks.len() >= 4096 {
+            ws.refcount_chunks.clear();
+        }
+        ws.refcount_chunks.insert(chunk, buf);
+        Ok(())
     }
 
     /// Move the refcount table to a bigger one at the end of the file (with refcount blocks
