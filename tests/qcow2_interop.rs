@@ -752,3 +752,51 @@ fn qcow2_zero_flag_keeps_or_releases_clusters() {
         }
     }
 }
+
+/// A hostile image whose L2 entry points a guest cluster at its own L1 table: a guest write
+/// there is refused (I/O error) and the metadata stays intact.
+#[test]
+fn writes_into_clusters_overlapping_metadata_are_refused() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-overlap");
+    let img = dir.join("hostile.qcow2");
+    run(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("4M"));
+    qemu_io(&img, "qcow2", &["write -P 0x42 0 64k"]);
+    let mut bytes = std::fs::read(&img).unwrap();
+    let be64 = |b: &[u8], o: usize| u64::from_be_bytes(b[o..o + 8].try_into().unwrap());
+    let l1_offset = be64(&bytes, 40) as usize;
+    let l2_offset = (be64(&bytes, l1_offset) & 0x00ff_ffff_ffff_fe00) as usize;
+    // Guest cluster 0 -> the L1 table's cluster, "copied" (owned), so a write would go in place.
+    let hostile = (l1_offset as u64) | (1 << 63);
+    bytes[l2_offset..l2_offset + 8].copy_from_slice(&hostile.to_be_bytes());
+    std::fs::write(&img, &bytes).unwrap();
+    let l1_before = bytes[l1_offset..l1_offset + 512].to_vec();
+
+    let backend = Backend::start(&dir, &img, &BackendOpts::default());
+    let mut c = connect_queues(&backend.socket, 1);
+    let ret = c.write_at(0, 0, &[0xffu8; 4096]);
+    assert_eq!(ret, EIO, "a write over metadata must fail");
+    assert_eq!(
+        c.write_at(0, 65536, &[0x33u8; 4096]),
+        0,
+        "other writes still work"
+    );
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    let after = std::fs::read(&img).unwrap();
+    assert_eq!(
+        &after[l1_offset..l1_offset + 512],
+        &l1_before[..],
+        "the L1 table was rewritten"
+    );
+    assert!(
+        backend.log_contents().contains("overlaps metadata"),
+        "{}",
+        backend.log_contents()
+    );
+}

@@ -163,6 +163,9 @@ pub struct Qcow2Image {
     l1_offset: u64,
     /// Present when opened writable: allocation state, behind one lock.
     write: Option<Mutex<WriteState>>,
+    /// Clusters holding metadata (header, tables, L2 tables, refcount blocks): a data write
+    /// must never land in one (a hostile image could point an L2 entry at its own metadata).
+    metadata: std::sync::RwLock<std::collections::HashSet<u64>>,
     pub compression: Compression,
     /// The backing file name as stored in the header (relative to the image's directory).
     pub backing_file: Option<String>,
@@ -309,6 +312,28 @@ impl Qcow2Image {
             None
         };
         let capacity = (L2_CACHE_BYTES >> cluster_bits).max(4) as usize;
+        let mut metadata = std::collections::HashSet::new();
+        metadata.insert(0u64);
+        let mut add_range = |off: u64, len: u64| {
+            let mut c = off & !(cluster_size - 1);
+            while c < off + len {
+                metadata.insert(c);
+                c += cluster_size;
+            }
+        };
+        add_range(l1_offset, l1_size * 8);
+        add_range(be64(&hdr, 48), u64::from(be32(&hdr, 56)) * cluster_size);
+        for e in raw.chunks_exact(8).map(|c| be64(c, 0)) {
+            if e & L1_OFFSET_MASK != 0 {
+                add_range(e & L1_OFFSET_MASK, cluster_size);
+            }
+        }
+        if let Some(ws) = &write {
+            let ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+            for &rb in ws.refcount_table.iter().filter(|&&rb| rb != 0) {
+                add_range(rb, cluster_size);
+            }
+        }
         Ok(Qcow2Image {
             version,
             cluster_bits,
@@ -318,6 +343,7 @@ impl Qcow2Image {
             l1: std::sync::RwLock::new(l1),
             l1_offset,
             write,
+            metadata: std::sync::RwLock::new(metadata),
             compression,
             backing_file,
             l2_cache: Mutex::new(L2Cache {
@@ -325,6 +351,20 @@ impl Qcow2Image {
                 capacity,
             }),
         })
+    }
+
+    fn is_metadata(&self, host_cluster: u64) -> bool {
+        self.metadata
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&host_cluster)
+    }
+
+    fn note_metadata(&self, host_cluster: u64) {
+        self.metadata
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(host_cluster);
     }
 
     /// Metadata is rewritten in blocks of this size: never more than one cluster.
@@ -471,6 +511,9 @@ impl Qcow2Image {
             if e & L2_COMPRESSED != 0 || e & L2_COPIED == 0 || e & L2_ZERO != 0 || host == 0 {
                 return Ok(None);
             }
+            if self.is_metadata(host) {
+                return Err(MapError::Corrupt("a data cluster overlaps metadata"));
+            }
             let here = host + (pos - cl_start);
             match start_host {
                 None => start_host = Some(here),
@@ -575,6 +618,9 @@ impl Qcow2Image {
             let in_place =
                 e & L2_COMPRESSED == 0 && e & L2_COPIED != 0 && e & L2_ZERO == 0 && host != 0;
             if in_place {
+                if self.is_metadata(host) {
+                    return Err(MapError::Corrupt("a data cluster overlaps metadata"));
+                }
                 write_all_aligned(file, host + in_cl as u64, src).map_err(MapError::Io)?;
             } else {
                 let buf = cluster.as_mut_slice();
@@ -654,6 +700,7 @@ impl Qcow2Image {
             return Ok(l2);
         }
         let new = self.alloc_cluster(ws, file)?;
+        self.note_metadata(new);
         let zero = crate::io::bounce::AlignedBuf::new(self.cluster_size() as usize, 4096)
             .map_err(MapError::Io)?;
         write_all_aligned(file, new, zero.as_slice()).map_err(MapError::Io)?;
@@ -729,6 +776,7 @@ impl Qcow2Image {
             // its own range, else it needs a refcount of its own.
             let block = ws.next_free;
             ws.next_free += c;
+            self.note_metadata(block);
             self.file_size
                 .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
             let zero =
@@ -815,6 +863,11 @@ impl Qcow2Image {
         ws.next_free = end;
         self.file_size
             .fetch_max(end, std::sync::atomic::Ordering::AcqRel);
+        let mut cl = start;
+        while cl < end {
+            self.note_metadata(cl);
+            cl += c;
+        }
         // New blocks carry the refcounts of the new metadata that falls in their range.
         for &(ti, off) in &new_blocks {
             let mut blk = vec![0u8; c as usize];
