@@ -800,3 +800,69 @@ fn writes_into_clusters_overlapping_metadata_are_refused() {
         backend.log_contents()
     );
 }
+
+/// Internal snapshots are preserved: after `qemu-img snapshot -c`, vublk's writes copy the
+/// shared L2 tables and data clusters; `qemu-img check` stays clean, the active image has the
+/// new data and the snapshot still has the old.
+#[test]
+fn writes_preserve_internal_snapshots() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-snap");
+    let img = dir.join("snap.qcow2");
+    run(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("4M"));
+    qemu_io(
+        &img,
+        "qcow2",
+        &["write -P 0xa1 0 1M", "write -c -P 0xa2 2M 64k"],
+    );
+    let raw_before = dir.join("before.raw");
+    run(Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(&img)
+        .arg(&raw_before));
+    run(Command::new("qemu-img")
+        .args(["snapshot", "-c", "snap1"])
+        .arg(&img));
+    let mut expected = read_file(&raw_before);
+
+    let backend = Backend::start(&dir, &img, &BackendOpts::default());
+    let mut c = connect_queues(&backend.socket, 1);
+    for (off, byte) in [
+        (0u64, 0xb1u8),
+        (512 * 1024, 0xb2),
+        (2 * MIB + 4096, 0xb3),
+        (3 * MIB, 0xb4),
+    ] {
+        assert_eq!(c.write_at(0, off, &[byte; 8192]), 0);
+        expected[off as usize..off as usize + 8192].fill(byte);
+    }
+    assert_same(&c.read_all(0), &expected, "active image through vublk");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
+    let active = dir.join("active.raw");
+    run(Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(&img)
+        .arg(&active));
+    assert_same(&read_file(&active), &expected, "active image by qemu-img");
+    run(Command::new("qemu-img")
+        .args(["snapshot", "-a", "snap1"])
+        .arg(&img));
+    let snap = dir.join("snap.raw");
+    run(Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(&img)
+        .arg(&snap));
+    assert_same(
+        &read_file(&snap),
+        &read_file(&raw_before),
+        "the snapshot kept the old data",
+    );
+    run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
+}

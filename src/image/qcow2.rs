@@ -135,6 +135,13 @@ pub enum ZeroMode {
     Discard,
 }
 
+/// A change to one cluster's refcount.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RefChange {
+    Set(u16),
+    Dec,
+}
+
 /// Allocation state of a writable image.
 struct WriteState {
     refcount_table: Vec<u64>,
@@ -693,9 +700,7 @@ impl Qcow2Image {
         let l2 = l1e & L1_OFFSET_MASK;
         if l2 != 0 {
             if l1e & L2_COPIED == 0 {
-                return Err(MapError::Corrupt(
-                    "writing through an L2 table shared with a snapshot is not supported",
-                ));
+                return self.copy_shared_l2(ws, file, l1_index, l2);
             }
             return Ok(l2);
         }
@@ -723,11 +728,66 @@ impl Qcow2Image {
         Ok(new)
     }
 
+    /// An L2 table shared with a snapshot (its L1 entry is not COPIED): give the active image
+    /// its own copy (COPIED flags cleared: its clusters are shared), move the L1 entry to the
+    /// copy, and drop the active image's reference to the shared table.
+    fn copy_shared_l2(
+        &self,
+        ws: &mut WriteState,
+        file: &File,
+        l1_index: usize,
+        old_l2: u64,
+    ) -> Result<u64, MapError> {
+        let c = self.cluster_size();
+        let raw = read_aligned(file, old_l2, c as usize).map_err(MapError::Io)?;
+        let mut entries: Vec<u64> = raw.chunks_exact(8).map(|b| be64(b, 0)).collect();
+        // Snapshot creation already counted the snapshot's references to these clusters
+        // (refcounts count references per L1 table, not per L2 copy): nothing to add, but no
+        // cluster is owned alone any more.
+        for e in entries.iter_mut() {
+            if *e & L2_COMPRESSED == 0 {
+                *e &= !L2_COPIED;
+            }
+        }
+        let new = self.alloc_cluster(ws, file)?;
+        self.note_metadata(new);
+        let mut bytes = vec![0u8; c as usize];
+        for (i, e) in entries.iter().enumerate() {
+            bytes[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
+        }
+        write_all_aligned(file, new, &bytes).map_err(MapError::Io)?;
+        {
+            let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
+            if cache.tables.len() >= cache.capacity {
+                cache.tables.pop_front();
+            }
+            cache.tables.push_back((new, entries));
+        }
+        let entry = new | L2_COPIED;
+        write_be64(
+            file,
+            self.l1_offset + l1_index as u64 * 8,
+            entry,
+            self.meta_chunk(),
+        )
+        .map_err(MapError::Io)?;
+        if let Some(e) = self
+            .l1
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(l1_index)
+        {
+            *e = entry;
+        }
+        self.set_refcount(ws, file, old_l2, RefChange::Dec)?;
+        Ok(new)
+    }
+
     /// A new cluster at the end of the file, its refcount set to 1 first.
     fn alloc_cluster(&self, ws: &mut WriteState, file: &File) -> Result<u64, MapError> {
         let host = ws.next_free;
         ws.next_free += self.cluster_size();
-        self.set_refcount(ws, file, host, Some(1))?;
+        self.set_refcount(ws, file, host, RefChange::Set(1))?;
         self.file_size
             .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
         Ok(host)
@@ -743,23 +803,22 @@ impl Qcow2Image {
             let last = host + (sectors * 512).saturating_sub(host & 511).max(1) - 1;
             let mut cl = host & !(c - 1);
             while cl <= (last & !(c - 1)) {
-                self.set_refcount(ws, file, cl, None)?;
+                self.set_refcount(ws, file, cl, RefChange::Dec)?;
                 cl += c;
             }
         } else if e & L2_OFFSET_MASK != 0 {
-            self.set_refcount(ws, file, e & L2_OFFSET_MASK, None)?;
+            self.set_refcount(ws, file, e & L2_OFFSET_MASK, RefChange::Dec)?;
         }
         Ok(())
     }
 
-    /// Set a cluster's refcount (`Some(v)`) or decrement it (`None`), allocating the refcount
-    /// block if needed. 16-bit refcounts.
+    /// Change a cluster's refcount, allocating the refcount block if needed. 16-bit refcounts.
     fn set_refcount(
         &self,
         ws: &mut WriteState,
         file: &File,
         host: u64,
-        value: Option<u16>,
+        change: RefChange,
     ) -> Result<(), MapError> {
         let c = self.cluster_size();
         let per_block = c / 2;
@@ -790,7 +849,7 @@ impl Qcow2Image {
             )
             .map_err(MapError::Io)?;
             ws.refcount_table[ti] = block;
-            self.set_refcount(ws, file, block, Some(1))?;
+            self.set_refcount(ws, file, block, RefChange::Set(1))?;
             block
         } else {
             rb
@@ -804,9 +863,9 @@ impl Qcow2Image {
         };
         let i = (at - chunk) as usize;
         let old = u16::from_be_bytes([buf[i], buf[i + 1]]);
-        let new = match value {
-            Some(v) => v,
-            None => old.saturating_sub(1),
+        let new = match change {
+            RefChange::Set(v) => v,
+            RefChange::Dec => old.saturating_sub(1),
         };
         buf[i..i + 2].copy_from_slice(&new.to_be_bytes());
         write_all_aligned(file, chunk, &buf).map_err(MapError::Io)?;
@@ -889,7 +948,7 @@ impl Qcow2Image {
         while cl < end {
             let ti = (cl / c / per_block) as usize;
             if !new_blocks.iter().any(|&(t, _)| t == ti) {
-                self.set_refcount(ws, file, cl, Some(1))?;
+                self.set_refcount(ws, file, cl, RefChange::Set(1))?;
             }
             cl += c;
         }
@@ -905,7 +964,7 @@ impl Qcow2Image {
         write_all_aligned(file, 0, &hdr).map_err(MapError::Io)?;
         ws.refcount_table_offset = start;
         for i in 0..old_clusters {
-            self.set_refcount(ws, file, old_offset + i * c, None)?;
+            self.set_refcount(ws, file, old_offset + i * c, RefChange::Dec)?;
         }
         Ok(())
     }
