@@ -709,22 +709,7 @@ impl Qcow2Image {
         let zero = crate::io::bounce::AlignedBuf::new(self.cluster_size() as usize, 4096)
             .map_err(MapError::Io)?;
         write_all_aligned(file, new, zero.as_slice()).map_err(MapError::Io)?;
-        let entry = new | L2_COPIED;
-        write_be64(
-            file,
-            self.l1_offset + l1_index as u64 * 8,
-            entry,
-            self.meta_chunk(),
-        )
-        .map_err(MapError::Io)?;
-        if let Some(e) = self
-            .l1
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_mut(l1_index)
-        {
-            *e = entry;
-        }
+        self.install_l2(file, l1_index, new, vec![0u64; 1 << self.l2_bits])?;
         Ok(new)
     }
 
@@ -756,6 +741,20 @@ impl Qcow2Image {
             bytes[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
         }
         write_all_aligned(file, new, &bytes).map_err(MapError::Io)?;
+        self.install_l2(file, l1_index, new, entries)?;
+        self.set_refcount(ws, file, old_l2, RefChange::Dec)?;
+        Ok(new)
+    }
+
+    /// Make the L2 table just written at `new` (with `entries`) the active one for
+    /// `l1_index`: cache it, then point the L1 entry at it (on disk, then in memory).
+    fn install_l2(
+        &self,
+        file: &File,
+        l1_index: usize,
+        new: u64,
+        entries: Vec<u64>,
+    ) -> Result<(), MapError> {
         {
             let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
             if cache.tables.len() >= cache.capacity {
@@ -779,8 +778,7 @@ impl Qcow2Image {
         {
             *e = entry;
         }
-        self.set_refcount(ws, file, old_l2, RefChange::Dec)?;
-        Ok(new)
+        Ok(())
     }
 
     /// A new cluster at the end of the file, its refcount set to 1 first.
