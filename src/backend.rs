@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use log::info;
+use log::{error, info};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock};
 use virtio_bindings::virtio_blk::*;
@@ -90,6 +90,10 @@ impl VhostUserBlkBackend {
         abort.store(true, Ordering::Relaxed);
         if let Some(mut w) = self.worker(i) {
             w.drain();
+        }
+        // The front end may be going away: leave the image's metadata complete on disk.
+        if let Err(e) = self.dev.write_back_metadata() {
+            error!("queue {i}: writing back image metadata: {e}");
         }
         abort.store(false, Ordering::Relaxed);
     }

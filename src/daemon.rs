@@ -288,7 +288,7 @@ fn log_device_stats(dev: &Device) {
 
 fn flush(dev: &Device) {
     if !dev.params.read_only {
-        if let Err(e) = dev.file.sync_data() {
+        if let Err(e) = dev.sync() {
             error!("final flush failed: {e}");
         }
     }

@@ -119,6 +119,22 @@ impl Device {
         }
     }
 
+    /// Write back format metadata (qcow2 caches) without syncing.
+    pub fn write_back_metadata(&self) -> std::io::Result<()> {
+        match &self.qcow2 {
+            Some(q) => q
+                .flush(&self.file)
+                .map_err(|e| std::io::Error::other(e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    /// Everything completed so far durable: format metadata, then the file.
+    pub fn sync(&self) -> std::io::Result<()> {
+        self.write_back_metadata()?;
+        self.file.sync_data()
+    }
+
     /// Direct I/O: the file is opened O_DIRECT.
     pub fn direct(&self) -> bool {
         self.params.cache == CacheMode::None
@@ -322,5 +338,21 @@ mod tests {
         let id = d.id_bytes();
         assert_eq!(&id[..3], b"abc");
         assert!(id[3..].iter().all(|&b| b == 0));
+    }
+}
+
+impl Drop for Device {
+    /// Never leave qcow2 metadata only in memory: whatever path ends the daemon, the image
+    /// on disk describes every completed write (made durable only by FLUSH or a sync).
+    fn drop(&mut self) {
+        let closed = match &self.qcow2 {
+            Some(q) => q
+                .close(&self.file)
+                .map_err(|e| std::io::Error::other(e.to_string())),
+            None => Ok(()),
+        };
+        if let Err(e) = closed {
+            log::error!("writing back image metadata: {e}");
+        }
     }
 }

@@ -411,6 +411,14 @@ impl QueueWorker {
                     // Write-through: every completed write is already durable.
                     return Ok(false);
                 }
+                if let Some(q) = self.dev.qcow2.as_ref() {
+                    // Metadata first (in dependency order); the sync below makes it durable.
+                    if let Err(e) = q.flush(&self.dev.file) {
+                        error!("queue {}: qcow2 metadata write-back: {e}", self.index);
+                        slot.status = status::IOERR;
+                        return Ok(false);
+                    }
+                }
                 slot.pending = 1;
                 // SAFETY: no buffers.
                 unsafe {
@@ -588,7 +596,15 @@ impl QueueWorker {
         if let (false, Some(q)) = (is_read, self.dev.qcow2.as_ref()) {
             // Clusters owned alone and contiguous: write in place through the ring, like raw.
             // Anything else needs allocation: the synchronous metadata path.
-            match q.owned_extent(&self.dev.file, offset, len) {
+            // Fresh clusters whose old contents are zeroes: allocated here, written through
+            // the ring (write-back mode only: write-through needs the metadata synced too).
+            let planned = match q.owned_extent(&self.dev.file, offset, len) {
+                Ok(None) if writeback => {
+                    q.plan_fresh_write(&self.dev.file, offset, len, !self.dev.backing.is_empty())
+                }
+                other => other,
+            };
+            match planned {
                 Ok(Some(host)) => write_offset = host,
                 Ok(None) => {
                     self.qcow2_write(idx, &mem);
@@ -905,7 +921,7 @@ impl QueueWorker {
             }
         }
         if !dev.writeback() {
-            if let Err(e) = dev.file.sync_data() {
+            if let Err(e) = dev.sync() {
                 error!("queue {}: sync after qcow2 zeroing: {e}", self.index);
                 self.slots[usize::from(idx)].status = status::IOERR;
             }
@@ -924,7 +940,7 @@ impl QueueWorker {
         q.write(&dev.file, offset, data, &mut fill_old)
             .map_err(|e| e.to_string())?;
         if !dev.writeback() {
-            dev.file.sync_data().map_err(|e| e.to_string())?;
+            dev.sync().map_err(|e| e.to_string())?;
         }
         Ok(())
     }
@@ -1082,6 +1098,38 @@ impl QueueWorker {
             return None;
         }
         let mut res = c.result;
+        if self.dev.qcow2.is_some() && matches!(kind, Some(OpKind::Read) | Some(OpKind::ReadPart)) {
+            // A qcow2 file may end inside its last cluster (the rest of it was never written):
+            // a short read there is the end of the file, and the rest reads as zeroes.
+            let iovs = if kind == Some(OpKind::Read) {
+                &slot.iov[..]
+            } else {
+                slot.iov
+                    .get(range as usize..range as usize + 1)
+                    .unwrap_or(&[])
+            };
+            let want: usize = iovs.iter().map(|v| v.iov_len).sum();
+            if res >= 0 && (res as usize) < want {
+                let mut skip = res as usize;
+                for v in iovs {
+                    if skip >= v.iov_len {
+                        skip -= v.iov_len;
+                        continue;
+                    }
+                    // SAFETY: the iovec points into guest memory or a bounce buffer that the
+                    // slot keeps alive, and the kernel is done with it (this is its completion).
+                    unsafe {
+                        std::ptr::write_bytes(
+                            v.iov_base.cast::<u8>().add(skip),
+                            0,
+                            v.iov_len - skip,
+                        )
+                    };
+                    skip = 0;
+                }
+                res = want as i32;
+            }
+        }
         match kind {
             Some(OpKind::ReadPart)
                 if res >= 0

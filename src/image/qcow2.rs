@@ -29,8 +29,17 @@ const L1_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 /// Refuse L1 tables larger than this: 32 MiB of L1 maps 2^22 L2 tables, petabytes of guest
 /// space at any cluster size; an image claiming more is hostile or broken.
 const MAX_L1_BYTES: u64 = 32 << 20;
-/// L2 tables cached per image: 512 tables of 64 KiB clusters map 256 GiB and take 32 MiB.
-const L2_CACHE_BYTES: u64 = 32 << 20;
+/// Default L2 cache: 32 MiB, or what covers 64 GiB of guest data when that is more (small
+/// clusters), never more than the image's own L2 tables.
+pub const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
+/// Guest bytes the default L2 cache covers at least.
+pub const DEFAULT_L2_COVERAGE: u64 = 64 << 30;
+/// How far ahead of the allocations the file's size is kept (holes; trimmed on close).
+const SIZE_AHEAD: u64 = 16 << 20;
+/// Dirty refcount chunks kept before they are written (each at most 4 KiB).
+const MAX_DIRTY_REFCOUNT_CHUNKS: usize = 1024;
+/// Refcount chunks cached (dirty or clean) before clean ones are dropped.
+const MAX_REFCOUNT_CHUNKS: usize = 4096;
 
 /// Why a qcow2 image cannot be served; each names the problem.
 #[derive(Debug, thiserror::Error)]
@@ -65,7 +74,7 @@ pub enum Qcow2Error {
     L1Offset(u64),
     #[error("cannot read the qcow2 L1 table")]
     ReadL1(#[source] io::Error),
-    #[error("writing qcow2 images with {0}-bit refcounts is not supported yet: use --read-only")]
+    #[error("qcow2 refcount order {0} is invalid (0..=6: 1 to 64-bit refcounts)")]
     RefcountOrder(u32),
     #[error("qcow2 refcount table is outside the file or empty")]
     RefcountTable,
@@ -138,24 +147,73 @@ pub enum ZeroMode {
 /// A change to one cluster's refcount.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum RefChange {
-    Set(u16),
+    Set(u64),
     Dec,
 }
 
-/// Allocation state of a writable image.
+/// Allocation state of a writable image. Metadata is written back, not through: refcount
+/// chunks and L2 entries change in memory and reach the file in dependency order on
+/// [`Qcow2Image::flush`] (refcount increases, barrier, L2 tables, barrier, then the
+/// decrements those L2 changes allow), or earlier when the caches fill up.
 struct WriteState {
     refcount_table: Vec<u64>,
     refcount_table_offset: u64,
+    /// log2 of the refcount width in bits (0..=6).
+    refcount_order: u32,
     /// Next cluster to allocate: the end of the file (clusters freed are leaked for now).
     next_free: u64,
-    /// Refcount block chunks as last written (saves the read of each read-modify-write).
+    /// The file's size is at least this (extended ahead of `next_free` so that data writes
+    /// into new clusters never extend the file; trimmed back to `next_free` on close).
+    sized_to: u64,
+    /// Refcount block chunks (min(4 KiB, cluster) each) by file offset: the current contents.
     refcount_chunks: std::collections::HashMap<u64, Vec<u8>>,
+    /// Chunks of `refcount_chunks` that differ from the file. They only ever hold increases
+    /// or decreases whose L2 change is already durable, so they may be written at any time.
+    dirty_chunks: std::collections::BTreeSet<u64>,
+    /// Host clusters that lost a reference in an L2 change not yet durable: decremented
+    /// after the L2 tables are written and synced (a crash before leaks, never corrupts).
+    pending_decs: Vec<u64>,
+}
+
+/// One cached L2 table.
+struct L2Table {
+    offset: u64,
+    entries: Vec<u64>,
+    /// Per metadata chunk: differs from the file.
+    dirty: Vec<bool>,
+}
+
+impl L2Table {
+    fn is_dirty(&self) -> bool {
+        self.dirty.iter().any(|&d| d)
+    }
 }
 
 struct L2Cache {
-    /// (L2 table offset, entries), most recently used at the back.
-    tables: VecDeque<(u64, Vec<u64>)>,
+    /// Most recently used at the back. Dirty tables are never evicted without being written.
+    tables: VecDeque<L2Table>,
     capacity: usize,
+}
+
+impl L2Cache {
+    fn dirty_tables(&self) -> usize {
+        self.tables.iter().filter(|t| t.is_dirty()).count()
+    }
+
+    /// Drop the least recently used clean table if the cache is full; false if every
+    /// table is dirty (the caller writes them back first, or does not cache).
+    fn make_room(&mut self) -> bool {
+        if self.tables.len() < self.capacity {
+            return true;
+        }
+        match self.tables.iter().position(|t| !t.is_dirty()) {
+            Some(i) => {
+                self.tables.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// An open qcow2 image.
@@ -205,8 +263,28 @@ pub fn probe(file: &File) -> bool {
 }
 
 impl Qcow2Image {
-    /// Open and validate. `file` may be opened O_DIRECT: metadata is read with aligned buffers.
+    /// Open and validate with the default L2 cache size.
     pub fn open(file: &File, writable: bool) -> Result<Self, Qcow2Error> {
+        Self::open_with_cache(file, writable, None)
+    }
+
+    /// The default L2 cache for an image: [`DEFAULT_L2_CACHE_BYTES`], or enough for
+    /// [`DEFAULT_L2_COVERAGE`] when that is more, capped at all of the image's L2 tables.
+    pub fn default_l2_cache_bytes(cluster_bits: u32, size_bytes: u64) -> u64 {
+        let coverage = DEFAULT_L2_COVERAGE >> (cluster_bits - 3);
+        let whole_image = size_bytes.div_ceil(1 << cluster_bits) * 8;
+        DEFAULT_L2_CACHE_BYTES
+            .max(coverage)
+            .min(whole_image.next_multiple_of(1 << cluster_bits))
+    }
+
+    /// Open and validate. `file` may be opened O_DIRECT: metadata is read with aligned
+    /// buffers. `l2_cache_bytes`: the L2 cache bound (None: the default); at least 4 tables.
+    pub fn open_with_cache(
+        file: &File,
+        writable: bool,
+        l2_cache_bytes: Option<u64>,
+    ) -> Result<Self, Qcow2Error> {
         let file_size = file.metadata().map_err(Qcow2Error::ReadHeader)?.len();
         let hdr = read_aligned(file, 0, 4096).map_err(Qcow2Error::ReadHeader)?;
         if hdr.len() < 72 || hdr[0..4] != MAGIC {
@@ -293,11 +371,11 @@ impl Qcow2Image {
             Vec::new()
         };
         let l1 = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
+        let refcount_order = if version == 3 { be32(&hdr, 96) } else { 4 };
+        if refcount_order > 6 {
+            return Err(Qcow2Error::RefcountOrder(refcount_order));
+        }
         let write = if writable {
-            let refcount_order = if version == 3 { be32(&hdr, 96) } else { 4 };
-            if refcount_order != 4 {
-                return Err(Qcow2Error::RefcountOrder(refcount_order));
-            }
             let rt_offset = be64(&hdr, 48);
             let rt_clusters = u64::from(be32(&hdr, 56));
             if rt_offset % cluster_size != 0
@@ -312,13 +390,19 @@ impl Qcow2Image {
             Some(Mutex::new(WriteState {
                 refcount_table: rt.chunks_exact(8).map(|c| be64(c, 0)).collect(),
                 refcount_table_offset: rt_offset,
+                refcount_order,
                 next_free: file_size.next_multiple_of(cluster_size),
+                sized_to: file_size,
                 refcount_chunks: std::collections::HashMap::new(),
+                dirty_chunks: std::collections::BTreeSet::new(),
+                pending_decs: Vec::new(),
             }))
         } else {
             None
         };
-        let capacity = (L2_CACHE_BYTES >> cluster_bits).max(4) as usize;
+        let cache_bytes = l2_cache_bytes
+            .unwrap_or_else(|| Self::default_l2_cache_bytes(cluster_bits, size_bytes));
+        let capacity = (cache_bytes >> cluster_bits).clamp(4, 1 << 22) as usize;
         let mut metadata = std::collections::HashSet::new();
         metadata.insert(0u64);
         let mut add_range = |off: u64, len: u64| {
@@ -387,9 +471,13 @@ impl Qcow2Image {
         1 << self.cluster_bits
     }
 
-    /// The L2 entry for the cluster containing `guest_offset` (0 = unallocated).
-    fn l2_entry(&self, file: &File, guest_offset: u64) -> Result<u64, MapError> {
-        let l2_index = (guest_offset >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
+    /// Index of `guest_offset`'s cluster in its L2 table.
+    fn l2_index(&self, guest_offset: u64) -> usize {
+        ((guest_offset >> self.cluster_bits) & ((1 << self.l2_bits) - 1)) as usize
+    }
+
+    /// The (validated) L2 table offset for `guest_offset`; None when the L1 entry is empty.
+    fn l2_table_offset(&self, guest_offset: u64) -> Result<Option<u64>, MapError> {
         let l1_index = (guest_offset >> (self.cluster_bits + self.l2_bits)) as usize;
         let Some(l1e) = self
             .l1
@@ -402,7 +490,7 @@ impl Qcow2Image {
         };
         let l2_offset = l1e & L1_OFFSET_MASK;
         if l2_offset == 0 {
-            return Ok(0);
+            return Ok(None);
         }
         let cluster = self.cluster_size();
         if l2_offset % cluster != 0 || l2_offset + cluster > self.file_len() {
@@ -410,20 +498,44 @@ impl Qcow2Image {
                 "L2 table offset unaligned or outside the file",
             ));
         }
+        Ok(Some(l2_offset))
+    }
+
+    fn read_l2(&self, file: &File, l2_offset: u64) -> Result<Vec<u64>, MapError> {
+        let raw =
+            read_aligned(file, l2_offset, self.cluster_size() as usize).map_err(MapError::Io)?;
+        Ok(raw.chunks_exact(8).map(|c| be64(c, 0)).collect())
+    }
+
+    fn new_table(&self, offset: u64, entries: Vec<u64>) -> L2Table {
+        let chunks = (self.cluster_size() / self.meta_chunk()) as usize;
+        L2Table {
+            offset,
+            entries,
+            dirty: vec![false; chunks],
+        }
+    }
+
+    /// The L2 entry for the cluster containing `guest_offset` (0 = unallocated): from the
+    /// cache (which holds entries not yet written back), else from the file.
+    fn l2_entry(&self, file: &File, guest_offset: u64) -> Result<u64, MapError> {
+        let l2_index = self.l2_index(guest_offset);
+        let Some(l2_offset) = self.l2_table_offset(guest_offset)? else {
+            return Ok(0);
+        };
         let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(pos) = cache.tables.iter().position(|(o, _)| *o == l2_offset) {
+        if let Some(pos) = cache.tables.iter().position(|t| t.offset == l2_offset) {
             let t = cache.tables.remove(pos).expect("position is valid");
-            let e = t.1[l2_index as usize];
+            let e = t.entries[l2_index];
             cache.tables.push_back(t);
             return Ok(e);
         }
-        let raw = read_aligned(file, l2_offset, cluster as usize).map_err(MapError::Io)?;
-        let table: Vec<u64> = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
-        let e = table[l2_index as usize];
-        if cache.tables.len() >= cache.capacity {
-            cache.tables.pop_front();
+        // Loaded under the cache lock, so a writer cannot change the table in between.
+        let entries = self.read_l2(file, l2_offset)?;
+        let e = entries[l2_index];
+        if cache.make_room() {
+            cache.tables.push_back(self.new_table(l2_offset, entries));
         }
-        cache.tables.push_back((l2_offset, table));
         Ok(e)
     }
 
@@ -576,13 +688,12 @@ impl Qcow2Image {
             };
             if new_entry != e {
                 let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
-                let l2_index = (cl_start >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
-                self.write_l2_entry(file, l2, l2_index as usize, new_entry)
-                    .map_err(MapError::Io)?;
+                self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), new_entry)?;
                 if !keep {
-                    self.release_old(&mut ws, file, e)?;
+                    self.release_old(&mut ws, e);
                 }
             }
+            self.maybe_write_back(&mut ws, file)?;
             pos += n;
         }
         Ok(())
@@ -593,12 +704,67 @@ impl Qcow2Image {
         self.write.is_some()
     }
 
+    /// Plan an asynchronous write of [offset, offset + len) into fresh clusters: when every
+    /// cluster it touches reads as zeroes without a copy (unallocated with no backing file,
+    /// or zero-flagged), allocate that many contiguous clusters at the end of the file, point
+    /// the L2 entries at them (in memory) and return where the data goes. The new clusters
+    /// are holes, so the parts of them the write does not cover read as zeroes, as before,
+    /// and a crash before the data lands leaves what was there. None: some cluster needs a
+    /// copy-on-write or is already allocated (use [`Self::owned_extent`] or [`Self::write`]).
+    /// Two queues writing the same cluster never allocate it twice: the second finds it
+    /// allocated.
+    pub fn plan_fresh_write(
+        &self,
+        file: &File,
+        offset: u64,
+        len: u64,
+        has_backing: bool,
+    ) -> Result<Option<u64>, MapError> {
+        let Some(ws) = self.write.as_ref() else {
+            return Ok(None);
+        };
+        if len == 0 {
+            return Ok(None);
+        }
+        let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+        let c = self.cluster_size();
+        let first_cl = offset & !(c - 1);
+        let n = ((offset + len - 1) & !(c - 1)).saturating_sub(first_cl) / c + 1;
+        let mut olds = Vec::with_capacity(n as usize);
+        for k in 0..n {
+            let e = self.l2_entry(file, first_cl + k * c)?;
+            let zero_flag = self.version >= 3 && e & L2_ZERO != 0;
+            let unallocated = e & L2_OFFSET_MASK == 0 && !zero_flag;
+            if e & L2_COMPRESSED != 0 || !(zero_flag || (unallocated && !has_backing)) {
+                return Ok(None);
+            }
+            olds.push(e);
+        }
+        let first = ws.next_free;
+        ws.next_free += n * c;
+        self.file_size
+            .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
+        for k in 0..n {
+            self.set_refcount(&mut ws, file, first + k * c, RefChange::Set(1))?;
+        }
+        self.size_ahead(&mut ws, file);
+        for (k, e) in olds.into_iter().enumerate() {
+            let cl = first_cl + k as u64 * c;
+            let l2 = self.ensure_l2(&mut ws, file, cl)?;
+            let entry = (first + k as u64 * c) | L2_COPIED;
+            self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl), entry)?;
+            self.release_old(&mut ws, e);
+        }
+        self.maybe_write_back(&mut ws, file)?;
+        Ok(Some(first + (offset - first_cl)))
+    }
+
     /// Write `data` at guest `offset` (synchronously, one request at a time per image).
     /// Clusters owned by this image alone are written in place; others (unallocated, zero,
     /// compressed, shared, or from the backing file) get a new cluster, filled with their old
-    /// contents by `fill_old` and then `data`. Order, so that a crash at any point leaves a
-    /// consistent image (at worst leaked clusters): refcount of the new cluster, then its data,
-    /// then the L2 entry; the old cluster's refcount is dropped last.
+    /// contents by `fill_old` and then `data`. The new cluster's refcount and L2 entry change
+    /// in the caches; its data is written now, so it is in the file before the L2 entry that
+    /// makes it visible; the old cluster's reference is dropped after that entry is durable.
     pub fn write(
         &self,
         file: &File,
@@ -640,45 +806,164 @@ impl Qcow2Image {
                 buf[in_cl..in_cl + n].copy_from_slice(src);
                 let new = self.alloc_cluster(&mut ws, file)?;
                 if old_is_zero && n < c as usize {
-                    // A fresh cluster past every earlier allocation is a hole: extend the
-                    // file over it and write only the new data (no copy of zeroes).
-                    if file.metadata().map_err(MapError::Io)?.len() < new + c {
-                        file.set_len(new + c).map_err(MapError::Io)?;
-                    }
+                    // A fresh cluster past every earlier allocation is a hole: write only
+                    // the new data (no copy of zeroes).
                     write_all_aligned(file, new + in_cl as u64, src).map_err(MapError::Io)?;
                 } else {
                     write_all_aligned(file, new, buf).map_err(MapError::Io)?;
                 }
                 let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
-                let l2_index = (cl_start >> self.cluster_bits) & ((1 << self.l2_bits) - 1);
-                let new_entry = new | L2_COPIED;
-                self.write_l2_entry(file, l2, l2_index as usize, new_entry)
-                    .map_err(MapError::Io)?;
-                self.release_old(&mut ws, file, e)?;
+                self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
+                self.release_old(&mut ws, e);
             }
             pos += n as u64;
+        }
+        self.maybe_write_back(&mut ws, file)
+    }
+
+    /// Write back dirty metadata in dependency order; the caller syncs the file afterwards
+    /// for durability (FLUSH). Read-only images have none.
+    pub fn flush(&self, file: &File) -> Result<(), MapError> {
+        let Some(ws) = self.write.as_ref() else {
+            return Ok(());
+        };
+        let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+        self.write_back(&mut ws, file)
+    }
+
+    /// Keep the file's size ahead of the allocations: a direct write that extends a file
+    /// takes the filesystem's inode lock exclusively and cannot be asynchronous, one inside
+    /// it (into a hole) can. One truncate per [`SIZE_AHEAD`] of allocations; best effort.
+    fn size_ahead(&self, ws: &mut WriteState, file: &File) {
+        if ws.next_free <= ws.sized_to {
+            return;
+        }
+        let target = (ws.next_free + SIZE_AHEAD).next_multiple_of(SIZE_AHEAD);
+        if file.set_len(target).is_ok() {
+            ws.sized_to = target;
+        }
+    }
+
+    /// Clean close: write back metadata and trim the file to the end of the last allocated
+    /// cluster (the size kept ahead of allocations is holes).
+    pub fn close(&self, file: &File) -> Result<(), MapError> {
+        let Some(ws) = self.write.as_ref() else {
+            return Ok(());
+        };
+        let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+        self.write_back(&mut ws, file)?;
+        if ws.sized_to > ws.next_free {
+            file.set_len(ws.next_free).map_err(MapError::Io)?;
+            ws.sized_to = ws.next_free;
         }
         Ok(())
     }
 
-    /// Write one L2 entry: from the cached table when there is one (no read), else by
-    /// read-modify-write. The cache lock is held across the file write, as readers hold it
-    /// across their table loads, so no reader can cache the table without this entry.
-    fn write_l2_entry(&self, file: &File, l2: u64, index: usize, entry: u64) -> io::Result<()> {
-        let chunk = self.meta_chunk();
-        let per_chunk = (chunk / 8) as usize;
-        let first = index / per_chunk * per_chunk;
-        let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
-        match cache.tables.iter_mut().find(|(o, _)| *o == l2) {
-            Some((_, t)) if first + per_chunk <= t.len() => {
-                t[index] = entry;
-                let mut b = Vec::with_capacity(chunk as usize);
-                for e in &t[first..first + per_chunk] {
-                    b.extend_from_slice(&e.to_be_bytes());
+    /// Write back early when the caches hold too much dirty metadata.
+    fn maybe_write_back(&self, ws: &mut WriteState, file: &File) -> Result<(), MapError> {
+        let too_many_tables = {
+            let cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache.dirty_tables() * 2 >= cache.capacity
+        };
+        if too_many_tables || ws.dirty_chunks.len() >= MAX_DIRTY_REFCOUNT_CHUNKS {
+            self.write_back(ws, file)?;
+        }
+        Ok(())
+    }
+
+    /// Every allocated cluster inside the file (so no L2 entry on disk points past its end),
+    /// refcount increases, a barrier, dirty L2 tables, a barrier, then the decrements that
+    /// the written L2 changes allow (they become dirty refcount chunks, written next time).
+    fn write_back(&self, ws: &mut WriteState, file: &File) -> Result<(), MapError> {
+        let l2_dirty = self
+            .l2_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .dirty_tables()
+            > 0;
+        if l2_dirty || !ws.dirty_chunks.is_empty() {
+            if ws.sized_to < ws.next_free {
+                if file.metadata().map_err(MapError::Io)?.len() < ws.next_free {
+                    file.set_len(ws.next_free).map_err(MapError::Io)?;
                 }
-                write_all_aligned(file, l2 + (first as u64) * 8, &b)
+                ws.sized_to = ws.next_free;
             }
-            _ => write_be64(file, l2 + index as u64 * 8, entry, chunk),
+            self.write_dirty_refcounts(ws, file)?;
+        }
+        if l2_dirty {
+            file.sync_data().map_err(MapError::Io)?;
+            let chunk = self.meta_chunk() as usize;
+            let per_chunk = chunk / 8;
+            let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
+            let mut bytes =
+                crate::io::bounce::AlignedBuf::new(chunk, 4096).map_err(MapError::Io)?;
+            for t in cache.tables.iter_mut() {
+                for ci in 0..t.dirty.len() {
+                    if !t.dirty[ci] {
+                        continue;
+                    }
+                    let b = bytes.as_mut_slice();
+                    for (i, e) in t.entries[ci * per_chunk..(ci + 1) * per_chunk]
+                        .iter()
+                        .enumerate()
+                    {
+                        b[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
+                    }
+                    file.write_all_at(&bytes.as_slice()[..chunk], t.offset + (ci * chunk) as u64)
+                        .map_err(MapError::Io)?;
+                    t.dirty[ci] = false;
+                }
+            }
+        }
+        if !ws.pending_decs.is_empty() {
+            file.sync_data().map_err(MapError::Io)?;
+            for host in std::mem::take(&mut ws.pending_decs) {
+                self.set_refcount(ws, file, host, RefChange::Dec)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Write the dirty refcount chunks (any time is safe: see [`WriteState::dirty_chunks`]).
+    fn write_dirty_refcounts(&self, ws: &mut WriteState, file: &File) -> Result<(), MapError> {
+        while let Some(&chunk) = ws.dirty_chunks.first() {
+            if let Some(b) = ws.refcount_chunks.get(&chunk) {
+                write_all_aligned(file, chunk, b).map_err(MapError::Io)?;
+            }
+            ws.dirty_chunks.remove(&chunk);
+        }
+        Ok(())
+    }
+
+    /// Change one L2 entry in the cached table (loading it if needed); written back later.
+    fn write_l2_entry(
+        &self,
+        ws: &mut WriteState,
+        file: &File,
+        l2: u64,
+        index: usize,
+        entry: u64,
+    ) -> Result<(), MapError> {
+        let per_chunk = (self.meta_chunk() / 8) as usize;
+        loop {
+            let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(t) = cache.tables.iter_mut().find(|t| t.offset == l2) {
+                let slot = t
+                    .entries
+                    .get_mut(index)
+                    .ok_or(MapError::Corrupt("L2 index out of range"))?;
+                *slot = entry;
+                t.dirty[index / per_chunk] = true;
+                return Ok(());
+            }
+            if !cache.make_room() {
+                drop(cache);
+                self.write_back(ws, file)?;
+                continue;
+            }
+            let entries = self.read_l2(file, l2)?;
+            let t = self.new_table(l2, entries);
+            cache.tables.push_back(t);
         }
     }
 
@@ -709,7 +994,7 @@ impl Qcow2Image {
         let zero = crate::io::bounce::AlignedBuf::new(self.cluster_size() as usize, 4096)
             .map_err(MapError::Io)?;
         write_all_aligned(file, new, zero.as_slice()).map_err(MapError::Io)?;
-        self.install_l2(file, l1_index, new, vec![0u64; 1 << self.l2_bits])?;
+        self.install_l2(ws, file, l1_index, new, vec![0u64; 1 << self.l2_bits])?;
         Ok(new)
     }
 
@@ -724,8 +1009,19 @@ impl Qcow2Image {
         old_l2: u64,
     ) -> Result<u64, MapError> {
         let c = self.cluster_size();
-        let raw = read_aligned(file, old_l2, c as usize).map_err(MapError::Io)?;
-        let mut entries: Vec<u64> = raw.chunks_exact(8).map(|b| be64(b, 0)).collect();
+        // The cached copy may hold entries not written back yet.
+        let cached = {
+            let cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache
+                .tables
+                .iter()
+                .find(|t| t.offset == old_l2)
+                .map(|t| t.entries.clone())
+        };
+        let mut entries = match cached {
+            Some(e) => e,
+            None => self.read_l2(file, old_l2)?,
+        };
         // Snapshot creation already counted the snapshot's references to these clusters
         // (refcounts count references per L1 table, not per L2 copy): nothing to add, but no
         // cluster is owned alone any more.
@@ -741,26 +1037,32 @@ impl Qcow2Image {
             bytes[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
         }
         write_all_aligned(file, new, &bytes).map_err(MapError::Io)?;
-        self.install_l2(file, l1_index, new, entries)?;
-        self.set_refcount(ws, file, old_l2, RefChange::Dec)?;
+        self.install_l2(ws, file, l1_index, new, entries)?;
+        ws.pending_decs.push(old_l2);
         Ok(new)
     }
 
     /// Make the L2 table just written at `new` (with `entries`) the active one for
-    /// `l1_index`: cache it, then point the L1 entry at it (on disk, then in memory).
+    /// `l1_index`: its refcount reaches the file first, then it is cached and the L1 entry
+    /// points at it (on disk, then in memory).
     fn install_l2(
         &self,
+        ws: &mut WriteState,
         file: &File,
         l1_index: usize,
         new: u64,
         entries: Vec<u64>,
     ) -> Result<(), MapError> {
-        {
+        self.write_dirty_refcounts(ws, file)?;
+        file.sync_data().map_err(MapError::Io)?;
+        loop {
             let mut cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
-            if cache.tables.len() >= cache.capacity {
-                cache.tables.pop_front();
+            if cache.make_room() {
+                cache.tables.push_back(self.new_table(new, entries));
+                break;
             }
-            cache.tables.push_back((new, entries));
+            drop(cache);
+            self.write_back(ws, file)?;
         }
         let entry = new | L2_COPIED;
         write_be64(
@@ -781,18 +1083,20 @@ impl Qcow2Image {
         Ok(())
     }
 
-    /// A new cluster at the end of the file, its refcount set to 1 first.
+    /// A new cluster at the end of the file, its refcount set to 1 (in the cache).
     fn alloc_cluster(&self, ws: &mut WriteState, file: &File) -> Result<u64, MapError> {
         let host = ws.next_free;
         ws.next_free += self.cluster_size();
-        self.set_refcount(ws, file, host, RefChange::Set(1))?;
         self.file_size
             .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
+        self.set_refcount(ws, file, host, RefChange::Set(1))?;
+        self.size_ahead(ws, file);
         Ok(host)
     }
 
-    /// Drop one reference to the host cluster(s) an old L2 entry used.
-    fn release_old(&self, ws: &mut WriteState, file: &File, e: u64) -> Result<(), MapError> {
+    /// Queue the release of the host cluster(s) an old L2 entry used: applied once the L2
+    /// change that dropped them is durable.
+    fn release_old(&self, ws: &mut WriteState, e: u64) {
         let c = self.cluster_size();
         if e & L2_COMPRESSED != 0 {
             let x = 62 - (self.cluster_bits - 8);
@@ -801,16 +1105,16 @@ impl Qcow2Image {
             let last = host + (sectors * 512).saturating_sub(host & 511).max(1) - 1;
             let mut cl = host & !(c - 1);
             while cl <= (last & !(c - 1)) {
-                self.set_refcount(ws, file, cl, RefChange::Dec)?;
+                ws.pending_decs.push(cl);
                 cl += c;
             }
         } else if e & L2_OFFSET_MASK != 0 {
-            self.set_refcount(ws, file, e & L2_OFFSET_MASK, RefChange::Dec)?;
+            ws.pending_decs.push(e & L2_OFFSET_MASK);
         }
-        Ok(())
     }
 
-    /// Change a cluster's refcount, allocating the refcount block if needed. 16-bit refcounts.
+    /// Change a cluster's refcount in the refcount cache (any width from 1 to 64 bits),
+    /// allocating the refcount block (and growing the table) if needed.
     fn set_refcount(
         &self,
         ws: &mut WriteState,
@@ -819,7 +1123,8 @@ impl Qcow2Image {
         change: RefChange,
     ) -> Result<(), MapError> {
         let c = self.cluster_size();
-        let per_block = c / 2;
+        let bits = 1u64 << ws.refcount_order;
+        let per_block = c * 8 / bits;
         let idx = host / c;
         let ti = (idx / per_block) as usize;
         if ti >= ws.refcount_table.len() {
@@ -829,50 +1134,81 @@ impl Qcow2Image {
             return Err(MapError::Corrupt("refcount table too small"));
         };
         let rb = if rb == 0 {
-            // A new refcount block at the end of the file; it covers itself if it falls in
-            // its own range, else it needs a refcount of its own.
-            let block = ws.next_free;
-            ws.next_free += c;
-            self.note_metadata(block);
-            self.file_size
-                .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
-            let zero =
-                crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
-            write_all_aligned(file, block, zero.as_slice()).map_err(MapError::Io)?;
-            write_be64(
-                file,
-                ws.refcount_table_offset + ti as u64 * 8,
-                block,
-                self.meta_chunk(),
-            )
-            .map_err(MapError::Io)?;
-            ws.refcount_table[ti] = block;
-            self.set_refcount(ws, file, block, RefChange::Set(1))?;
-            block
+            self.new_refcount_block(ws, file, ti)?
         } else {
+            if rb % c != 0 {
+                return Err(MapError::Corrupt("refcount block offset unaligned"));
+            }
             rb
         };
-        let at = rb + (idx % per_block) * 2;
         let chunk_size = self.meta_chunk();
-        let chunk = at & !(chunk_size - 1);
-        let mut buf = match ws.refcount_chunks.remove(&chunk) {
-            Some(b) => b,
-            None => read_aligned(file, chunk, chunk_size as usize).map_err(MapError::Io)?,
+        let per_chunk = chunk_size * 8 / bits;
+        let j = idx % per_block;
+        let chunk = rb + (j / per_chunk) * chunk_size;
+        let i = (j % per_chunk) as usize;
+        if !ws.refcount_chunks.contains_key(&chunk) {
+            if ws.refcount_chunks.len() >= MAX_REFCOUNT_CHUNKS {
+                self.write_dirty_refcounts(ws, file)?;
+                ws.refcount_chunks.clear();
+            }
+            let b = read_aligned(file, chunk, chunk_size as usize).map_err(MapError::Io)?;
+            ws.refcount_chunks.insert(chunk, b);
+        }
+        let buf = ws
+            .refcount_chunks
+            .get_mut(&chunk)
+            .ok_or(MapError::Corrupt("refcount chunk vanished"))?;
+        let old = refcount_get(buf, i, ws.refcount_order);
+        let max = if bits == 64 {
+            u64::MAX
+        } else {
+            (1 << bits) - 1
         };
-        let i = (at - chunk) as usize;
-        let old = u16::from_be_bytes([buf[i], buf[i + 1]]);
         let new = match change {
-            RefChange::Set(v) => v,
+            RefChange::Set(v) if v <= max => v,
+            RefChange::Set(_) => return Err(MapError::Corrupt("refcount overflow")),
             RefChange::Dec => old.saturating_sub(1),
         };
-        buf[i..i + 2].copy_from_slice(&new.to_be_bytes());
-        write_all_aligned(file, chunk, &buf).map_err(MapError::Io)?;
-        // Bounded: 4096 chunks of at most 4 KiB.
-        if ws.refcount_chunks.len() >= 4096 {
-            ws.refcount_chunks.clear();
+        refcount_put(buf, i, ws.refcount_order, new);
+        ws.dirty_chunks.insert(chunk);
+        if ws.dirty_chunks.len() >= MAX_DIRTY_REFCOUNT_CHUNKS {
+            self.write_dirty_refcounts(ws, file)?;
         }
-        ws.refcount_chunks.insert(chunk, buf);
         Ok(())
+    }
+
+    /// A new, zeroed refcount block for refcount table entry `ti` at the end of the file. Its
+    /// own refcount reaches the file before the table entry that names it.
+    fn new_refcount_block(
+        &self,
+        ws: &mut WriteState,
+        file: &File,
+        ti: usize,
+    ) -> Result<u64, MapError> {
+        let c = self.cluster_size();
+        let block = ws.next_free;
+        ws.next_free += c;
+        self.note_metadata(block);
+        self.file_size
+            .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
+        let zero = crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
+        write_all_aligned(file, block, zero.as_slice()).map_err(MapError::Io)?;
+        // Forget cached chunks of whatever was at this offset before (nothing should be).
+        ws.refcount_chunks
+            .retain(|&k, _| k < block || k >= block + c);
+        ws.dirty_chunks.retain(|&k| k < block || k >= block + c);
+        ws.refcount_table[ti] = block;
+        self.set_refcount(ws, file, block, RefChange::Set(1))?;
+        self.write_dirty_refcounts(ws, file)?;
+        file.sync_data().map_err(MapError::Io)?;
+        write_be64(
+            file,
+            ws.refcount_table_offset + ti as u64 * 8,
+            block,
+            self.meta_chunk(),
+        )
+        .map_err(MapError::Io)?;
+        Ok(block)
     }
 
     /// Move the refcount table to a bigger one at the end of the file (with refcount blocks
@@ -885,7 +1221,7 @@ impl Qcow2Image {
         needed: usize,
     ) -> Result<(), MapError> {
         let c = self.cluster_size();
-        let per_block = c / 2;
+        let per_block = c * 8 / (1u64 << ws.refcount_order);
         let per_cluster = (c / 8) as usize;
         let new_entries = (ws.refcount_table.len() * 2)
             .max(needed + 1)
@@ -931,8 +1267,8 @@ impl Qcow2Image {
             let mut cl = start;
             while cl < end {
                 if (cl / c / per_block) as usize == ti {
-                    let i = ((cl / c) % per_block) as usize * 2;
-                    blk[i..i + 2].copy_from_slice(&1u16.to_be_bytes());
+                    let i = ((cl / c) % per_block) as usize;
+                    refcount_put(&mut blk, i, ws.refcount_order, 1);
                 }
                 cl += c;
             }
@@ -955,6 +1291,9 @@ impl Qcow2Image {
             raw[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
         }
         write_all_aligned(file, start, &raw).map_err(MapError::Io)?;
+        // The new table's own refcounts are in the file before the header names it.
+        self.write_dirty_refcounts(ws, file)?;
+        file.sync_data().map_err(MapError::Io)?;
         // Switch the header: offset (48) and clusters (56) sit in one sector.
         let mut hdr = read_aligned(file, 0, self.meta_chunk() as usize).map_err(MapError::Io)?;
         hdr[48..56].copy_from_slice(&start.to_be_bytes());
@@ -962,7 +1301,7 @@ impl Qcow2Image {
         write_all_aligned(file, 0, &hdr).map_err(MapError::Io)?;
         ws.refcount_table_offset = start;
         for i in 0..old_clusters {
-            self.set_refcount(ws, file, old_offset + i * c, RefChange::Dec)?;
+            ws.pending_decs.push(old_offset + i * c);
         }
         Ok(())
     }
@@ -1000,6 +1339,36 @@ impl Qcow2Image {
             }
         }
         Ok(())
+    }
+}
+
+/// Refcount `i` of a refcount block chunk, `1 << order` bits wide (big-endian for 8 bits
+/// and more; narrower ones packed from the least significant bit of each byte).
+fn refcount_get(buf: &[u8], i: usize, order: u32) -> u64 {
+    let bits = 1usize << order;
+    if bits >= 8 {
+        let n = bits / 8;
+        buf[i * n..i * n + n]
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
+    } else {
+        let bit = i * bits;
+        u64::from((buf[bit / 8] >> (bit % 8)) & ((1u8 << bits) - 1))
+    }
+}
+
+fn refcount_put(buf: &mut [u8], i: usize, order: u32, v: u64) {
+    let bits = 1usize << order;
+    if bits >= 8 {
+        let n = bits / 8;
+        for (k, b) in buf[i * n..i * n + n].iter_mut().enumerate() {
+            *b = (v >> (8 * (n - 1 - k))) as u8;
+        }
+    } else {
+        let bit = i * bits;
+        let mask = ((1u8 << bits) - 1) << (bit % 8);
+        let byte = &mut buf[bit / 8];
+        *byte = (*byte & !mask) | (((v as u8) << (bit % 8)) & mask);
     }
 }
 
