@@ -245,6 +245,22 @@ impl Device {
     }
 }
 
+impl Drop for Device {
+    /// Never leave qcow2 metadata only in memory: whatever path ends the daemon, the image
+    /// on disk describes every completed write (made durable only by FLUSH or a sync).
+    fn drop(&mut self) {
+        let closed = match &self.qcow2 {
+            Some(q) => q
+                .close(&self.file)
+                .map_err(|e| std::io::Error::other(e.to_string())),
+            None => Ok(()),
+        };
+        if let Err(e) = closed {
+            log::error!("writing back image metadata: {e}");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -338,21 +354,5 @@ mod tests {
         let id = d.id_bytes();
         assert_eq!(&id[..3], b"abc");
         assert!(id[3..].iter().all(|&b| b == 0));
-    }
-}
-
-impl Drop for Device {
-    /// Never leave qcow2 metadata only in memory: whatever path ends the daemon, the image
-    /// on disk describes every completed write (made durable only by FLUSH or a sync).
-    fn drop(&mut self) {
-        let closed = match &self.qcow2 {
-            Some(q) => q
-                .close(&self.file)
-                .map_err(|e| std::io::Error::other(e.to_string())),
-            None => Ok(()),
-        };
-        if let Err(e) = closed {
-            log::error!("writing back image metadata: {e}");
-        }
     }
 }
