@@ -2,8 +2,11 @@
 //! N is the file's byte N, so there is nothing to plan; qcow2 maps guest ranges to extents.
 
 pub mod chain;
+#[cfg(test)]
+mod crash_tests;
 pub mod create;
 pub mod qcow2;
 mod raw;
+pub mod storage;
 
 pub use raw::{open_raw, OpenError, RawImage};

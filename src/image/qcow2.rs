@@ -2,10 +2,9 @@
 //! table, a bounded L2 cache, and the mapping of guest ranges to host extents. The format
 //! plans; the worker executes the data I/O. This increment serves images read-only.
 
+use super::storage::Storage;
 use std::collections::VecDeque;
-use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
 use std::sync::Mutex;
 
 /// "QFI\xfb".
@@ -165,6 +164,8 @@ struct WriteState {
     /// The file's size is at least this (extended ahead of `next_free` so that data writes
     /// into new clusters never extend the file; trimmed back to `next_free` on close).
     sized_to: u64,
+    /// How far ahead of `next_free` to size the file ([`SIZE_AHEAD`] by default).
+    size_ahead: u64,
     /// Refcount block chunks (min(4 KiB, cluster) each) by file offset: the current contents.
     refcount_chunks: std::collections::HashMap<u64, Vec<u8>>,
     /// Chunks of `refcount_chunks` that differ from the file. They only ever hold increases
@@ -258,13 +259,13 @@ fn be64(b: &[u8], off: usize) -> u64 {
 }
 
 /// Does the file start with the qcow2 magic? (Aligned read: the file may be O_DIRECT.)
-pub fn probe(file: &File) -> bool {
+pub fn probe(file: &dyn Storage) -> bool {
     read_aligned(file, 0, 4).is_ok_and(|m| m == MAGIC)
 }
 
 impl Qcow2Image {
     /// Open and validate with the default L2 cache size.
-    pub fn open(file: &File, writable: bool) -> Result<Self, Qcow2Error> {
+    pub fn open(file: &dyn Storage, writable: bool) -> Result<Self, Qcow2Error> {
         Self::open_with_cache(file, writable, None)
     }
 
@@ -281,11 +282,11 @@ impl Qcow2Image {
     /// Open and validate. `file` may be opened O_DIRECT: metadata is read with aligned
     /// buffers. `l2_cache_bytes`: the L2 cache bound (None: the default); at least 4 tables.
     pub fn open_with_cache(
-        file: &File,
+        file: &dyn Storage,
         writable: bool,
         l2_cache_bytes: Option<u64>,
     ) -> Result<Self, Qcow2Error> {
-        let file_size = file.metadata().map_err(Qcow2Error::ReadHeader)?.len();
+        let file_size = file.size().map_err(Qcow2Error::ReadHeader)?;
         let hdr = read_aligned(file, 0, 4096).map_err(Qcow2Error::ReadHeader)?;
         if hdr.len() < 72 || hdr[0..4] != MAGIC {
             return Err(Qcow2Error::BadMagic);
@@ -393,6 +394,7 @@ impl Qcow2Image {
                 refcount_order,
                 next_free: file_size.next_multiple_of(cluster_size),
                 sized_to: file_size,
+                size_ahead: SIZE_AHEAD,
                 refcount_chunks: std::collections::HashMap::new(),
                 dirty_chunks: std::collections::BTreeSet::new(),
                 pending_decs: Vec::new(),
@@ -501,7 +503,7 @@ impl Qcow2Image {
         Ok(Some(l2_offset))
     }
 
-    fn read_l2(&self, file: &File, l2_offset: u64) -> Result<Vec<u64>, MapError> {
+    fn read_l2(&self, file: &dyn Storage, l2_offset: u64) -> Result<Vec<u64>, MapError> {
         let raw =
             read_aligned(file, l2_offset, self.cluster_size() as usize).map_err(MapError::Io)?;
         Ok(raw.chunks_exact(8).map(|c| be64(c, 0)).collect())
@@ -518,7 +520,7 @@ impl Qcow2Image {
 
     /// The L2 entry for the cluster containing `guest_offset` (0 = unallocated): from the
     /// cache (which holds entries not yet written back), else from the file.
-    fn l2_entry(&self, file: &File, guest_offset: u64) -> Result<u64, MapError> {
+    fn l2_entry(&self, file: &dyn Storage, guest_offset: u64) -> Result<u64, MapError> {
         let l2_index = self.l2_index(guest_offset);
         let Some(l2_offset) = self.l2_table_offset(guest_offset)? else {
             return Ok(0);
@@ -543,7 +545,7 @@ impl Qcow2Image {
     /// contiguous data. The caller checked the range is inside the image.
     pub fn map(
         &self,
-        file: &File,
+        file: &dyn Storage,
         offset: u64,
         len: u64,
         out: &mut Vec<Extent>,
@@ -615,7 +617,7 @@ impl Qcow2Image {
     /// write can go in place, asynchronously, with no metadata change.
     pub fn owned_extent(
         &self,
-        file: &File,
+        file: &dyn Storage,
         offset: u64,
         len: u64,
     ) -> Result<Option<u64>, MapError> {
@@ -651,7 +653,7 @@ impl Qcow2Image {
     /// Partial clusters, and v2 images, get zero data through [`Self::write`].
     pub fn zero_range(
         &self,
-        file: &File,
+        file: &dyn Storage,
         offset: u64,
         len: u64,
         mode: ZeroMode,
@@ -715,7 +717,7 @@ impl Qcow2Image {
     /// allocated.
     pub fn plan_fresh_write(
         &self,
-        file: &File,
+        file: &dyn Storage,
         offset: u64,
         len: u64,
         has_backing: bool,
@@ -767,7 +769,7 @@ impl Qcow2Image {
     /// makes it visible; the old cluster's reference is dropped after that entry is durable.
     pub fn write(
         &self,
-        file: &File,
+        file: &dyn Storage,
         offset: u64,
         data: &[u8],
         fill_old: &mut FillOld<'_>,
@@ -823,7 +825,7 @@ impl Qcow2Image {
 
     /// Write back dirty metadata in dependency order; the caller syncs the file afterwards
     /// for durability (FLUSH). Read-only images have none.
-    pub fn flush(&self, file: &File) -> Result<(), MapError> {
+    pub fn flush(&self, file: &dyn Storage) -> Result<(), MapError> {
         let Some(ws) = self.write.as_ref() else {
             return Ok(());
         };
@@ -834,19 +836,29 @@ impl Qcow2Image {
     /// Keep the file's size ahead of the allocations: a direct write that extends a file
     /// takes the filesystem's inode lock exclusively and cannot be asynchronous, one inside
     /// it (into a hole) can. One truncate per [`SIZE_AHEAD`] of allocations; best effort.
-    fn size_ahead(&self, ws: &mut WriteState, file: &File) {
+    fn size_ahead(&self, ws: &mut WriteState, file: &dyn Storage) {
         if ws.next_free <= ws.sized_to {
             return;
         }
-        let target = (ws.next_free + SIZE_AHEAD).next_multiple_of(SIZE_AHEAD);
+        let target = match ws.size_ahead {
+            0 => ws.next_free,
+            a => (ws.next_free + a).next_multiple_of(a),
+        };
         if file.set_len(target).is_ok() {
             ws.sized_to = target;
         }
     }
 
+    /// Change how far ahead of the allocations the file is sized (0: exactly to them).
+    pub fn set_size_ahead(&self, bytes: u64) {
+        if let Some(ws) = self.write.as_ref() {
+            ws.lock().unwrap_or_else(|e| e.into_inner()).size_ahead = bytes;
+        }
+    }
+
     /// Clean close: write back metadata and trim the file to the end of the last allocated
     /// cluster (the size kept ahead of allocations is holes).
-    pub fn close(&self, file: &File) -> Result<(), MapError> {
+    pub fn close(&self, file: &dyn Storage) -> Result<(), MapError> {
         let Some(ws) = self.write.as_ref() else {
             return Ok(());
         };
@@ -860,7 +872,7 @@ impl Qcow2Image {
     }
 
     /// Write back early when the caches hold too much dirty metadata.
-    fn maybe_write_back(&self, ws: &mut WriteState, file: &File) -> Result<(), MapError> {
+    fn maybe_write_back(&self, ws: &mut WriteState, file: &dyn Storage) -> Result<(), MapError> {
         let too_many_tables = {
             let cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
             cache.dirty_tables() * 2 >= cache.capacity
@@ -874,7 +886,7 @@ impl Qcow2Image {
     /// Every allocated cluster inside the file (so no L2 entry on disk points past its end),
     /// refcount increases, a barrier, dirty L2 tables, a barrier, then the decrements that
     /// the written L2 changes allow (they become dirty refcount chunks, written next time).
-    fn write_back(&self, ws: &mut WriteState, file: &File) -> Result<(), MapError> {
+    fn write_back(&self, ws: &mut WriteState, file: &dyn Storage) -> Result<(), MapError> {
         let l2_dirty = self
             .l2_cache
             .lock()
@@ -883,7 +895,7 @@ impl Qcow2Image {
             > 0;
         if l2_dirty || !ws.dirty_chunks.is_empty() {
             if ws.sized_to < ws.next_free {
-                if file.metadata().map_err(MapError::Io)?.len() < ws.next_free {
+                if file.size().map_err(MapError::Io)? < ws.next_free {
                     file.set_len(ws.next_free).map_err(MapError::Io)?;
                 }
                 ws.sized_to = ws.next_free;
@@ -925,7 +937,11 @@ impl Qcow2Image {
     }
 
     /// Write the dirty refcount chunks (any time is safe: see [`WriteState::dirty_chunks`]).
-    fn write_dirty_refcounts(&self, ws: &mut WriteState, file: &File) -> Result<(), MapError> {
+    fn write_dirty_refcounts(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+    ) -> Result<(), MapError> {
         while let Some(&chunk) = ws.dirty_chunks.first() {
             if let Some(b) = ws.refcount_chunks.get(&chunk) {
                 write_all_aligned(file, chunk, b).map_err(MapError::Io)?;
@@ -939,7 +955,7 @@ impl Qcow2Image {
     fn write_l2_entry(
         &self,
         ws: &mut WriteState,
-        file: &File,
+        file: &dyn Storage,
         l2: u64,
         index: usize,
         entry: u64,
@@ -971,7 +987,7 @@ impl Qcow2Image {
     fn ensure_l2(
         &self,
         ws: &mut WriteState,
-        file: &File,
+        file: &dyn Storage,
         guest_offset: u64,
     ) -> Result<u64, MapError> {
         let l1_index = (guest_offset >> (self.cluster_bits + self.l2_bits)) as usize;
@@ -1004,7 +1020,7 @@ impl Qcow2Image {
     fn copy_shared_l2(
         &self,
         ws: &mut WriteState,
-        file: &File,
+        file: &dyn Storage,
         l1_index: usize,
         old_l2: u64,
     ) -> Result<u64, MapError> {
@@ -1048,7 +1064,7 @@ impl Qcow2Image {
     fn install_l2(
         &self,
         ws: &mut WriteState,
-        file: &File,
+        file: &dyn Storage,
         l1_index: usize,
         new: u64,
         entries: Vec<u64>,
@@ -1084,7 +1100,7 @@ impl Qcow2Image {
     }
 
     /// A new cluster at the end of the file, its refcount set to 1 (in the cache).
-    fn alloc_cluster(&self, ws: &mut WriteState, file: &File) -> Result<u64, MapError> {
+    fn alloc_cluster(&self, ws: &mut WriteState, file: &dyn Storage) -> Result<u64, MapError> {
         let host = ws.next_free;
         ws.next_free += self.cluster_size();
         self.file_size
@@ -1118,7 +1134,7 @@ impl Qcow2Image {
     fn set_refcount(
         &self,
         ws: &mut WriteState,
-        file: &File,
+        file: &dyn Storage,
         host: u64,
         change: RefChange,
     ) -> Result<(), MapError> {
@@ -1182,7 +1198,7 @@ impl Qcow2Image {
     fn new_refcount_block(
         &self,
         ws: &mut WriteState,
-        file: &File,
+        file: &dyn Storage,
         ti: usize,
     ) -> Result<u64, MapError> {
         let c = self.cluster_size();
@@ -1217,7 +1233,7 @@ impl Qcow2Image {
     fn grow_refcount_table(
         &self,
         ws: &mut WriteState,
-        file: &File,
+        file: &dyn Storage,
         needed: usize,
     ) -> Result<(), MapError> {
         let c = self.cluster_size();
@@ -1309,7 +1325,7 @@ impl Qcow2Image {
     /// Decompress the cluster of a compressed extent into `cluster_buf` (cluster size).
     pub fn decompress(
         &self,
-        file: &File,
+        file: &dyn Storage,
         host_offset: u64,
         compressed_len: u64,
         cluster_buf: &mut [u8],
@@ -1375,7 +1391,7 @@ fn refcount_put(buf: &mut [u8], i: usize, order: u32, v: u64) {
 /// Write a big-endian u64 in place: read-modify-write of the `chunk`-byte block around it
 /// (`chunk` = min(4 KiB, cluster size), so that the block never covers another cluster,
 /// which could be guest data being written concurrently).
-fn write_be64(file: &File, offset: u64, value: u64, chunk_size: u64) -> io::Result<()> {
+fn write_be64(file: &dyn Storage, offset: u64, value: u64, chunk_size: u64) -> io::Result<()> {
     let chunk = offset & !(chunk_size - 1);
     let mut buf = read_aligned(file, chunk, chunk_size as usize)?;
     let i = (offset - chunk) as usize;
@@ -1385,7 +1401,7 @@ fn write_be64(file: &File, offset: u64, value: u64, chunk_size: u64) -> io::Resu
 
 /// pwrite `data` at `offset` through an aligned copy (the file may be O_DIRECT; offset and
 /// length are multiples of 512 everywhere this is used).
-fn write_all_aligned(file: &File, offset: u64, data: &[u8]) -> io::Result<()> {
+fn write_all_aligned(file: &dyn Storage, offset: u64, data: &[u8]) -> io::Result<()> {
     let mut buf = crate::io::bounce::AlignedBuf::new(data.len().max(1), 4096)?;
     buf.as_mut_slice()[..data.len()].copy_from_slice(data);
     file.write_all_at(&buf.as_slice()[..data.len()], offset)
@@ -1393,7 +1409,7 @@ fn write_all_aligned(file: &File, offset: u64, data: &[u8]) -> io::Result<()> {
 
 /// Read `len` bytes at `offset` with a 4 KiB-aligned buffer and length (works on O_DIRECT
 /// files); returns exactly the bytes asked for (zero-padded past the end of the file).
-pub(crate) fn read_aligned(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+pub(crate) fn read_aligned(file: &dyn Storage, offset: u64, len: usize) -> io::Result<Vec<u8>> {
     const A: u64 = 4096;
     let start = offset / A * A;
     let end = (offset + len as u64).div_ceil(A) * A;
@@ -1419,6 +1435,7 @@ pub(crate) fn read_aligned(file: &File, offset: u64, len: usize) -> io::Result<V
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::fs::File;
     use std::path::PathBuf;
 
     fn temp(tag: &str, bytes: &[u8]) -> (PathBuf, File) {

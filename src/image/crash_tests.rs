@@ -1,0 +1,341 @@
+//! Crash consistency of the qcow2 engine on a simulated disk: writes since the last sync sit
+//! in a volatile cache, and a crash keeps an arbitrary subset of them (in order). After
+//! every crash the image must pass `qemu-img check` (leaks allowed) and hold everything
+//! written before the last FLUSH; then serving goes on from the crashed image.
+
+use std::io;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Mutex;
+
+use super::qcow2::{Extent, MapError, Qcow2Image, ZeroMode};
+use super::storage::Storage;
+
+/// A disk with a volatile write cache.
+struct SimDisk {
+    state: Mutex<SimState>,
+}
+
+struct SimState {
+    /// What survives a crash for certain.
+    durable: Vec<u8>,
+    /// What reads see.
+    current: Vec<u8>,
+    /// Writes and size changes since the last sync, in order.
+    pending: Vec<Pending>,
+}
+
+enum Pending {
+    Write(u64, Vec<u8>),
+    SetLen(u64),
+}
+
+fn apply(img: &mut Vec<u8>, p: &Pending) {
+    match p {
+        Pending::Write(off, data) => {
+            let end = *off as usize + data.len();
+            if img.len() < end {
+                img.resize(end, 0);
+            }
+            img[*off as usize..end].copy_from_slice(data);
+        }
+        Pending::SetLen(len) => img.resize(*len as usize, 0),
+    }
+}
+
+impl SimDisk {
+    fn new(bytes: Vec<u8>) -> Self {
+        SimDisk {
+            state: Mutex::new(SimState {
+                durable: bytes.clone(),
+                current: bytes,
+                pending: Vec::new(),
+            }),
+        }
+    }
+
+    /// The disk after a power failure: the durable image plus some of the pending writes.
+    fn crash(&self, rng: &mut Rng) -> Vec<u8> {
+        let st = self.state.lock().unwrap();
+        let mut img = st.durable.clone();
+        for p in &st.pending {
+            if rng.below(2) == 0 {
+                apply(&mut img, p);
+            }
+        }
+        img
+    }
+}
+
+impl Storage for SimDisk {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let st = self.state.lock().unwrap();
+        let start = (offset as usize).min(st.current.len());
+        let n = buf.len().min(st.current.len() - start);
+        buf[..n].copy_from_slice(&st.current[start..start + n]);
+        Ok(n)
+    }
+
+    fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap();
+        let p = Pending::Write(offset, buf.to_vec());
+        apply(&mut st.current, &p);
+        st.pending.push(p);
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap();
+        let p = Pending::SetLen(len);
+        apply(&mut st.current, &p);
+        st.pending.push(p);
+        Ok(())
+    }
+
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.state.lock().unwrap().current.len() as u64)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap();
+        let pending = std::mem::take(&mut st.pending);
+        for p in &pending {
+            apply(&mut st.durable, p);
+        }
+        Ok(())
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn tmp(tag: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(format!("crash-{tag}-{}", std::process::id()))
+}
+
+fn have_qemu_img() -> bool {
+    Command::new("qemu-img")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// A fresh qcow2 image: made by qemu-img when there is one (any refcount width), else by
+/// vublk create (16-bit refcounts).
+fn fresh_image(tag: &str, size: u64, cluster: u64, refcount_bits: u32) -> Vec<u8> {
+    let p = tmp(tag);
+    let _ = std::fs::remove_file(&p);
+    if have_qemu_img() {
+        let o = Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-o"])
+            .arg(format!(
+                "cluster_size={cluster},refcount_bits={refcount_bits}"
+            ))
+            .arg(&p)
+            .arg(size.to_string())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    } else {
+        let params = super::create::CreateParams {
+            qcow2: true,
+            size_bytes: size,
+            cluster_bits: cluster.trailing_zeros(),
+            compression: super::qcow2::Compression::Zlib,
+            backing: None,
+        };
+        super::create::create(&p, &params).unwrap();
+    }
+    let b = std::fs::read(&p).unwrap();
+    std::fs::remove_file(&p).unwrap();
+    b
+}
+
+/// `qemu-img check`: Ok for a clean image or leaks only.
+fn qemu_check(tag: &str, bytes: &[u8]) -> Result<(), String> {
+    if !have_qemu_img() {
+        return Ok(());
+    }
+    let p = tmp(tag);
+    std::fs::write(&p, bytes).unwrap();
+    let o = Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    std::fs::remove_file(&p).unwrap();
+    match o.status.code() {
+        Some(0) | Some(3) => Ok(()),
+        c => Err(format!(
+            "qemu-img check exit {c:?}:\n{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )),
+    }
+}
+
+/// Read guest bytes through the image's mapping (no backing file).
+fn read_guest(
+    q: &Qcow2Image,
+    disk: &dyn Storage,
+    off: u64,
+    buf: &mut [u8],
+) -> Result<(), MapError> {
+    let mut ext = Vec::new();
+    q.map(disk, off, buf.len() as u64, &mut ext)?;
+    let mut pos = 0usize;
+    let mut cluster = vec![0u8; q.cluster_size() as usize];
+    for e in ext {
+        let n = e.len() as usize;
+        match e {
+            Extent::Data { host_offset, .. } => {
+                let d = super::qcow2::read_aligned(disk, host_offset, n).map_err(MapError::Io)?;
+                buf[pos..pos + n].copy_from_slice(&d);
+            }
+            Extent::Zero { .. } | Extent::Unallocated { .. } => buf[pos..pos + n].fill(0),
+            Extent::Compressed {
+                host_offset,
+                compressed_len,
+                skip,
+                ..
+            } => {
+                q.decompress(disk, host_offset, compressed_len, &mut cluster)?;
+                buf[pos..pos + n].copy_from_slice(&cluster[skip as usize..skip as usize + n]);
+            }
+        }
+        pos += n;
+    }
+    Ok(())
+}
+
+/// One write the way the worker does it: in place or into fresh clusters through the
+/// "ring" (here: straight to the disk), else the synchronous copy-on-write path.
+fn guest_write(q: &Qcow2Image, disk: &SimDisk, off: u64, data: &[u8]) {
+    let len = data.len() as u64;
+    let host = match q.owned_extent(disk, off, len).unwrap() {
+        Some(h) => Some(h),
+        None => q.plan_fresh_write(disk, off, len, false).unwrap(),
+    };
+    match host {
+        Some(h) => disk.write_all_at(data, h).unwrap(),
+        None => {
+            let mut fill = |cl: u64, buf: &mut [u8]| {
+                let n = (buf.len() as u64).min(q.size_bytes - cl) as usize;
+                buf.fill(0);
+                read_guest(q, disk, cl, &mut buf[..n])
+            };
+            q.write(disk, off, data, &mut fill).unwrap();
+        }
+    }
+}
+
+fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) {
+    const SIZE: u64 = 4 << 20;
+    const SECTOR: usize = 512;
+    let tag = format!("{cluster}-{refcount_bits}-{seed}");
+    let mut rng = Rng(seed);
+    let mut bytes = fresh_image(&tag, SIZE, cluster, refcount_bits);
+    // The guest disk as of the last FLUSH, and which sectors were written since.
+    let mut flushed = vec![0u8; SIZE as usize];
+    for round in 0..8 {
+        let disk = SimDisk::new(bytes);
+        let q = Qcow2Image::open(&disk, true).unwrap();
+        // Round the simulated file to small steps (the 16 MiB default only costs copies here).
+        q.set_size_ahead(if round % 2 == 0 { 0 } else { 64 << 10 });
+        let mut now = flushed.clone();
+        let mut touched = vec![false; SIZE as usize / SECTOR];
+        let ops = 20 + rng.below(60);
+        for _ in 0..ops {
+            match rng.below(10) {
+                0..=5 => {
+                    let len = (1 + rng.below(3 * cluster / SECTOR as u64 + 8)) as usize * SECTOR;
+                    let len = len.min(256 << 10);
+                    let off = rng.below((SIZE - len as u64) / SECTOR as u64 + 1) * SECTOR as u64;
+                    let tag = rng.next().to_le_bytes();
+                    let data: Vec<u8> = (0..len).map(|i| tag[i % 8] ^ (i / 512) as u8).collect();
+                    guest_write(&q, &disk, off, &data);
+                    now[off as usize..off as usize + len].copy_from_slice(&data);
+                    touched[off as usize / SECTOR..(off as usize + len) / SECTOR].fill(true);
+                }
+                6 | 7 => {
+                    let n = 1 + rng.below(4);
+                    let off = rng.below(SIZE / cluster - n + 1) * cluster;
+                    let len = n * cluster;
+                    let mode =
+                        [ZeroMode::Keep, ZeroMode::Unmap, ZeroMode::Discard][rng.below(3) as usize];
+                    let mut fill = |_: u64, buf: &mut [u8]| {
+                        buf.fill(0);
+                        Ok(())
+                    };
+                    q.zero_range(&disk, off, len, mode, false, &mut fill)
+                        .unwrap();
+                    now[off as usize..(off + len) as usize].fill(0);
+                    touched[off as usize / SECTOR..(off + len) as usize / SECTOR].fill(true);
+                }
+                _ => {
+                    q.flush(&disk).unwrap();
+                    disk.sync_data().unwrap();
+                    flushed.clone_from(&now);
+                    touched.fill(false);
+                }
+            }
+        }
+        // Everything reads back before the crash.
+        let mut got = vec![0u8; SIZE as usize];
+        read_guest(&q, &disk, 0, &mut got).unwrap();
+        assert!(got == now, "{tag} round {round}: reads before the crash");
+        let crashed = disk.crash(&mut rng);
+        drop(q);
+        if let Err(e) = qemu_check(&tag, &crashed) {
+            panic!("{tag} round {round}: {e}");
+        }
+        let disk = SimDisk::new(crashed.clone());
+        let q = Qcow2Image::open(&disk, false).unwrap();
+        read_guest(&q, &disk, 0, &mut got).unwrap();
+        for (s, &t) in touched.iter().enumerate() {
+            let r = s * SECTOR..(s + 1) * SECTOR;
+            if !t {
+                assert!(
+                    got[r.clone()] == flushed[r.clone()],
+                    "{tag} round {round}: flushed sector {s} lost"
+                );
+            }
+        }
+        // What the crash left is the new baseline.
+        flushed = got;
+        bytes = crashed;
+    }
+}
+
+#[test]
+fn flushed_data_survives_crashes_that_drop_unsynced_writes() {
+    for (i, &(cluster, bits)) in [
+        (65536u64, 16u32),
+        (4096, 16),
+        (512, 16),
+        (4096, 1),
+        (4096, 64),
+        (65536, 8),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for seed in 1..=3u64 {
+            run_crash_model(seed * 7919 + i as u64, cluster, bits);
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! Where an image's bytes live. Formats do their metadata I/O through [`Storage`], so the
+//! same code runs on a file and, in tests, on a simulated disk that loses unsynced writes.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+
+/// Positional I/O on an image file.
+pub trait Storage: Sync {
+    /// Read at `offset`; fewer bytes only at the end of the file.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
+    fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()>;
+    fn set_len(&self, len: u64) -> io::Result<()>;
+    /// The file's size in bytes.
+    fn size(&self) -> io::Result<u64>;
+    /// Make every completed write durable.
+    fn sync_data(&self) -> io::Result<()>;
+}
+
+impl Storage for File {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        FileExt::read_at(self, buf, offset)
+    }
+
+    fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        FileExt::write_all_at(self, buf, offset)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        File::set_len(self, len)
+    }
+
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        File::sync_data(self)
+    }
+}
