@@ -80,6 +80,12 @@ pub struct Args {
     #[arg(long, value_name = "US", default_value_t = 0)]
     pub poll_us: u32,
 
+    /// qcow2 L2 table cache per image, e.g. 32M (at least 4 tables, at most 4 GiB; default:
+    /// 32 MiB, or enough to map 64 GiB of guest data when clusters are small, never more than
+    /// the image's L2 tables). Each 8 bytes map one cluster: 1 MiB maps 8 GiB at 64 KiB.
+    #[arg(long, value_name = "SIZE")]
+    pub l2_cache_size: Option<String>,
+
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL", default_value = "info")]
     pub log_level: String,
@@ -90,7 +96,7 @@ pub struct Args {
 pub enum Format {
     /// Raw image: guest sector N is byte N*512 of the file.
     Raw,
-    /// qcow2 (versions 2 and 3); read-only for now.
+    /// qcow2 (versions 2 and 3).
     Qcow2,
 }
 

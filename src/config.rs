@@ -43,6 +43,8 @@ pub struct Config {
     pub poll_us: u32,
     pub detect_zeroes: DetectZeroes,
     pub discard: DiscardMode,
+    /// qcow2 L2 cache bytes (None: the default for the image).
+    pub l2_cache_bytes: Option<u64>,
     pub log_level: log::LevelFilter,
 }
 
@@ -50,6 +52,9 @@ pub struct Config {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct ConfigError(pub String);
+
+/// Upper bound of --l2-cache-size.
+const MAX_L2_CACHE: u64 = 4 << 30;
 
 fn bad(msg: impl Into<String>) -> ConfigError {
     ConfigError(msg.into())
@@ -122,6 +127,17 @@ impl Config {
                 "--detect-zeroes unmap requires --discard unmap (deallocation must be allowed)",
             ));
         }
+        let l2_cache_bytes = match &args.l2_cache_size {
+            None => None,
+            Some(s) => match crate::args::parse_size(s) {
+                Some(n) if n <= MAX_L2_CACHE => Some(n),
+                _ => {
+                    return Err(bad(format!(
+                        "--l2-cache-size {s}: must be a size up to 4G (e.g. 32M)"
+                    )))
+                }
+            },
+        };
         let log_level = args.log_level.parse::<log::LevelFilter>().map_err(|_| {
             bad(format!(
                 "--log-level {}: must be one of off, error, warn, info, debug, trace",
@@ -143,6 +159,7 @@ impl Config {
             poll_us: args.poll_us,
             detect_zeroes,
             discard: args.discard,
+            l2_cache_bytes,
             log_level,
         })
     }

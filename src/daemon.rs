@@ -88,18 +88,19 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
     let (qcow2, size_bytes) = match format {
         Format::Raw => (None, img.size_bytes),
         Format::Qcow2 => {
-            let q = Qcow2Image::open(&img.file, !cfg.read_only).map_err(|source| {
-                DaemonError::Qcow2 {
+            let q = Qcow2Image::open_with_cache(&img.file, !cfg.read_only, cfg.l2_cache_bytes)
+                .map_err(|source| DaemonError::Qcow2 {
                     path: cfg.blk_file.clone(),
                     source,
-                }
-            })?;
+                })?;
             info!(
-                "qcow2 v{}: {} bytes, {} KiB clusters, {:?} compression",
+                "qcow2 v{}: {} bytes, {} KiB clusters, {:?} compression, L2 cache {} KiB (maps {} MiB)",
                 q.version,
                 q.size_bytes,
                 q.cluster_size() >> 10,
-                q.compression
+                q.compression,
+                q.l2_cache_bytes().0 >> 10,
+                q.l2_cache_bytes().1 >> 20
             );
             let size = q.size_bytes;
             (Some(q), size)

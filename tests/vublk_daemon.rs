@@ -199,6 +199,28 @@ fn bad_options_exit_2_with_one_line_naming_the_option() {
             ],
             "--poll-us",
         ),
+        (
+            &[
+                "--socket-path",
+                "/x.sock",
+                "--blk-file",
+                "/f",
+                "--l2-cache-size",
+                "lots",
+            ],
+            "--l2-cache-size",
+        ),
+        (
+            &[
+                "--socket-path",
+                "/x.sock",
+                "--blk-file",
+                "/f",
+                "--l2-cache-size",
+                "8G",
+            ],
+            "--l2-cache-size",
+        ),
     ];
     for (args, opt) in cases {
         let o = vublk(args);

@@ -849,6 +849,19 @@ impl Qcow2Image {
         }
     }
 
+    /// The L2 cache bound in bytes and the guest bytes it maps.
+    pub fn l2_cache_bytes(&self) -> (u64, u64) {
+        let tables = self
+            .l2_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .capacity as u64;
+        (
+            tables << self.cluster_bits,
+            tables << (self.cluster_bits + self.l2_bits),
+        )
+    }
+
     /// Change how far ahead of the allocations the file is sized (0: exactly to them).
     pub fn set_size_ahead(&self, bytes: u64) {
         if let Some(ws) = self.write.as_ref() {
