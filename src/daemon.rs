@@ -156,6 +156,9 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         }
     );
     let mut dev = Device::new(img.file, params);
+    if let Some(q) = &qcow2 {
+        q.set_punch_freed(cfg.discard == crate::args::DiscardMode::Unmap);
+    }
     dev.qcow2 = qcow2;
     dev.backing = backing;
     Ok(Arc::new(dev))
@@ -289,7 +292,7 @@ fn log_device_stats(dev: &Device) {
 
 fn flush(dev: &Device) {
     if !dev.params.read_only {
-        if let Err(e) = dev.sync() {
+        if let Err(e) = dev.close() {
             error!("final flush failed: {e}");
         }
     }

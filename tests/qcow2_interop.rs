@@ -896,6 +896,82 @@ fn qcow2_zero_flag_keeps_or_releases_clusters() {
     }
 }
 
+/// With --discard unmap, discarded clusters give their space back to the host file system
+/// (holes punched) and later whole-cluster writes reuse them instead of growing the file; a
+/// v2 image (no zero flag) deallocates on WRITE_ZEROES with unmap.
+#[test]
+fn freed_clusters_are_punched_and_reused() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-reuse");
+    for v2 in [false, true] {
+        let img = dir.join(if v2 { "v2.qcow2" } else { "v3.qcow2" });
+        let mut cmd = Command::new("qemu-img");
+        cmd.args(["create", "-q", "-f", "qcow2"]);
+        if v2 {
+            cmd.args(["-o", "compat=0.10"]);
+        }
+        run(cmd.arg(&img).arg("16M"));
+        let opts = BackendOpts {
+            extra_args: vec!["--discard".into(), "unmap".into()],
+            ..Default::default()
+        };
+        let backend = Backend::start(&dir, &img, &opts);
+        let mut c = connect_queues(&backend.socket, 1);
+        let mut model = vec![0u8; 16 * MIB as usize];
+        let first = pattern(4 * MIB as usize, 0, 5);
+        assert_eq!(c.write_at(0, 0, &first), 0);
+        model[..4 * MIB as usize].copy_from_slice(&first);
+        assert_eq!(c.submit(0, Op::Flush), 0);
+        let blocks_full = allocated_blocks(&img);
+        let op = if v2 {
+            Op::WriteZeroes {
+                offset: 0,
+                len: 4 * MIB,
+                flags: blkio::ReqFlags::empty(),
+            }
+        } else {
+            Op::Discard {
+                offset: 0,
+                len: 4 * MIB,
+            }
+        };
+        assert_eq!(c.submit(0, op), 0);
+        model[..4 * MIB as usize].fill(0);
+        // The second flush applies the refcount decrements (after the L2 change is durable).
+        assert_eq!(c.submit(0, Op::Flush), 0);
+        assert_eq!(c.submit(0, Op::Flush), 0);
+        let blocks_freed = allocated_blocks(&img);
+        eprintln!("v2={v2}: st_blocks {blocks_full} -> {blocks_freed} after freeing 4 MiB");
+        assert!(
+            blocks_freed + 4 * MIB / 512 * 9 / 10 <= blocks_full,
+            "v2={v2}: freed clusters were not punched: {blocks_full} -> {blocks_freed}"
+        );
+        // 4 MiB of whole clusters elsewhere: into the freed space.
+        let second = pattern(4 * MIB as usize, 0, 6);
+        assert_eq!(c.write_at(0, 8 * MIB, &second), 0);
+        model[8 * MIB as usize..12 * MIB as usize].copy_from_slice(&second);
+        assert_eq!(c.submit(0, Op::Flush), 0);
+        assert_same(&c.read_all(0), &model, "after reuse");
+        drop(c);
+        assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+        let len = file_size(&img);
+        eprintln!("v2={v2}: file length {len} after writing 8 MiB with 4 MiB freed in between");
+        assert!(
+            len < 6 * MIB,
+            "v2={v2}: the file grew to {len}: freed clusters were not reused"
+        );
+        run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
+        let raw = dir.join("reuse.expected");
+        std::fs::write(&raw, &model).unwrap();
+        run(Command::new("qemu-img")
+            .args(["compare", "-q", "-f", "raw", "-F", "qcow2"])
+            .arg(&raw)
+            .arg(&img));
+    }
+}
+
 /// A hostile image whose L2 entry points a guest cluster at its own L1 table: a guest write
 /// there is refused (I/O error) and the metadata stays intact.
 #[test]

@@ -96,6 +96,17 @@ impl Storage for SimDisk {
         Ok(self.state.lock().unwrap().current.len() as u64)
     }
 
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap();
+        let end = (offset + len).min(st.current.len() as u64);
+        if offset < end {
+            let p = Pending::Write(offset, vec![0; (end - offset) as usize]);
+            apply(&mut st.current, &p);
+            st.pending.push(p);
+        }
+        Ok(())
+    }
+
     fn sync_data(&self) -> io::Result<()> {
         let mut st = self.state.lock().unwrap();
         let pending = std::mem::take(&mut st.pending);
@@ -243,7 +254,8 @@ fn guest_write(q: &Qcow2Image, disk: &SimDisk, off: u64, data: &[u8]) {
     }
 }
 
-fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) {
+/// Returns how many clusters were allocated from free space.
+fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) -> u64 {
     const SIZE: u64 = 4 << 20;
     const SECTOR: usize = 512;
     let tag = format!("{cluster}-{refcount_bits}-{seed}");
@@ -251,12 +263,14 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) {
     let mut bytes = fresh_image(&tag, SIZE, cluster, refcount_bits);
     // The guest disk as of the last FLUSH, and which sectors were written since.
     let mut flushed = vec![0u8; SIZE as usize];
+    let mut reused = 0;
     for round in 0..8 {
         let disk = SimDisk::new(bytes);
         // Every third round with the smallest L2 cache (4 tables): dirty tables get written
         // back under pressure, not only on FLUSH.
         let cache = (round % 3 == 0).then_some(0);
         let q = Qcow2Image::open_with_cache(&disk, true, cache).unwrap();
+        q.set_punch_freed(round % 2 == 1);
         // Round the simulated file to small steps (the 16 MiB default only costs copies here).
         q.set_size_ahead(if round % 2 == 0 { 0 } else { 64 << 10 });
         let mut now = flushed.clone();
@@ -302,6 +316,7 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) {
         read_guest(&q, &disk, 0, &mut got).unwrap();
         assert!(got == now, "{tag} round {round}: reads before the crash");
         let crashed = disk.crash(&mut rng);
+        reused += q.reused_clusters.load(std::sync::atomic::Ordering::Relaxed);
         drop(q);
         if let Err(e) = qemu_check(&tag, &crashed) {
             panic!("{tag} round {round}: {e}");
@@ -322,6 +337,7 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) {
         flushed = got;
         bytes = crashed;
     }
+    reused
 }
 
 #[test]
@@ -337,8 +353,11 @@ fn flushed_data_survives_crashes_that_drop_unsynced_writes() {
     .iter()
     .enumerate()
     {
+        let mut reused = 0;
         for seed in 1..=3u64 {
-            run_crash_model(seed * 7919 + i as u64, cluster, bits);
+            reused += run_crash_model(seed * 7919 + i as u64, cluster, bits);
         }
+        // Discarded and leaked clusters are allocated again (free space before the end).
+        assert!(reused > 0, "{cluster}-byte clusters: no cluster was reused");
     }
 }

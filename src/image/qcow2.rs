@@ -164,6 +164,10 @@ struct WriteState {
     /// The file's size is at least this (extended ahead of `next_free` so that data writes
     /// into new clusters never extend the file; trimmed back to `next_free` on close).
     sized_to: u64,
+    /// Where the scan for free clusters resumes (every cluster below it is in use).
+    free_cursor: u64,
+    /// No run of free clusters longer than this exists (until something is freed).
+    free_run_hint: u64,
     /// How far ahead of `next_free` to size the file ([`SIZE_AHEAD`] by default).
     size_ahead: u64,
     /// Refcount block chunks (min(4 KiB, cluster) each) by file offset: the current contents.
@@ -236,6 +240,10 @@ pub struct Qcow2Image {
     /// The backing file name as stored in the header (relative to the image's directory).
     pub backing_file: Option<String>,
     l2_cache: Mutex<L2Cache>,
+    /// Data clusters allocated from free space (refcount 0) instead of the end of the file.
+    pub reused_clusters: std::sync::atomic::AtomicU64,
+    /// Punch the host range of clusters whose refcount drops to 0 (`--discard unmap`).
+    punch_freed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Qcow2Image {
@@ -395,6 +403,8 @@ impl Qcow2Image {
                 next_free: file_size.next_multiple_of(cluster_size),
                 sized_to: file_size,
                 size_ahead: SIZE_AHEAD,
+                free_cursor: 0,
+                free_run_hint: u64::MAX,
                 refcount_chunks: std::collections::HashMap::new(),
                 dirty_chunks: std::collections::BTreeSet::new(),
                 pending_decs: Vec::new(),
@@ -439,6 +449,8 @@ impl Qcow2Image {
             metadata: std::sync::RwLock::new(metadata),
             compression,
             backing_file,
+            punch_freed: std::sync::atomic::AtomicBool::new(false),
+            reused_clusters: std::sync::atomic::AtomicU64::new(0),
             l2_cache: Mutex::new(L2Cache {
                 tables: VecDeque::with_capacity(capacity),
                 capacity,
@@ -668,7 +680,9 @@ impl Qcow2Image {
             let cl_start = pos & !(c - 1);
             let n = (c - (pos - cl_start)).min(end - pos);
             let whole = pos == cl_start && n == c;
-            if !whole || (self.version < 3 && mode != ZeroMode::Discard) {
+            // v2 has no zero flag: deallocate where nothing shows through, else write zeroes.
+            let v2_dealloc = mode == ZeroMode::Discard || (mode == ZeroMode::Unmap && !has_backing);
+            if !whole || (self.version < 3 && !v2_dealloc) {
                 if mode != ZeroMode::Discard {
                     self.write(file, pos, &zero[..n as usize], fill_old)?;
                 }
@@ -685,6 +699,7 @@ impl Qcow2Image {
                 mode == ZeroMode::Keep && e & L2_COMPRESSED == 0 && e & L2_COPIED != 0 && host != 0;
             let new_entry = match mode {
                 ZeroMode::Discard if !has_backing || self.version < 3 => 0,
+                ZeroMode::Unmap if self.version < 3 => 0,
                 _ if keep => host | L2_COPIED | L2_ZERO,
                 _ => L2_ZERO,
             };
@@ -742,14 +757,32 @@ impl Qcow2Image {
             }
             olds.push(e);
         }
-        let first = ws.next_free;
-        ws.next_free += n * c;
-        self.file_size
-            .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
-        for k in 0..n {
-            self.set_refcount(&mut ws, file, first + k * c, RefChange::Set(1))?;
-        }
-        self.size_ahead(&mut ws, file);
+        // A write of whole clusters does not care what they held: it may reuse free space.
+        // Anything else gets holes at the end of the file.
+        let whole = offset == first_cl && len == n * c;
+        let reused = if whole {
+            self.find_free_run(&mut ws, file, n)?
+        } else {
+            None
+        };
+        let first = match reused {
+            Some(h) => {
+                self.reused_clusters
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                h
+            }
+            None => {
+                let first = ws.next_free;
+                ws.next_free += n * c;
+                self.file_size
+                    .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
+                for k in 0..n {
+                    self.set_refcount(&mut ws, file, first + k * c, RefChange::Set(1))?;
+                }
+                self.size_ahead(&mut ws, file);
+                first
+            }
+        };
         for (k, e) in olds.into_iter().enumerate() {
             let cl = first_cl + k as u64 * c;
             let l2 = self.ensure_l2(&mut ws, file, cl)?;
@@ -806,10 +839,17 @@ impl Qcow2Image {
                     true
                 };
                 buf[in_cl..in_cl + n].copy_from_slice(src);
-                let new = self.alloc_cluster(&mut ws, file)?;
-                if old_is_zero && n < c as usize {
+                let (new, reused) = match self.find_free_run(&mut ws, file, 1)? {
+                    Some(h) => {
+                        self.reused_clusters
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        (h, true)
+                    }
+                    None => (self.alloc_cluster(&mut ws, file)?, false),
+                };
+                if old_is_zero && n < c as usize && !reused {
                     // A fresh cluster past every earlier allocation is a hole: write only
-                    // the new data (no copy of zeroes).
+                    // the new data (no copy of zeroes). A reused one is written whole.
                     write_all_aligned(file, new + in_cl as u64, src).map_err(MapError::Io)?;
                 } else {
                     write_all_aligned(file, new, buf).map_err(MapError::Io)?;
@@ -860,6 +900,12 @@ impl Qcow2Image {
             tables << self.cluster_bits,
             tables << (self.cluster_bits + self.l2_bits),
         )
+    }
+
+    /// Punch holes where clusters are freed (the operator allowed deallocation).
+    pub fn set_punch_freed(&self, on: bool) {
+        self.punch_freed
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Change how far ahead of the allocations the file is sized (0: exactly to them).
@@ -943,7 +989,14 @@ impl Qcow2Image {
         if !ws.pending_decs.is_empty() {
             file.sync_data().map_err(MapError::Io)?;
             for host in std::mem::take(&mut ws.pending_decs) {
-                self.set_refcount(ws, file, host, RefChange::Dec)?;
+                if self.set_refcount(ws, file, host, RefChange::Dec)? == 0 {
+                    ws.free_cursor = ws.free_cursor.min(host);
+                    ws.free_run_hint = u64::MAX;
+                    if self.punch_freed.load(std::sync::atomic::Ordering::Relaxed) {
+                        // Best effort: give the space back to the host file system.
+                        let _ = file.punch_hole(host, self.cluster_size());
+                    }
+                }
             }
         }
         Ok(())
@@ -1143,14 +1196,14 @@ impl Qcow2Image {
     }
 
     /// Change a cluster's refcount in the refcount cache (any width from 1 to 64 bits),
-    /// allocating the refcount block (and growing the table) if needed.
+    /// allocating the refcount block (and growing the table) if needed; the new refcount.
     fn set_refcount(
         &self,
         ws: &mut WriteState,
         file: &dyn Storage,
         host: u64,
         change: RefChange,
-    ) -> Result<(), MapError> {
+    ) -> Result<u64, MapError> {
         let c = self.cluster_size();
         let bits = 1u64 << ws.refcount_order;
         let per_block = c * 8 / bits;
@@ -1203,7 +1256,87 @@ impl Qcow2Image {
         if ws.dirty_chunks.len() >= MAX_DIRTY_REFCOUNT_CHUNKS {
             self.write_dirty_refcounts(ws, file)?;
         }
-        Ok(())
+        Ok(new)
+    }
+
+    /// A cluster's refcount (0 where no refcount block exists).
+    fn get_refcount(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        host: u64,
+    ) -> Result<u64, MapError> {
+        let c = self.cluster_size();
+        let bits = 1u64 << ws.refcount_order;
+        let per_block = c * 8 / bits;
+        let idx = host / c;
+        let rb = match ws.refcount_table.get((idx / per_block) as usize) {
+            Some(&rb) if rb != 0 => rb,
+            _ => return Ok(0),
+        };
+        let chunk_size = self.meta_chunk();
+        let per_chunk = chunk_size * 8 / bits;
+        let j = idx % per_block;
+        let chunk = rb + (j / per_chunk) * chunk_size;
+        let i = (j % per_chunk) as usize;
+        if let Some(b) = ws.refcount_chunks.get(&chunk) {
+            return Ok(refcount_get(b, i, ws.refcount_order));
+        }
+        if ws.refcount_chunks.len() >= MAX_REFCOUNT_CHUNKS {
+            self.write_dirty_refcounts(ws, file)?;
+            ws.refcount_chunks.clear();
+        }
+        let b = read_aligned(file, chunk, chunk_size as usize).map_err(MapError::Io)?;
+        let v = refcount_get(&b, i, ws.refcount_order);
+        ws.refcount_chunks.insert(chunk, b);
+        Ok(v)
+    }
+
+    /// `n` contiguous free clusters (refcount 0) below the end of the allocations, for a
+    /// data write that writes all of them (their old contents are anything); their
+    /// refcounts are set. Never used for metadata: a guest write racing the discard that
+    /// freed a cluster could still land in it. The scan starts at `free_cursor` (every
+    /// cluster below is in use) and a failed scan is not repeated for as long a run until
+    /// something is freed, so each cluster is looked at about once.
+    fn find_free_run(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        n: u64,
+    ) -> Result<Option<u64>, MapError> {
+        if n > ws.free_run_hint {
+            return Ok(None);
+        }
+        let c = self.cluster_size();
+        let mut pos = ws.free_cursor;
+        let mut first_free = None;
+        let mut run_start = 0;
+        let mut run = 0;
+        while pos < ws.next_free {
+            if !self.is_metadata(pos) && self.get_refcount(ws, file, pos)? == 0 {
+                if run == 0 {
+                    run_start = pos;
+                }
+                first_free.get_or_insert(pos);
+                run += 1;
+                if run == n {
+                    for k in 0..n {
+                        self.set_refcount(ws, file, run_start + k * c, RefChange::Set(1))?;
+                    }
+                    ws.free_cursor = match first_free {
+                        Some(f) if f < run_start => f,
+                        _ => pos + c,
+                    };
+                    return Ok(Some(run_start));
+                }
+            } else {
+                run = 0;
+            }
+            pos += c;
+        }
+        ws.free_cursor = first_free.unwrap_or(ws.next_free);
+        ws.free_run_hint = n - 1;
+        Ok(None)
     }
 
     /// A new, zeroed refcount block for refcount table entry `ti` at the end of the file. Its

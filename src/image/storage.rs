@@ -15,6 +15,8 @@ pub trait Storage: Sync {
     fn size(&self) -> io::Result<u64>;
     /// Make every completed write durable.
     fn sync_data(&self) -> io::Result<()>;
+    /// Deallocate a range (it reads as zeroes afterwards); the size does not change.
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()>;
 }
 
 impl Storage for File {
@@ -36,5 +38,26 @@ impl Storage for File {
 
     fn sync_data(&self) -> io::Result<()> {
         File::sync_data(self)
+    }
+
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        };
+        // SAFETY: plain system call on an fd this File owns.
+        let r = unsafe {
+            libc::fallocate(
+                self.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off,
+                len,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
     }
 }
