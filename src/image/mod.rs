@@ -5,6 +5,7 @@ pub mod chain;
 #[cfg(test)]
 mod crash_tests;
 pub mod create;
+pub mod fuzz;
 pub mod qcow2;
 mod raw;
 pub mod storage;

@@ -77,6 +77,8 @@ pub enum Qcow2Error {
     RefcountOrder(u32),
     #[error("qcow2 refcount table is outside the file or empty")]
     RefcountTable,
+    #[error("qcow2 metadata is inconsistent ({0}): serve it with --read-only or repair it with qemu-img check -r all")]
+    Metadata(&'static str),
 }
 
 /// The kind of compression for compressed clusters.
@@ -415,26 +417,60 @@ impl Qcow2Image {
         let cache_bytes = l2_cache_bytes
             .unwrap_or_else(|| Self::default_l2_cache_bytes(cluster_bits, size_bytes));
         let capacity = (cache_bytes >> cluster_bits).clamp(4, 1 << 22) as usize;
+        // Clusters holding metadata. Ranges are clamped to the file, so a hostile header
+        // cannot make this set large; a read-write open refuses tables that overlap.
         let mut metadata = std::collections::HashSet::new();
-        metadata.insert(0u64);
-        let mut add_range = |off: u64, len: u64| {
+        let file_end = file_size.next_multiple_of(cluster_size);
+        let mut add_range = |off: u64, len: u64| -> bool {
+            let end = off.saturating_add(len).min(file_end);
+            let mut overlap = false;
             let mut c = off & !(cluster_size - 1);
-            while c < off + len {
-                metadata.insert(c);
+            while c < end {
+                overlap |= !metadata.insert(c);
                 c += cluster_size;
             }
+            overlap
         };
-        add_range(l1_offset, l1_size * 8);
-        add_range(be64(&hdr, 48), u64::from(be32(&hdr, 56)) * cluster_size);
+        add_range(0, cluster_size);
+        if add_range(l1_offset, l1_size * 8) && writable {
+            return Err(Qcow2Error::Metadata("the L1 table overlaps the header"));
+        }
+        let rt_len = u64::from(be32(&hdr, 56)) * cluster_size;
+        if rt_len <= MAX_L1_BYTES && add_range(be64(&hdr, 48), rt_len) && writable {
+            return Err(Qcow2Error::Metadata(
+                "the refcount table overlaps the header or the L1 table",
+            ));
+        }
         for e in raw.chunks_exact(8).map(|c| be64(c, 0)) {
-            if e & L1_OFFSET_MASK != 0 {
-                add_range(e & L1_OFFSET_MASK, cluster_size);
+            let l2 = e & L1_OFFSET_MASK;
+            if l2 == 0 {
+                continue;
+            }
+            let inside = l2 % cluster_size == 0 && l2 + cluster_size <= file_end;
+            if add_range(l2, cluster_size) && writable {
+                return Err(Qcow2Error::Metadata(
+                    "an L2 table overlaps other metadata or another L2 table",
+                ));
+            }
+            if !inside && writable {
+                return Err(Qcow2Error::Metadata(
+                    "an L2 table is unaligned or outside the file",
+                ));
             }
         }
         if let Some(ws) = &write {
             let ws = ws.lock().unwrap_or_else(|e| e.into_inner());
             for &rb in ws.refcount_table.iter().filter(|&&rb| rb != 0) {
-                add_range(rb, cluster_size);
+                if rb % cluster_size != 0 || rb.saturating_add(cluster_size) > file_end {
+                    return Err(Qcow2Error::Metadata(
+                        "a refcount block is unaligned or outside the file",
+                    ));
+                }
+                if add_range(rb, cluster_size) {
+                    return Err(Qcow2Error::Metadata(
+                        "a refcount block overlaps other metadata",
+                    ));
+                }
             }
         }
         Ok(Qcow2Image {

@@ -1,0 +1,289 @@
+//! Fuzzing entry points (`fuzz/` runs them under libFuzzer with `cargo +nightly fuzz`; the
+//! test suite runs them on generated inputs). Each opens arbitrary bytes as an image in
+//! memory and uses it: nothing may panic, no read may start past the end of the file, the
+//! file may only grow by what allocation needs, and memory stays bounded (a huge L1 or
+//! refcount table is refused, never allocated).
+
+use std::io;
+use std::sync::Mutex;
+
+use super::qcow2::{Extent, Qcow2Image, ZeroMode};
+use super::storage::Storage;
+
+/// How much an image may grow while being fuzzed.
+const MAX_GROWTH: u64 = 64 << 20;
+
+/// An image file in memory that checks how it is used.
+pub struct MemStorage {
+    bytes: Mutex<Vec<u8>>,
+    limit: u64,
+}
+
+impl MemStorage {
+    pub fn new(bytes: Vec<u8>) -> Self {
+        let limit = bytes.len() as u64 + MAX_GROWTH;
+        MemStorage {
+            bytes: Mutex::new(bytes),
+            limit,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Storage for MemStorage {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let b = self.lock();
+        // Reads are 4 KiB-aligned, so they may start up to one block before the end; a read
+        // starting further out followed a pointer that was never checked.
+        assert!(
+            offset <= (b.len() as u64).next_multiple_of(4096),
+            "read at {offset:#x} past the end of a {:#x}-byte file",
+            b.len()
+        );
+        let start = (offset as usize).min(b.len());
+        let n = buf.len().min(b.len() - start);
+        buf[..n].copy_from_slice(&b[start..start + n]);
+        Ok(n)
+    }
+
+    fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let end = offset
+            .checked_add(buf.len() as u64)
+            .filter(|&e| e <= self.limit)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
+        let mut b = self.lock();
+        if (b.len() as u64) < end {
+            b.resize(end as usize, 0);
+        }
+        b[offset as usize..end as usize].copy_from_slice(buf);
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        if len > self.limit {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        self.lock().resize(len as usize, 0);
+        Ok(())
+    }
+
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.lock().len() as u64)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        let mut b = self.lock();
+        let end = offset.saturating_add(len).min(b.len() as u64);
+        if offset < end {
+            b[offset as usize..end as usize].fill(0);
+        }
+        Ok(())
+    }
+}
+
+/// Open `data` as a qcow2 image read-only and read-write; map, read, write, zero and flush
+/// a few ranges chosen from the input's last bytes.
+pub fn qcow2_open(data: &[u8]) {
+    let (ops, image) = data.split_at(data.len().min(16));
+    let pick = |i: usize| {
+        u64::from_le_bytes(std::array::from_fn(|k| {
+            ops.get(i * 8 + k).copied().unwrap_or(0)
+        }))
+    };
+    for writable in [false, true] {
+        let disk = MemStorage::new(image.to_vec());
+        let Ok(q) = Qcow2Image::open_with_cache(&disk, writable, Some(0)) else {
+            continue;
+        };
+        let size = q.size_bytes;
+        if size == 0 {
+            continue;
+        }
+        let c = q.cluster_size();
+        let mut extents = Vec::new();
+        for i in 0..2 {
+            let off = (pick(i) % size) & !511;
+            let len = (size - off).min(4 * c).min(1 << 20);
+            if q.map(&disk, off, len, &mut extents).is_err() {
+                continue;
+            }
+            assert_eq!(extents.iter().map(|e| e.len()).sum::<u64>(), len);
+            let mut cluster = vec![0u8; c as usize];
+            for e in &extents {
+                if let Extent::Compressed {
+                    host_offset,
+                    compressed_len,
+                    ..
+                } = *e
+                {
+                    let _ = q.decompress(&disk, host_offset, compressed_len, &mut cluster);
+                }
+            }
+            if writable {
+                let data = vec![0xa5u8; len.min(3 * c) as usize];
+                let mut fill = |_: u64, buf: &mut [u8]| {
+                    buf.fill(0);
+                    Ok(())
+                };
+                let _ = q.write(&disk, off, &data, &mut fill);
+                let _ = q.plan_fresh_write(&disk, off, len, false);
+                let mode = [ZeroMode::Keep, ZeroMode::Unmap, ZeroMode::Discard][i % 3];
+                let _ = q.zero_range(
+                    &disk,
+                    off & !(c - 1),
+                    c.min(size - (off & !(c - 1))),
+                    mode,
+                    false,
+                    &mut fill,
+                );
+            }
+        }
+        let _ = q.close(&disk);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A small valid image to mutate: 64 KiB clusters, two allocated data clusters.
+    fn seed_image() -> Vec<u8> {
+        static SEED: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+        SEED.get_or_init(make_seed).clone()
+    }
+
+    fn make_seed() -> Vec<u8> {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("fuzz-seed-{}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        let params = crate::image::create::CreateParams {
+            qcow2: true,
+            size_bytes: 8 << 20,
+            cluster_bits: 16,
+            compression: crate::image::qcow2::Compression::Zlib,
+            backing: None,
+        };
+        crate::image::create::create(&p, &params).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        let q = Qcow2Image::open(&f, true).unwrap();
+        let mut fill = |_: u64, buf: &mut [u8]| {
+            buf.fill(0);
+            Ok(())
+        };
+        q.write(&f, 0, &[7u8; 4096], &mut fill).unwrap();
+        q.write(&f, 3 << 20, &[9u8; 65536], &mut fill).unwrap();
+        q.close(&f).unwrap();
+        drop(q);
+        let b = std::fs::read(&p).unwrap();
+        std::fs::remove_file(&p).unwrap();
+        b
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// Mutations of a valid image (bytes overwritten anywhere in the metadata).
+        #[test]
+        fn mutated_images_never_panic(
+            ops in proptest::collection::vec(any::<u8>(), 16),
+            edits in proptest::collection::vec((0usize..0x60000, any::<u64>()), 1..12),
+        ) {
+            let mut img = seed_image();
+            for (at, v) in edits {
+                if at + 8 <= img.len() {
+                    img[at..at + 8].copy_from_slice(&v.to_be_bytes());
+                }
+            }
+            let mut input = ops;
+            input.extend_from_slice(&img);
+            qcow2_open(&input);
+        }
+
+        /// Arbitrary short inputs (headers with random fields).
+        #[test]
+        fn arbitrary_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..4096)) {
+            let mut d = data;
+            if d.len() > 20 {
+                d[16..20].copy_from_slice(&super::super::qcow2::MAGIC);
+            }
+            qcow2_open(&d);
+        }
+    }
+}
+
+#[cfg(test)]
+mod directed {
+    use super::*;
+
+    fn be64(b: &[u8], o: usize) -> u64 {
+        u64::from_be_bytes(b[o..o + 8].try_into().unwrap())
+    }
+
+    fn seed() -> Vec<u8> {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("fuzz-directed-{}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        let params = crate::image::create::CreateParams {
+            qcow2: true,
+            size_bytes: 8 << 20,
+            cluster_bits: 16,
+            compression: crate::image::qcow2::Compression::Zlib,
+            backing: None,
+        };
+        crate::image::create::create(&p, &params).unwrap();
+        let b = std::fs::read(&p).unwrap();
+        std::fs::remove_file(&p).unwrap();
+        b
+    }
+
+    /// Refcount table entries pointing outside the file, at the header, at the L1 table or
+    /// at the refcount table itself: refused at a read-write open, or at least never
+    /// followed outside the file and never written over other metadata.
+    #[test]
+    fn hostile_refcount_table_entries() {
+        let base = seed();
+        let rt = be64(&base, 48) as usize;
+        let l1 = be64(&base, 40);
+        for target in [1u64 << 40, 0x200, l1, rt as u64, 0x10000 + 0x1000] {
+            let mut img = base.clone();
+            img[rt..rt + 8].copy_from_slice(&target.to_be_bytes());
+            let mut input = vec![0u8; 16];
+            input.extend_from_slice(&img);
+            qcow2_open(&input);
+            // If it opens writable, the header and the L1 table are intact after writes.
+            let disk = MemStorage::new(img.clone());
+            if let Ok(q) = Qcow2Image::open(&disk, true) {
+                let mut fill = |_: u64, buf: &mut [u8]| {
+                    buf.fill(0);
+                    Ok(())
+                };
+                let _ = q.write(&disk, 0, &[1u8; 65536], &mut fill);
+                let _ = q.close(&disk);
+                let after = disk.lock().clone();
+                assert_eq!(
+                    &after[..104],
+                    &img[..104],
+                    "target {target:#x}: header overwritten"
+                );
+                assert_eq!(
+                    &after[l1 as usize..l1 as usize + 8],
+                    &img[l1 as usize..l1 as usize + 8],
+                    "target {target:#x}: L1 overwritten"
+                );
+            }
+        }
+    }
+}
