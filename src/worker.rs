@@ -80,6 +80,9 @@ struct Slot {
     bounce_skip: usize,
     /// Key of the write range this request holds (see `io::ranges`).
     range_key: Option<u64>,
+    /// qcow2: the fill (whole-cluster first write of fresh clusters) this request does, or
+    /// the shared range its in-place write holds while fills are in flight: (key, is_fill).
+    fill_key: Option<(u64, bool)>,
     /// Write-through: make the request's zeroing durable (fdatasync) before completing it.
     sync_after: bool,
     pending: u32,
@@ -103,6 +106,7 @@ impl Slot {
             bounce: None,
             bounce_skip: 0,
             range_key: None,
+            fill_key: None,
             sync_after: false,
             pending: 0,
             status: status::OK,
@@ -360,6 +364,7 @@ impl QueueWorker {
         slot.expect_bytes = 0;
         slot.bounce_skip = 0;
         slot.range_key = None;
+        slot.fill_key = None;
         slot.sync_after = false;
         slot.iov.clear();
         if let Err(e) = parse_request(&**mem, descs, &self.dev.limits, &mut slot.req) {
@@ -593,14 +598,30 @@ impl QueueWorker {
             return self.submit_zero_ranges(idx);
         }
         let mut write_offset = offset;
+        // First write into fresh qcow2 clusters: written whole (zeroes around the data), so
+        // that the writes filling them in later are plain overwrites for the filesystem.
+        let mut whole_clusters = None;
+        let mut in_place = false;
         if let (false, Some(q)) = (is_read, self.dev.qcow2.as_ref()) {
             // Clusters owned alone and contiguous: write in place through the ring, like raw.
             // Anything else needs allocation: the synchronous metadata path.
             // Fresh clusters whose old contents are zeroes: allocated here, written through
             // the ring (write-back mode only: write-through needs the metadata synced too).
             let planned = match q.owned_extent(&self.dev.file, offset, len) {
-                Ok(None) if writeback => {
-                    q.plan_fresh_write(&self.dev.file, offset, len, !self.dev.backing.is_empty())
+                Ok(None) if writeback => q
+                    .plan_fresh_write(&self.dev.file, offset, len, !self.dev.backing.is_empty())
+                    .map(|fw| {
+                        fw.map(|fw| {
+                            if let Some(f) = fw.fill {
+                                whole_clusters = Some((f.start, f.len));
+                                self.slots[usize::from(idx)].fill_key = Some((f.key, true));
+                            }
+                            fw.host
+                        })
+                    }),
+                Ok(Some(host)) => {
+                    in_place = true;
+                    Ok(Some(host))
                 }
                 other => other,
             };
@@ -627,7 +648,7 @@ impl QueueWorker {
         };
         let block = align.offset as u64;
         let sub_block = direct && (file_offset % block != 0 || len % block != 0);
-        if sub_block && !is_read {
+        if sub_block && !is_read && whole_clusters.is_none() {
             if self.dev.qcow2.is_some() {
                 // The read-modify-write path works on raw offsets; qcow2 goes the
                 // synchronous way (it writes through aligned buffers).
@@ -641,6 +662,15 @@ impl QueueWorker {
             let key = self.acquire_range(file_offset, file_offset + len, Holder::Write);
             self.slots[usize::from(idx)].range_key = key;
         }
+        if in_place {
+            // A fill of these clusters may be in flight (its L2 entries are visible before
+            // its write lands): never let its zeroes land over this write.
+            let q = self.dev.qcow2.as_ref().expect("in_place implies qcow2");
+            if q.fills_in_flight.load(Ordering::SeqCst) > 0 {
+                let key = self.acquire_fill_range(file_offset, file_offset + len);
+                self.slots[usize::from(idx)].fill_key = Some((key, false));
+            }
+        }
         let slot = &mut self.slots[usize::from(idx)];
         for seg in &slot.req.data {
             for vs in mem.get_slices(seg.addr, seg.len as usize) {
@@ -652,7 +682,27 @@ impl QueueWorker {
             }
         }
         let mut io_offset = file_offset;
-        if direct && (sub_block || !iovecs_aligned(&slot.iov, file_offset, align)) {
+        if let Some((start, span)) = whole_clusters {
+            let span = span as usize;
+            let mut buf = self.bounce.get(span)?;
+            let at = (file_offset - start) as usize;
+            buf.as_mut_slice()[..at].fill(0);
+            buf.as_mut_slice()[at + len as usize..span].fill(0);
+            copy_from_guest(
+                &mem,
+                &slot.req.data,
+                &mut buf.as_mut_slice()[at..at + len as usize],
+            )?;
+            slot.iov.clear();
+            slot.iov.push(libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: span,
+            });
+            slot.bounce = Some(buf);
+            slot.bounce_skip = at;
+            slot.expect_bytes = span as u64;
+            io_offset = start;
+        } else if direct && (sub_block || !iovecs_aligned(&slot.iov, file_offset, align)) {
             self.stats.bounced += 1;
             // Sub-block reads read the whole file blocks around the request.
             let (start, end) = block_span(file_offset, len, block);
@@ -851,6 +901,7 @@ impl QueueWorker {
     /// qcow2 write, synchronous on this queue's thread (one allocating writer per image at a
     /// time): gather the guest data, let the format allocate and order metadata.
     fn qcow2_write(&mut self, idx: u16, mem: &Arc<Mem>) {
+        self.drain_fills();
         let (offset, len) = {
             let r = &self.slots[usize::from(idx)].req;
             (r.offset_bytes(), r.data_len as usize)
@@ -881,6 +932,7 @@ impl QueueWorker {
     /// qcow2 DISCARD / WRITE_ZEROES / detected zero writes: zero flags and unallocation for
     /// whole clusters, zero data for partial ones (synchronous).
     fn qcow2_zero_ranges(&mut self, idx: u16, discard: bool, discard_unmap: bool) {
+        self.drain_fills();
         let dev = self.dev.clone();
         let Some(q) = dev.qcow2.as_ref() else {
             return;
@@ -943,6 +995,45 @@ impl QueueWorker {
             dev.sync().map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+
+    /// Take a shared range of the image's fill locks, waiting for a fill of it to complete
+    /// (this queue's own operations are reaped meanwhile: the fill may be ours).
+    fn acquire_fill_range(&mut self, start: u64, end: u64) -> u64 {
+        let dev = self.dev.clone();
+        let q = dev.qcow2.as_ref().expect("fill ranges exist for qcow2");
+        loop {
+            if let Some(k) = q.fills.try_acquire(start, end, Holder::Write) {
+                return k;
+            }
+            if let Err(e) = self.engine.submit() {
+                error!("queue {}: submit: {e}", self.index);
+            }
+            self.reap_deferred();
+            q.fills.wait_change();
+        }
+    }
+
+    /// Before a synchronous qcow2 write or zeroing: let the fills in flight complete (and
+    /// start no new ones meanwhile), since the synchronous path writes in place without
+    /// ranges and may free clusters.
+    fn drain_fills(&mut self) {
+        let dev = self.dev.clone();
+        let Some(q) = dev.qcow2.as_ref() else {
+            return;
+        };
+        if q.fills_in_flight.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        q.fill_gate.fetch_add(1, Ordering::SeqCst);
+        while q.fills_in_flight.load(Ordering::SeqCst) > 0 {
+            if let Err(e) = self.engine.submit() {
+                error!("queue {}: submit: {e}", self.index);
+            }
+            self.reap_deferred();
+            q.fills.wait_change();
+        }
+        q.fill_gate.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// Take a write range, waiting for conflicting holders. While waiting, this queue's own
@@ -1239,6 +1330,13 @@ impl QueueWorker {
         }
         if let (Some(k), Some(ranges)) = (slot.range_key.take(), self.dev.write_ranges.as_ref()) {
             ranges.release(k);
+        }
+        if let (Some((k, is_fill)), Some(q)) = (slot.fill_key.take(), self.dev.qcow2.as_ref()) {
+            if is_fill {
+                q.end_fill(k);
+            } else {
+                q.fills.release(k);
+            }
         }
         slot.iov.clear();
         self.free.push(idx);

@@ -239,7 +239,19 @@ fn guest_write(q: &Qcow2Image, disk: &SimDisk, off: u64, data: &[u8]) {
     let len = data.len() as u64;
     let host = match q.owned_extent(disk, off, len).unwrap() {
         Some(h) => Some(h),
-        None => q.plan_fresh_write(disk, off, len, false).unwrap(),
+        None => match q.plan_fresh_write(disk, off, len, false).unwrap() {
+            // A fill writes the new clusters whole: zeroes around the data.
+            Some(fw) if fw.fill.is_some() => {
+                let f = fw.fill.unwrap();
+                let mut whole = vec![0u8; f.len as usize];
+                let at = (fw.host - f.start) as usize;
+                whole[at..at + data.len()].copy_from_slice(data);
+                disk.write_all_at(&whole, f.start).unwrap();
+                q.end_fill(f.key);
+                return;
+            }
+            other => other.map(|fw| fw.host),
+        },
     };
     match host {
         Some(h) => disk.write_all_at(data, h).unwrap(),

@@ -133,7 +133,11 @@ pub fn qcow2_open(data: &[u8]) {
                     Ok(())
                 };
                 let _ = q.write(&disk, off, &data, &mut fill);
-                let _ = q.plan_fresh_write(&disk, off, len, false);
+                if let Ok(Some(fw)) = q.plan_fresh_write(&disk, off, len, false) {
+                    if let Some(f) = fw.fill {
+                        q.end_fill(f.key);
+                    }
+                }
                 let mode = [ZeroMode::Keep, ZeroMode::Unmap, ZeroMode::Discard][i % 3];
                 let _ = q.zero_range(
                     &disk,

@@ -145,6 +145,25 @@ pub enum ZeroMode {
     Discard,
 }
 
+/// Where a write planned into fresh clusters goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FreshWrite {
+    /// Host offset of the write's first byte.
+    pub host: u64,
+    /// Write the new clusters whole instead: zeroes around the data. The caller must call
+    /// [`Qcow2Image::end_fill`] with `key` when that write has completed.
+    pub fill: Option<Fill>,
+}
+
+/// A whole-cluster first write of fresh clusters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fill {
+    pub key: u64,
+    /// Host range of the new clusters.
+    pub start: u64,
+    pub len: u64,
+}
+
 /// A change to one cluster's refcount.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum RefChange {
@@ -242,6 +261,13 @@ pub struct Qcow2Image {
     /// The backing file name as stored in the header (relative to the image's directory).
     pub backing_file: Option<String>,
     l2_cache: Mutex<L2Cache>,
+    /// Host ranges of fresh clusters whose first, whole-cluster write is in flight (held
+    /// exclusively; in-place writes take shared ranges while any fill is in flight).
+    pub fills: crate::io::ranges::RangeLocks,
+    /// Fills in flight (counted before their L2 entries become visible).
+    pub fills_in_flight: std::sync::atomic::AtomicU64,
+    /// Synchronous writers waiting for fills to drain: no new fills start meanwhile.
+    pub fill_gate: std::sync::atomic::AtomicU64,
     /// Data clusters allocated from free space (refcount 0) instead of the end of the file.
     pub reused_clusters: std::sync::atomic::AtomicU64,
     /// Punch the host range of clusters whose refcount drops to 0 (`--discard unmap`).
@@ -487,6 +513,9 @@ impl Qcow2Image {
             backing_file,
             punch_freed: std::sync::atomic::AtomicBool::new(false),
             reused_clusters: std::sync::atomic::AtomicU64::new(0),
+            fills: Default::default(),
+            fills_in_flight: std::sync::atomic::AtomicU64::new(0),
+            fill_gate: std::sync::atomic::AtomicU64::new(0),
             l2_cache: Mutex::new(L2Cache {
                 tables: VecDeque::with_capacity(capacity),
                 capacity,
@@ -772,7 +801,7 @@ impl Qcow2Image {
         offset: u64,
         len: u64,
         has_backing: bool,
-    ) -> Result<Option<u64>, MapError> {
+    ) -> Result<Option<FreshWrite>, MapError> {
         let Some(ws) = self.write.as_ref() else {
             return Ok(None);
         };
@@ -819,6 +848,34 @@ impl Qcow2Image {
                 first
             }
         };
+        // A partial write into new clusters may write them whole (zeroes around the data),
+        // so that later writes into them are plain overwrites for the file system. Its range
+        // is held exclusively before the L2 entries make the clusters visible.
+        let mut fill = None;
+        if reused.is_none()
+            && !whole
+            && self.fill_gate.load(std::sync::atomic::Ordering::SeqCst) == 0
+        {
+            self.fills_in_flight
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let (start, end) = (first, first + n * c);
+            match self
+                .fills
+                .try_acquire(start, end, crate::io::ranges::Holder::Rmw)
+            {
+                Some(key) => {
+                    fill = Some(Fill {
+                        key,
+                        start,
+                        len: end - start,
+                    })
+                }
+                None => {
+                    self.fills_in_flight
+                        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        }
         for (k, e) in olds.into_iter().enumerate() {
             let cl = first_cl + k as u64 * c;
             let l2 = self.ensure_l2(&mut ws, file, cl)?;
@@ -827,7 +884,17 @@ impl Qcow2Image {
             self.release_old(&mut ws, e);
         }
         self.maybe_write_back(&mut ws, file)?;
-        Ok(Some(first + (offset - first_cl)))
+        Ok(Some(FreshWrite {
+            host: first + (offset - first_cl),
+            fill,
+        }))
+    }
+
+    /// End a fill started by [`Self::plan_fresh_write`] (its write completed or failed).
+    pub fn end_fill(&self, key: u64) {
+        self.fills.release(key);
+        self.fills_in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Write `data` at guest `offset` (synchronously, one request at a time per image).

@@ -15,6 +15,10 @@ pub trait Storage: Sync {
     fn size(&self) -> io::Result<u64>;
     /// Make every completed write durable.
     fn sync_data(&self) -> io::Result<()>;
+    /// Allocate blocks for a range (reading as zeroes), extending the file over it.
+    fn allocate(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Err(io::Error::from(io::ErrorKind::Unsupported))
+    }
     /// Deallocate a range (it reads as zeroes afterwards); the size does not change.
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()>;
 }
@@ -38,6 +42,19 @@ impl Storage for File {
 
     fn sync_data(&self) -> io::Result<()> {
         File::sync_data(self)
+    }
+
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        };
+        // SAFETY: plain system call on an fd this File owns.
+        if unsafe { libc::fallocate(self.as_raw_fd(), 0, off, len) } == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
     }
 
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
