@@ -1,0 +1,339 @@
+//! Preallocation ahead of the end of a growing image file (QEMU's preallocate filter; no QEMU
+//! code). A write that ends past the file's end first extends the file with `fallocate` to
+//! ALIGN_UP(end + size, align), so the following writes land in allocated blocks inside the
+//! file instead of each extending it. The format sees `data_end` as the file's length; the
+//! preallocated tail is trimmed on close.
+//!
+//! State: `data_end` (the largest end of any write, or the length at open: truncating to it
+//! never loses data), `zero_start` (from there to `file_end` the file is known to read as
+//! zeroes), `file_end` (the file's real length). This module only decides; the caller does
+//! the fallocate and reports back, so it is testable without a file.
+
+/// What a write needs before it is issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Extend the file over [start, end) with fallocate first (best effort).
+    pub extend: Option<(u64, u64)>,
+    /// A zero write that needs no I/O at all: the range already reads as zeroes. Valid only
+    /// if `extend` is None or succeeds.
+    pub merged: bool,
+}
+
+/// The filter's state for one image file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prealloc {
+    /// Bytes to preallocate past the end of a write (0: only round up to `align`).
+    pub size: u64,
+    /// File lengths are rounded up to this (a multiple of `file_align`).
+    pub align: u64,
+    /// The file's I/O alignment (direct-I/O block).
+    pub file_align: u64,
+    pub data_end: u64,
+    pub zero_start: u64,
+    pub file_end: u64,
+    /// fallocate is not supported here: never try again.
+    pub unsupported: bool,
+    /// An extension is being done by someone else: skip rather than wait.
+    pub busy: bool,
+}
+
+fn align_up(v: u64, a: u64) -> u64 {
+    if a <= 1 {
+        v
+    } else {
+        v.div_ceil(a).saturating_mul(a)
+    }
+}
+
+impl Prealloc {
+    /// State for a file of `len` bytes.
+    pub fn new(len: u64, size: u64, align: u64, file_align: u64) -> Self {
+        Prealloc {
+            size,
+            align: align.max(file_align),
+            file_align,
+            data_end: len,
+            zero_start: len,
+            file_end: len,
+            unsupported: false,
+            busy: false,
+        }
+    }
+
+    /// A write of [offset, offset + len) is about to be issued; `zero` if it writes zeroes
+    /// and could be skipped where the file already reads as zeroes.
+    pub fn handle_write(&mut self, offset: u64, len: u64, zero: bool) -> Plan {
+        let end = offset.saturating_add(len);
+        let none = Plan {
+            extend: None,
+            merged: false,
+        };
+        // Data ending past zero_start makes everything before its end non-zero, even when
+        // it starts inside [zero_start, data_end) (QEMU's later fix: otherwise a later zero
+        // write there could be skipped over live data).
+        if !zero && end > self.zero_start {
+            self.zero_start = end;
+        }
+        if end <= self.data_end {
+            return none;
+        }
+        self.data_end = end;
+        if !zero {
+            self.zero_start = end;
+        }
+        if end <= self.file_end {
+            // Already preallocated: a zero write inside the known-zero area is a no-op.
+            return Plan {
+                extend: None,
+                merged: zero && offset >= self.zero_start,
+            };
+        }
+        if self.unsupported || self.busy {
+            return none;
+        }
+        let start = align_up(
+            if zero {
+                offset.min(self.file_end)
+            } else {
+                self.file_end
+            },
+            self.file_align,
+        );
+        let stop = align_up(start.max(end).saturating_add(self.size), self.align);
+        Plan {
+            extend: Some((start, stop)),
+            merged: zero && start <= offset,
+        }
+    }
+
+    /// The fallocate of a planned extension finished: Ok, or the error's errno. `file_len`
+    /// is the file's length now (re-read after a failure).
+    pub fn extended(&mut self, end: u64, result: Result<(), i32>, file_len: u64) -> bool {
+        match result {
+            Ok(()) => {
+                self.file_end = end.max(file_len);
+                true
+            }
+            Err(e) => {
+                if e == libc::EOPNOTSUPP || e == libc::ENOSYS {
+                    self.unsupported = true;
+                }
+                self.file_end = file_len;
+                false
+            }
+        }
+    }
+
+    /// Where a clean close truncates the file (None: nothing preallocated past the data).
+    pub fn trim_to(&self) -> Option<u64> {
+        (self.file_end > self.data_end).then_some(self.data_end)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const M: u64 = 1 << 20;
+
+    fn fresh() -> Prealloc {
+        // A 256 KiB file, 128 MiB ahead, 1 MiB alignment, 4 KiB file blocks.
+        Prealloc::new(256 << 10, 128 * M, M, 4096)
+    }
+
+    /// (description, writes as (offset, len, zero), then the expected plan of the last write
+    /// and the state after it: (data_end, zero_start, file_end)).
+    #[test]
+    fn rules_table() {
+        struct Case {
+            what: &'static str,
+            setup: fn(&mut Prealloc),
+            write: (u64, u64, bool),
+            plan: Plan,
+            after: (u64, u64, u64),
+        }
+        fn extend_ok(p: &mut Prealloc, off: u64, len: u64, zero: bool) {
+            let plan = p.handle_write(off, len, zero);
+            if let Some((_, end)) = plan.extend {
+                p.extended(end, Ok(()), p.file_end);
+            }
+        }
+        let cases = [
+            Case {
+                what: "write past the end extends to ALIGN_UP(end + size, align)",
+                setup: |_| {},
+                write: (256 << 10, 64 << 10, false),
+                plan: Plan {
+                    extend: Some((256 << 10, 129 * M)),
+                    merged: false,
+                },
+                after: (320 << 10, 320 << 10, 256 << 10),
+            },
+            Case {
+                what: "write inside the data changes nothing",
+                setup: |_| {},
+                write: (0, 4096, false),
+                plan: Plan {
+                    extend: None,
+                    merged: false,
+                },
+                after: (256 << 10, 256 << 10, 256 << 10),
+            },
+            Case {
+                what: "write inside the preallocated area needs no extension",
+                setup: |p| extend_ok(p, 256 << 10, 64 << 10, false),
+                write: (M, 64 << 10, false),
+                plan: Plan {
+                    extend: None,
+                    merged: false,
+                },
+                after: (M + (64 << 10), M + (64 << 10), 129 * M),
+            },
+            Case {
+                what: "zero write inside the known-zero area is a no-op",
+                setup: |p| extend_ok(p, 256 << 10, 64 << 10, false),
+                write: (2 * M, 64 << 10, true),
+                plan: Plan {
+                    extend: None,
+                    merged: true,
+                },
+                after: (2 * M + (64 << 10), 320 << 10, 129 * M),
+            },
+            Case {
+                what: "zero write starting below zero_start is not merged",
+                setup: |p| extend_ok(p, 256 << 10, 64 << 10, false),
+                write: (300 << 10, 64 << 10, true),
+                plan: Plan {
+                    extend: None,
+                    merged: false,
+                },
+                after: (364 << 10, 320 << 10, 129 * M),
+            },
+            Case {
+                what: "data write inside [zero_start, data_end) moves zero_start (the fix)",
+                setup: |p| {
+                    extend_ok(p, 256 << 10, 64 << 10, false);
+                    // A merged zero write leaves zero_start below data_end.
+                    extend_ok(p, 2 * M, 64 << 10, true);
+                },
+                write: (M, 4096, false),
+                plan: Plan {
+                    extend: None,
+                    merged: false,
+                },
+                after: (2 * M + (64 << 10), M + 4096, 129 * M),
+            },
+            Case {
+                what: "after the fix a zero write below the moved zero_start is not merged",
+                setup: |p| {
+                    extend_ok(p, 256 << 10, 64 << 10, false);
+                    extend_ok(p, 2 * M, 64 << 10, true);
+                    extend_ok(p, M, 4096, false);
+                },
+                write: (M, 4096, true),
+                plan: Plan {
+                    extend: None,
+                    merged: false,
+                },
+                after: (2 * M + (64 << 10), M + 4096, 129 * M),
+            },
+            Case {
+                what: "zero write past the end preallocates from its start and is merged",
+                setup: |_| {},
+                write: (4 * M, 64 << 10, true),
+                plan: Plan {
+                    extend: Some((256 << 10, 133 * M)),
+                    merged: true,
+                },
+                after: (4 * M + (64 << 10), 256 << 10, 256 << 10),
+            },
+            Case {
+                what: "size 0 only rounds the end up to align",
+                setup: |p| p.size = 0,
+                write: (256 << 10, 4096, false),
+                plan: Plan {
+                    extend: Some((256 << 10, M)),
+                    merged: false,
+                },
+                after: ((256 << 10) + 4096, (256 << 10) + 4096, 256 << 10),
+            },
+            Case {
+                what: "unsupported: never tried again",
+                setup: |p| {
+                    let plan = p.handle_write(256 << 10, 4096, false);
+                    let (_, end) = plan.extend.unwrap();
+                    assert!(!p.extended(end, Err(libc::EOPNOTSUPP), (256 << 10) + 4096));
+                },
+                write: (M, 4096, false),
+                plan: Plan {
+                    extend: None,
+                    merged: false,
+                },
+                after: (M + 4096, M + 4096, (256 << 10) + 4096),
+            },
+            Case {
+                what: "ENOSPC: skipped, tried again on the next write past the end",
+                setup: |p| {
+                    let plan = p.handle_write(256 << 10, 4096, false);
+                    let (_, end) = plan.extend.unwrap();
+                    assert!(!p.extended(end, Err(libc::ENOSPC), (256 << 10) + 4096));
+                },
+                write: (M, 4096, false),
+                plan: Plan {
+                    extend: Some(((256 << 10) + 4096, 130 * M)),
+                    merged: false,
+                },
+                after: (M + 4096, M + 4096, (256 << 10) + 4096),
+            },
+            Case {
+                what: "busy (another extension in flight): skipped, not waited for",
+                setup: |p| p.busy = true,
+                write: (256 << 10, 4096, false),
+                plan: Plan {
+                    extend: None,
+                    merged: false,
+                },
+                after: ((256 << 10) + 4096, (256 << 10) + 4096, 256 << 10),
+            },
+        ];
+        for c in cases {
+            let mut p = fresh();
+            (c.setup)(&mut p);
+            let (o, l, z) = c.write;
+            let plan = p.handle_write(o, l, z);
+            assert_eq!(plan, c.plan, "{}", c.what);
+            assert_eq!(
+                (p.data_end, p.zero_start, p.file_end),
+                c.after,
+                "{}",
+                c.what
+            );
+        }
+    }
+
+    /// Two queues extending at once: the second finds the extension in progress (busy) and
+    /// goes on without one; after the first completes, writes inside need none.
+    #[test]
+    fn concurrent_extending_writes() {
+        let mut p = fresh();
+        let a = p.handle_write(256 << 10, 64 << 10, false);
+        let (_, end) = a.extend.unwrap();
+        p.busy = true;
+        let b = p.handle_write(320 << 10, 64 << 10, false);
+        assert_eq!(b.extend, None);
+        p.busy = false;
+        assert!(p.extended(end, Ok(()), 384 << 10));
+        assert_eq!(p.file_end, 129 * M);
+        assert_eq!(p.handle_write(384 << 10, 64 << 10, false).extend, None);
+        assert_eq!(p.trim_to(), Some(448 << 10));
+    }
+
+    #[test]
+    fn trim_only_when_preallocated() {
+        let mut p = fresh();
+        assert_eq!(p.trim_to(), None);
+        let plan = p.handle_write(256 << 10, 4096, false);
+        p.extended(plan.extend.unwrap().1, Ok(()), 0);
+        assert_eq!(p.trim_to(), Some((256 << 10) + 4096));
+    }
+}
