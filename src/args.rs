@@ -86,6 +86,19 @@ pub struct Args {
     #[arg(long, value_name = "SIZE")]
     pub l2_cache_size: Option<String>,
 
+    /// Preallocate file space ahead of writes past the end of a growing image (qcow2):
+    /// on, off, or auto (on when the image's file system sits on a non-rotational device).
+    #[arg(long, value_enum, default_value_t = PreallocArg::Auto)]
+    pub prealloc: PreallocArg,
+
+    /// How much to preallocate past the end of a write that extends the file.
+    #[arg(long, value_name = "SIZE", default_value = "128M")]
+    pub prealloc_size: String,
+
+    /// Round preallocated file lengths up to this (a multiple of the file's alignment).
+    #[arg(long, value_name = "SIZE", default_value = "1M")]
+    pub prealloc_align: String,
+
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL", default_value = "info")]
     pub log_level: String,
@@ -136,6 +149,15 @@ pub enum DiscardMode {
     Ignore,
     /// DISCARD punches holes; WRITE_ZEROES with the unmap flag deallocates.
     Unmap,
+}
+
+/// `--prealloc` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PreallocArg {
+    On,
+    Off,
+    /// On when the file system's block device says it is not rotational.
+    Auto,
 }
 
 /// `--backing` values.

@@ -43,6 +43,9 @@ pub struct Config {
     pub poll_us: u32,
     pub detect_zeroes: DetectZeroes,
     pub discard: DiscardMode,
+    pub prealloc: crate::args::PreallocArg,
+    pub prealloc_size: u64,
+    pub prealloc_align: u64,
     /// qcow2 L2 cache bytes (None: the default for the image).
     pub l2_cache_bytes: Option<u64>,
     pub log_level: log::LevelFilter,
@@ -53,6 +56,8 @@ pub struct Config {
 #[error("{0}")]
 pub struct ConfigError(pub String);
 
+/// Upper bound of --prealloc-size and --prealloc-align.
+const MAX_PREALLOC: u64 = 1 << 40;
 /// Upper bound of --l2-cache-size.
 const MAX_L2_CACHE: u64 = 4 << 30;
 
@@ -138,6 +143,22 @@ impl Config {
                 }
             },
         };
+        let prealloc_size = crate::args::parse_size(&args.prealloc_size)
+            .filter(|&n| n <= MAX_PREALLOC)
+            .ok_or_else(|| {
+                bad(format!(
+                    "--prealloc-size {}: must be a size up to 1T (e.g. 128M)",
+                    args.prealloc_size
+                ))
+            })?;
+        let prealloc_align = crate::args::parse_size(&args.prealloc_align)
+            .filter(|&n| n > 0 && n % 512 == 0 && n <= MAX_PREALLOC)
+            .ok_or_else(|| {
+                bad(format!(
+                    "--prealloc-align {}: must be a non-zero multiple of 512 bytes (e.g. 1M)",
+                    args.prealloc_align
+                ))
+            })?;
         let log_level = args.log_level.parse::<log::LevelFilter>().map_err(|_| {
             bad(format!(
                 "--log-level {}: must be one of off, error, warn, info, debug, trace",
@@ -160,6 +181,9 @@ impl Config {
             detect_zeroes,
             discard: args.discard,
             l2_cache_bytes,
+            prealloc: args.prealloc,
+            prealloc_size,
+            prealloc_align,
             log_level,
         })
     }

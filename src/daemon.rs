@@ -52,6 +52,9 @@ pub enum DaemonError {
     Vhost(String),
     #[error("cannot set up signal handling")]
     Signals(#[source] io::Error),
+    /// An option that does not fit the image (exit status 2, like other bad options).
+    #[error("{0}")]
+    Usage(String),
 }
 
 /// Open the image and build the shared device.
@@ -155,13 +158,76 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
             "read-write"
         }
     );
+    let img_file_meta = img.file.metadata().map_err(|e| {
+        DaemonError::Image(OpenError::Open {
+            path: cfg.blk_file.clone(),
+            source: e,
+        })
+    })?;
     let mut dev = Device::new(img.file, params);
-    if let Some(q) = &qcow2 {
+    if let Some(q) = qcow2.as_ref().filter(|q| q.writable()) {
         q.set_punch_freed(cfg.discard == crate::args::DiscardMode::Unmap);
+        let file_align = dio.offset as u64;
+        if cfg.prealloc_align % file_align != 0 {
+            return Err(DaemonError::Usage(format!(
+                "--prealloc-align {}: must be a multiple of the file's alignment ({file_align} bytes)",
+                cfg.prealloc_align
+            )));
+        }
+        let (on, why) = match cfg.prealloc {
+            crate::args::PreallocArg::On => (true, "--prealloc on".to_owned()),
+            crate::args::PreallocArg::Off => (false, "--prealloc off".to_owned()),
+            crate::args::PreallocArg::Auto => match rotational(&img_file_meta) {
+                Some((dev, false)) => (true, format!("auto: {dev} is not rotational")),
+                Some((dev, true)) => (false, format!("auto: {dev} is rotational")),
+                None => (
+                    false,
+                    "auto: the file system's block device is unknown".to_owned(),
+                ),
+            },
+        };
+        if on {
+            q.set_prealloc(Some((cfg.prealloc_size, cfg.prealloc_align, file_align)));
+            info!(
+                "preallocation: on ({why}): {} MiB ahead, lengths rounded to {} KiB",
+                cfg.prealloc_size >> 20,
+                cfg.prealloc_align >> 10
+            );
+        } else {
+            info!("preallocation: off ({why})");
+        }
     }
     dev.qcow2 = qcow2;
     dev.backing = backing;
     Ok(Arc::new(dev))
+}
+
+/// Is the block device holding this file rotational? (`/sys/dev/block/MAJ:MIN`, or its
+/// parent disk for a partition.) None for files on no block device (tmpfs, network).
+fn rotational(meta: &std::fs::Metadata) -> Option<(String, bool)> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = meta.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    if major == 0 {
+        return None;
+    }
+    let base = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    for q in [
+        base.join("queue/rotational"),
+        base.join("../queue/rotational"),
+    ] {
+        if let Ok(s) = std::fs::read_to_string(&q) {
+            let name = std::fs::canonicalize(&base)
+                .ok()
+                .and_then(|p| {
+                    p.file_name()
+                        .map(|n| format!("/dev/{}", n.to_string_lossy()))
+                })
+                .unwrap_or_else(|| format!("block device {major}:{minor}"));
+            return Some((name, s.trim() == "1"));
+        }
+    }
+    None
 }
 
 /// Serial derived from the file's identity: stable across restarts, distinct per file.
@@ -288,6 +354,10 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
 /// Log the counters that outlive connections.
 fn log_device_stats(dev: &Device) {
     info!("detect-zeroes/discard: {}", dev.zero_stats.summary());
+    if let Some(q) = dev.qcow2.as_ref().filter(|q| q.writable()) {
+        let (done, skipped) = q.prealloc_counts();
+        info!("preallocation: {done} done, {skipped} skipped");
+    }
 }
 
 fn flush(dev: &Device) {

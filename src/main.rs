@@ -59,6 +59,10 @@ fn main() -> ExitCode {
         .init();
     match vublk::daemon::run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(vublk::daemon::DaemonError::Usage(msg)) => {
+            eprintln!("vublk: {msg}");
+            ExitCode::from(EXIT_USAGE)
+        }
         Err(e) => {
             print_error_chain("vublk", &e);
             ExitCode::FAILURE

@@ -96,6 +96,17 @@ impl Storage for SimDisk {
         Ok(self.state.lock().unwrap().current.len() as u64)
     }
 
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap();
+        let end = offset + len;
+        if end > st.current.len() as u64 {
+            let p = Pending::SetLen(end);
+            apply(&mut st.current, &p);
+            st.pending.push(p);
+        }
+        Ok(())
+    }
+
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
         let mut st = self.state.lock().unwrap();
         let end = (offset + len).min(st.current.len() as u64);
@@ -283,8 +294,8 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) -> u64 {
         let cache = (round % 3 == 0).then_some(0);
         let q = Qcow2Image::open_with_cache(&disk, true, cache).unwrap();
         q.set_punch_freed(round % 2 == 1);
-        // Round the simulated file to small steps (the 16 MiB default only costs copies here).
-        q.set_size_ahead(if round % 2 == 0 { 0 } else { 64 << 10 });
+        // Odd rounds preallocate (small steps: big ones only cost copies here).
+        q.set_prealloc((round % 2 == 1).then_some((64 << 10, 4096, 512)));
         let mut now = flushed.clone();
         let mut touched = vec![false; SIZE as usize / SECTOR];
         let ops = 20 + rng.below(60);

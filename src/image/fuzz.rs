@@ -78,6 +78,18 @@ impl Storage for MemStorage {
         Ok(())
     }
 
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.limit)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
+        let mut b = self.lock();
+        if (b.len() as u64) < end {
+            b.resize(end as usize, 0);
+        }
+        Ok(())
+    }
+
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
         let mut b = self.lock();
         let end = offset.saturating_add(len).min(b.len() as u64);
@@ -102,6 +114,7 @@ pub fn qcow2_open(data: &[u8]) {
         let Ok(q) = Qcow2Image::open_with_cache(&disk, writable, Some(0)) else {
             continue;
         };
+        q.set_prealloc(Some((1 << 20, 1 << 16, 512)));
         let size = q.size_bytes;
         if size == 0 {
             continue;

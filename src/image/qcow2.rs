@@ -33,8 +33,6 @@ const MAX_L1_BYTES: u64 = 32 << 20;
 pub const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
 /// Guest bytes the default L2 cache covers at least.
 pub const DEFAULT_L2_COVERAGE: u64 = 64 << 30;
-/// How far ahead of the allocations the file's size is kept (holes; trimmed on close).
-const SIZE_AHEAD: u64 = 16 << 20;
 /// Dirty refcount chunks kept before they are written (each at most 4 KiB).
 const MAX_DIRTY_REFCOUNT_CHUNKS: usize = 1024;
 /// Refcount chunks cached (dirty or clean) before clean ones are dropped.
@@ -182,15 +180,14 @@ struct WriteState {
     refcount_order: u32,
     /// Next cluster to allocate: the end of the file (clusters freed are leaked for now).
     next_free: u64,
-    /// The file's size is at least this (extended ahead of `next_free` so that data writes
-    /// into new clusters never extend the file; trimmed back to `next_free` on close).
-    sized_to: u64,
+    /// The file is known to be at least this long.
+    covered: u64,
     /// Where the scan for free clusters resumes (every cluster below it is in use).
     free_cursor: u64,
     /// No run of free clusters longer than this exists (until something is freed).
     free_run_hint: u64,
-    /// How far ahead of `next_free` to size the file ([`SIZE_AHEAD`] by default).
-    size_ahead: u64,
+    /// Preallocation ahead of the end of the file (None: off, writes extend the file).
+    prealloc: Option<crate::image::prealloc::Prealloc>,
     /// Refcount block chunks (min(4 KiB, cluster) each) by file offset: the current contents.
     refcount_chunks: std::collections::HashMap<u64, Vec<u8>>,
     /// Chunks of `refcount_chunks` that differ from the file. They only ever hold increases
@@ -270,6 +267,8 @@ pub struct Qcow2Image {
     pub fill_gate: std::sync::atomic::AtomicU64,
     /// Data clusters allocated from free space (refcount 0) instead of the end of the file.
     pub reused_clusters: std::sync::atomic::AtomicU64,
+    /// Preallocations done and skipped.
+    prealloc_stats: (std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64),
     /// Punch the host range of clusters whose refcount drops to 0 (`--discard unmap`).
     punch_freed: std::sync::atomic::AtomicBool,
 }
@@ -429,8 +428,8 @@ impl Qcow2Image {
                 refcount_table_offset: rt_offset,
                 refcount_order,
                 next_free: file_size.next_multiple_of(cluster_size),
-                sized_to: file_size,
-                size_ahead: SIZE_AHEAD,
+                covered: file_size,
+                prealloc: None,
                 free_cursor: 0,
                 free_run_hint: u64::MAX,
                 refcount_chunks: std::collections::HashMap::new(),
@@ -499,7 +498,7 @@ impl Qcow2Image {
                 }
             }
         }
-        Ok(Qcow2Image {
+        let img = Qcow2Image {
             version,
             cluster_bits,
             l2_bits,
@@ -512,6 +511,7 @@ impl Qcow2Image {
             compression,
             backing_file,
             punch_freed: std::sync::atomic::AtomicBool::new(false),
+            prealloc_stats: Default::default(),
             reused_clusters: std::sync::atomic::AtomicU64::new(0),
             fills: Default::default(),
             fills_in_flight: std::sync::atomic::AtomicU64::new(0),
@@ -520,7 +520,45 @@ impl Qcow2Image {
                 tables: VecDeque::with_capacity(capacity),
                 capacity,
             }),
-        })
+        };
+        img.find_data_end(file)?;
+        Ok(img)
+    }
+
+    /// A read-write open after a crash may find a tail past the last cluster in use (space
+    /// preallocated, or data whose metadata never reached the file): nothing references it,
+    /// so it is truncated and allocation starts after the last cluster with a refcount.
+    /// Bounded: looks at most at 1 Mi clusters from the end.
+    fn find_data_end(&self, file: &dyn Storage) -> Result<(), Qcow2Error> {
+        let Some(ws) = self.write.as_ref() else {
+            return Ok(());
+        };
+        let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+        let c = self.cluster_size();
+        let mut end = ws.next_free;
+        let mut looked = 0;
+        while end > c && looked < (1 << 20) {
+            let cl = end - c;
+            let rc = self
+                .get_refcount(&mut ws, file, cl)
+                .map_err(|e| Qcow2Error::ReadL1(io::Error::other(e.to_string())))?;
+            if rc != 0 || self.is_metadata(cl) {
+                break;
+            }
+            end = cl;
+            looked += 1;
+        }
+        // Cut the tail off now: a new cluster must read as zeroes wherever it is not written
+        // (stale data from before the crash must not show through).
+        let len = file.size().map_err(Qcow2Error::ReadHeader)?;
+        if len > end {
+            file.set_len(end).map_err(Qcow2Error::ReadHeader)?;
+            ws.covered = end;
+        }
+        ws.next_free = end;
+        self.file_size
+            .store(end, std::sync::atomic::Ordering::Release);
+        Ok(())
     }
 
     fn is_metadata(&self, host_cluster: u64) -> bool {
@@ -844,7 +882,7 @@ impl Qcow2Image {
                 for k in 0..n {
                     self.set_refcount(&mut ws, file, first + k * c, RefChange::Set(1))?;
                 }
-                self.size_ahead(&mut ws, file);
+                self.grow(&mut ws, file, first, first + n * c, false);
                 first
             }
         };
@@ -976,20 +1014,73 @@ impl Qcow2Image {
         self.write_back(&mut ws, file)
     }
 
-    /// Keep the file's size ahead of the allocations: a direct write that extends a file
-    /// takes the filesystem's inode lock exclusively and cannot be asynchronous, one inside
-    /// it (into a hole) can. One truncate per [`SIZE_AHEAD`] of allocations; best effort.
-    fn size_ahead(&self, ws: &mut WriteState, file: &dyn Storage) {
-        if ws.next_free <= ws.sized_to {
-            return;
-        }
-        let target = match ws.size_ahead {
-            0 => ws.next_free,
-            a => (ws.next_free + a).next_multiple_of(a),
+    /// New file space [start, end) is about to be written (`zero`: with zeroes): let the
+    /// preallocation extend the file ahead of it. True when a zero write there can be
+    /// skipped (the range is preallocated and known to read as zeroes).
+    fn grow(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        start: u64,
+        end: u64,
+        zero: bool,
+    ) -> bool {
+        let Some(p) = ws.prealloc.as_mut() else {
+            return false;
         };
-        if file.set_len(target).is_ok() {
-            ws.sized_to = target;
+        let plan = p.handle_write(start, end - start, zero);
+        let Some((s, e)) = plan.extend else {
+            return plan.merged;
+        };
+        let was_unsupported = p.unsupported;
+        let r = file
+            .allocate(s, e - s)
+            .map_err(|err| err.raw_os_error().unwrap_or(libc::EIO));
+        let len = file.size().unwrap_or(0);
+        let ok = p.extended(e, r, len);
+        self.prealloc_stats
+            .0
+            .fetch_add(u64::from(ok), std::sync::atomic::Ordering::Relaxed);
+        self.prealloc_stats
+            .1
+            .fetch_add(u64::from(!ok), std::sync::atomic::Ordering::Relaxed);
+        if p.unsupported && !was_unsupported {
+            log::warn!(
+                "preallocation: fallocate is not supported by this file system;                  stopped trying (writes extend the file)"
+            );
         }
+        if ok {
+            ws.covered = ws.covered.max(e);
+        }
+        ok && plan.merged
+    }
+
+    /// Preallocation for writes past the end of the file: `Some((size, align, file_align))`
+    /// turns it on, None off. The file's length seen by the format stays the end of its data.
+    pub fn set_prealloc(&self, opts: Option<(u64, u64, u64)>) {
+        if let Some(ws) = self.write.as_ref() {
+            let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+            ws.prealloc = opts.map(|(size, align, file_align)| {
+                let mut p =
+                    crate::image::prealloc::Prealloc::new(ws.covered, size, align, file_align);
+                // The data ends at the last allocated cluster; a tail after it (left by a
+                // crash while preallocated) is not known to read as zeroes.
+                p.data_end = ws.next_free.min(ws.covered);
+                p
+            });
+        }
+    }
+
+    /// Preallocations done and skipped (failed or unsupported).
+    pub fn prealloc_counts(&self) -> (u64, u64) {
+        (
+            self.prealloc_stats
+                .0
+                .load(std::sync::atomic::Ordering::Relaxed),
+            self.prealloc_stats
+                .1
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
     }
 
     /// The L2 cache bound in bytes and the guest bytes it maps.
@@ -1011,24 +1102,25 @@ impl Qcow2Image {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Change how far ahead of the allocations the file is sized (0: exactly to them).
-    pub fn set_size_ahead(&self, bytes: u64) {
-        if let Some(ws) = self.write.as_ref() {
-            ws.lock().unwrap_or_else(|e| e.into_inner()).size_ahead = bytes;
-        }
-    }
-
     /// Clean close: write back metadata and trim the file to the end of the last allocated
-    /// cluster (the size kept ahead of allocations is holes).
+    /// cluster.
     pub fn close(&self, file: &dyn Storage) -> Result<(), MapError> {
         let Some(ws) = self.write.as_ref() else {
             return Ok(());
         };
         let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
         self.write_back(&mut ws, file)?;
-        if ws.sized_to > ws.next_free {
-            file.set_len(ws.next_free).map_err(MapError::Io)?;
-            ws.sized_to = ws.next_free;
+        // Nothing past the last allocated cluster is referenced: drop the preallocated tail
+        // (or one a crash left behind).
+        let end = ws.next_free;
+        if file.size().map_err(MapError::Io)? > end {
+            file.set_len(end).map_err(MapError::Io)?;
+            ws.covered = end;
+            if let Some(p) = ws.prealloc.as_mut() {
+                p.file_end = end;
+                p.data_end = p.data_end.min(end);
+                p.zero_start = p.zero_start.min(end);
+            }
         }
         Ok(())
     }
@@ -1056,11 +1148,11 @@ impl Qcow2Image {
             .dirty_tables()
             > 0;
         if l2_dirty || !ws.dirty_chunks.is_empty() {
-            if ws.sized_to < ws.next_free {
+            if ws.covered < ws.next_free {
                 if file.size().map_err(MapError::Io)? < ws.next_free {
                     file.set_len(ws.next_free).map_err(MapError::Io)?;
                 }
-                ws.sized_to = ws.next_free;
+                ws.covered = ws.next_free;
             }
             self.write_dirty_refcounts(ws, file)?;
         }
@@ -1174,11 +1266,8 @@ impl Qcow2Image {
             }
             return Ok(l2);
         }
-        let new = self.alloc_cluster(ws, file)?;
+        let new = self.alloc_zeroed_cluster(ws, file)?;
         self.note_metadata(new);
-        let zero = crate::io::bounce::AlignedBuf::new(self.cluster_size() as usize, 4096)
-            .map_err(MapError::Io)?;
-        write_all_aligned(file, new, zero.as_slice()).map_err(MapError::Io)?;
         self.install_l2(ws, file, l1_index, new, vec![0u64; 1 << self.l2_bits])?;
         Ok(new)
     }
@@ -1275,7 +1364,29 @@ impl Qcow2Image {
         self.file_size
             .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
         self.set_refcount(ws, file, host, RefChange::Set(1))?;
-        self.size_ahead(ws, file);
+        self.grow(ws, file, host, host + self.cluster_size(), false);
+        Ok(host)
+    }
+
+    /// A new cluster at the end of the file that starts out as zeroes (a new table): its
+    /// refcount set, and its zeroes written unless it is preallocated space known to read
+    /// as zeroes already.
+    fn alloc_zeroed_cluster(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+    ) -> Result<u64, MapError> {
+        let c = self.cluster_size();
+        let host = ws.next_free;
+        ws.next_free += c;
+        self.file_size
+            .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
+        self.set_refcount(ws, file, host, RefChange::Set(1))?;
+        if !self.grow(ws, file, host, host + c, true) {
+            let zero =
+                crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
+            write_all_aligned(file, host, zero.as_slice()).map_err(MapError::Io)?;
+        }
         Ok(host)
     }
 
@@ -1456,8 +1567,11 @@ impl Qcow2Image {
         self.note_metadata(block);
         self.file_size
             .fetch_max(ws.next_free, std::sync::atomic::Ordering::AcqRel);
-        let zero = crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
-        write_all_aligned(file, block, zero.as_slice()).map_err(MapError::Io)?;
+        if !self.grow(ws, file, block, block + c, true) {
+            let zero =
+                crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
+            write_all_aligned(file, block, zero.as_slice()).map_err(MapError::Io)?;
+        }
         // Forget cached chunks of whatever was at this offset before (nothing should be).
         ws.refcount_chunks
             .retain(|&k, _| k < block || k >= block + c);
@@ -1521,6 +1635,7 @@ impl Qcow2Image {
         ws.next_free = end;
         self.file_size
             .fetch_max(end, std::sync::atomic::Ordering::AcqRel);
+        self.grow(ws, file, start, end, false);
         let mut cl = start;
         while cl < end {
             self.note_metadata(cl);

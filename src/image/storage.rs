@@ -17,7 +17,7 @@ pub trait Storage: Sync {
     fn sync_data(&self) -> io::Result<()>;
     /// Allocate blocks for a range (reading as zeroes), extending the file over it.
     fn allocate(&self, _offset: u64, _len: u64) -> io::Result<()> {
-        Err(io::Error::from(io::ErrorKind::Unsupported))
+        Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))
     }
     /// Deallocate a range (it reads as zeroes afterwards); the size does not change.
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()>;

@@ -271,6 +271,9 @@ pub struct BackendOpts {
     /// Run the backend under a seccomp filter that fails io_uring_setup with EPERM, as
     /// container runtimes do.
     pub deny_io_uring: bool,
+    /// Run the backend under a seccomp filter that fails plain `fallocate(fd, 0, ...)` (the
+    /// call that preallocates) with this errno: a file system without it, or a full one.
+    pub fail_fallocate: Option<i32>,
 }
 
 /// A running backend. Dropping it kills the process (SIGKILL) and reaps it.
@@ -348,6 +351,13 @@ impl Backend {
             // SAFETY: the hook only calls async-signal-safe prctl() between fork and exec.
             unsafe {
                 cmd.pre_exec(deny_io_uring_setup);
+            }
+        }
+        if let Some(errno) = opts.fail_fallocate {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: the hook only calls async-signal-safe prctl() between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || fail_fallocate_mode0(errno));
             }
         }
         let log_file = File::create(&log).unwrap();
@@ -514,6 +524,43 @@ pub fn deny_io_uring_setup() -> std::io::Result<()> {
         f(BPF_LD_W_ABS, 0, 0, 0),
         f(BPF_JMP_JEQ_K, 0, 1, NR_IO_URING_SETUP),
         f(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | libc::EPERM as u32),
+        f(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+    ];
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_ptr() as *mut libc::sock_filter,
+    };
+    // SAFETY: plain prctl calls with a valid filter program that outlives them.
+    unsafe {
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+            || libc::prctl(libc::PR_SET_SECCOMP, 2, &fprog as *const libc::sock_fprog) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Install a seccomp filter making `fallocate` with mode 0 fail with `errno` (x86_64 syscall
+/// 285; other modes, such as punching holes, still work).
+pub fn fail_fallocate_mode0(errno: i32) -> std::io::Result<()> {
+    const BPF_LD_W_ABS: u16 = 0x20;
+    const BPF_JMP_JEQ_K: u16 = 0x15;
+    const BPF_RET_K: u16 = 0x06;
+    const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
+    const SECCOMP_RET_ERRNO: u32 = 0x0005_0000;
+    const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+    const NR_FALLOCATE: u32 = 285;
+    let f = |code, jt, jf, k| libc::sock_filter { code, jt, jf, k };
+    let prog = [
+        f(BPF_LD_W_ABS, 0, 0, 4),
+        f(BPF_JMP_JEQ_K, 0, 5, AUDIT_ARCH_X86_64),
+        f(BPF_LD_W_ABS, 0, 0, 0),
+        f(BPF_JMP_JEQ_K, 0, 3, NR_FALLOCATE),
+        // seccomp_data.args[1] (mode), low half, at offset 16 + 8.
+        f(BPF_LD_W_ABS, 0, 0, 24),
+        f(BPF_JMP_JEQ_K, 0, 1, 0),
+        f(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno as u32),
         f(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
     ];
     let fprog = libc::sock_fprog {
