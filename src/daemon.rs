@@ -188,6 +188,10 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         };
         if on {
             q.set_prealloc(Some((cfg.prealloc_size, cfg.prealloc_align, file_align)));
+            match dev.file.try_clone() {
+                Ok(f) => q.set_prealloc_thread(f),
+                Err(e) => warn!("preallocation on the queue threads (no second handle: {e})"),
+            }
             info!(
                 "preallocation: on ({why}): {} MiB ahead, lengths rounded to {} KiB",
                 cfg.prealloc_size >> 20,

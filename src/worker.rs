@@ -1010,7 +1010,8 @@ impl QueueWorker {
                 error!("queue {}: submit: {e}", self.index);
             }
             self.reap_deferred();
-            q.fills.wait_change();
+            // The fill is usually this queue's own: poll for its completion, briefly.
+            std::thread::sleep(Duration::from_micros(20));
         }
     }
 
@@ -1031,7 +1032,7 @@ impl QueueWorker {
                 error!("queue {}: submit: {e}", self.index);
             }
             self.reap_deferred();
-            q.fills.wait_change();
+            std::thread::sleep(Duration::from_micros(20));
         }
         q.fill_gate.fetch_sub(1, Ordering::SeqCst);
     }

@@ -137,7 +137,7 @@ fn off_means_no_tail_and_auto_says_why() {
         let log = std::fs::read_to_string(&backend.log).unwrap();
         assert!(log.contains(expect), "{mode}: {log}");
         if mode == "off" {
-            assert!(during < 3 * MIB, "off: the file grew ahead to {during}");
+            assert!(during <= 3 * MIB, "off: the file grew ahead to {during}");
         }
         assert_eq!(check(&img).0, 0);
     }
@@ -164,9 +164,10 @@ fn fallocate_unsupported_or_failing_never_fails_writes() {
         drop(c);
         assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
         let log = std::fs::read_to_string(&backend.log).unwrap();
+        // 4 MiB of data and metadata, sized in 1 MiB steps: at most 5 MiB without a tail.
         assert!(
-            during < 5 * MIB,
-            "{name}: a tail exists although fallocate failed"
+            during <= 5 * MIB,
+            "{name}: a tail exists although fallocate failed ({during})"
         );
         let warnings = log.matches("fallocate is not supported").count();
         let skipped: u64 = log

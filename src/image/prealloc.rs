@@ -50,7 +50,8 @@ impl Prealloc {
     pub fn new(len: u64, size: u64, align: u64, file_align: u64) -> Self {
         Prealloc {
             size,
-            align: align.max(file_align),
+            // Never a length that is not a multiple of the page size (see qcow2's extend_to).
+            align: align.max(file_align).max(4096),
             file_align,
             data_end: len,
             zero_start: len,

@@ -4,6 +4,7 @@
 
 use super::storage::Storage;
 use std::collections::VecDeque;
+use std::fs::File;
 use std::io;
 use std::sync::Mutex;
 
@@ -33,6 +34,9 @@ const MAX_L1_BYTES: u64 = 32 << 20;
 pub const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
 /// Guest bytes the default L2 cache covers at least.
 pub const DEFAULT_L2_COVERAGE: u64 = 64 << 30;
+/// While serving, the file is grown in steps of this (never to a size that is not a multiple
+/// of the page size, see `extend_to`).
+const SIZE_STEP: u64 = 1 << 20;
 /// Dirty refcount chunks kept before they are written (each at most 4 KiB).
 const MAX_DIRTY_REFCOUNT_CHUNKS: usize = 1024;
 /// Refcount chunks cached (dirty or clean) before clean ones are dropped.
@@ -122,7 +126,7 @@ impl Extent {
 /// Errors while mapping: metadata that points somewhere impossible.
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
-    #[error("reading an L2 table failed")]
+    #[error("I/O on the image file failed: {0}")]
     Io(#[source] io::Error),
     #[error("corrupt qcow2 metadata: {0}")]
     Corrupt(&'static str),
@@ -141,6 +145,65 @@ pub enum ZeroMode {
     Unmap,
     /// Unallocate (DISCARD with --discard unmap).
     Discard,
+}
+
+/// A finished background extension: its end, and Ok or the errno.
+type ExtensionDone = (u64, Result<(), i32>);
+
+/// A thread that does preallocations (fallocate) for an image, so that queue threads never
+/// wait for one; results wait in a mailbox for the next allocation to take them.
+#[derive(Default)]
+struct PreallocBg {
+    tx: Mutex<Option<std::sync::mpsc::Sender<(u64, u64)>>>,
+    done: std::sync::Arc<Mutex<Option<ExtensionDone>>>,
+}
+
+impl PreallocBg {
+    fn spawn(&self, file: File) {
+        let (tx, rx) = std::sync::mpsc::channel::<(u64, u64)>();
+        let done = self.done.clone();
+        let spawned = std::thread::Builder::new()
+            .name("vublk-prealloc".into())
+            .spawn(move || {
+                // Ends when the image (and with it the sender) goes away.
+                for (start, end) in rx {
+                    let r = Storage::allocate(&file, start, end - start)
+                        .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO));
+                    *done.lock().unwrap_or_else(|e| e.into_inner()) = Some((end, r));
+                }
+            });
+        if spawned.is_ok() {
+            *self.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+        }
+    }
+
+    fn active(&self) -> bool {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// Hand an extension to the thread; false without one.
+    fn start(&self, start: u64, end: u64) -> bool {
+        self.tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|tx| tx.send((start, end)).is_ok())
+    }
+
+    fn take_done(&self) -> Option<ExtensionDone> {
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Wait (at most 10 s) for the extension in flight.
+    fn wait_done(&self) -> Option<ExtensionDone> {
+        for _ in 0..10_000 {
+            if let Some(d) = self.take_done() {
+                return Some(d);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        None
+    }
 }
 
 /// Where a write planned into fresh clusters goes.
@@ -267,6 +330,8 @@ pub struct Qcow2Image {
     pub fill_gate: std::sync::atomic::AtomicU64,
     /// Data clusters allocated from free space (refcount 0) instead of the end of the file.
     pub reused_clusters: std::sync::atomic::AtomicU64,
+    /// The background preallocation thread, when there is one.
+    prealloc_bg: PreallocBg,
     /// Preallocations done and skipped.
     prealloc_stats: (std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64),
     /// Punch the host range of clusters whose refcount drops to 0 (`--discard unmap`).
@@ -512,6 +577,7 @@ impl Qcow2Image {
             backing_file,
             punch_freed: std::sync::atomic::AtomicBool::new(false),
             prealloc_stats: Default::default(),
+            prealloc_bg: Default::default(),
             reused_clusters: std::sync::atomic::AtomicU64::new(0),
             fills: Default::default(),
             fills_in_flight: std::sync::atomic::AtomicU64::new(0),
@@ -889,9 +955,12 @@ impl Qcow2Image {
         // A partial write into new clusters may write them whole (zeroes around the data),
         // so that later writes into them are plain overwrites for the file system. Its range
         // is held exclusively before the L2 entries make the clusters visible.
+        // A write that starts at a cluster's start is how a sequential stream enters it: the
+        // stream's next writes fill the rest, and a fill would only make them wait.
         let mut fill = None;
         if reused.is_none()
             && !whole
+            && offset != first_cl
             && self.fill_gate.load(std::sync::atomic::Ordering::SeqCst) == 0
         {
             self.fills_in_flight
@@ -1026,33 +1095,93 @@ impl Qcow2Image {
         zero: bool,
     ) -> bool {
         let Some(p) = ws.prealloc.as_mut() else {
+            // No preallocation: still size the file over the new clusters (a hole, no
+            // blocks), so the data writes into them do not each extend the file.
+            Self::extend_to(ws, file, end);
             return false;
         };
+        // With a background thread, zero writes are not merged (that would need the
+        // extension's result now): they are written like data.
+        let zero = zero && !self.prealloc_bg.active();
+        // A background extension finished: take its result first.
+        if let Some((e, r)) = self.prealloc_bg.take_done() {
+            // Trust the file's real length: it is what reads and the metadata rely on.
+            let len = file.size().unwrap_or(0);
+            let was_unsupported = p.unsupported;
+            let ok = p.extended(e.min(len), r, len);
+            p.busy = false;
+            self.count_prealloc(ok, p.unsupported && !was_unsupported);
+            ws.covered = ws.covered.max(len);
+        }
+        let p = ws.prealloc.as_mut().expect("checked above");
         let plan = p.handle_write(start, end - start, zero);
         let Some((s, e)) = plan.extend else {
+            if !plan.merged {
+                // Past the end while an extension runs (or after one failed): size the
+                // file over the new clusters, as without preallocation.
+                Self::extend_to(ws, file, end);
+            }
             return plan.merged;
         };
+        if !zero && self.prealloc_bg.start(s, e) {
+            // Off this thread: the write goes on meanwhile without waiting for it.
+            p.busy = true;
+            Self::extend_to(ws, file, end);
+            return false;
+        }
         let was_unsupported = p.unsupported;
         let r = file
             .allocate(s, e - s)
             .map_err(|err| err.raw_os_error().unwrap_or(libc::EIO));
         let len = file.size().unwrap_or(0);
         let ok = p.extended(e, r, len);
+        self.count_prealloc(ok, p.unsupported && !was_unsupported);
+        if ok {
+            ws.covered = ws.covered.max(e);
+        }
+        ok && plan.merged
+    }
+
+    /// Make the file at least `end` long (never shorter: a background extension may have
+    /// made it longer than `covered` says).
+    fn extend_to(ws: &mut WriteState, file: &dyn Storage, end: u64) {
+        if end <= ws.covered {
+            return;
+        }
+        // Whole pages, in steps: growing a file whose size is not a multiple of the page size
+        // makes the file system zero the old last block through the page cache, which then
+        // collides with concurrent direct I/O (EIO). The rounding is holes, trimmed on close.
+        let end = end.next_multiple_of(SIZE_STEP);
+        match file.size() {
+            Ok(len) if len >= end => ws.covered = len,
+            Ok(_) => {
+                if file.set_len(end).is_ok() {
+                    ws.covered = end;
+                }
+            }
+            Err(_) => {}
+        }
+    }
+
+    fn count_prealloc(&self, ok: bool, newly_unsupported: bool) {
         self.prealloc_stats
             .0
             .fetch_add(u64::from(ok), std::sync::atomic::Ordering::Relaxed);
         self.prealloc_stats
             .1
             .fetch_add(u64::from(!ok), std::sync::atomic::Ordering::Relaxed);
-        if p.unsupported && !was_unsupported {
+        if newly_unsupported {
             log::warn!(
-                "preallocation: fallocate is not supported by this file system;                  stopped trying (writes extend the file)"
+                "preallocation: fallocate is not supported by this file system; \
+                 stopped trying (writes extend the file)"
             );
         }
-        if ok {
-            ws.covered = ws.covered.max(e);
-        }
-        ok && plan.merged
+    }
+
+    /// Do preallocations on a background thread with this handle to the image file (the
+    /// daemon's case): queue threads never wait for a fallocate.
+    pub fn set_prealloc_thread(&self, file: File) {
+        self.prealloc_bg.spawn(file);
     }
 
     /// Preallocation for writes past the end of the file: `Some((size, align, file_align))`
@@ -1110,6 +1239,14 @@ impl Qcow2Image {
         };
         let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
         self.write_back(&mut ws, file)?;
+        // A background extension still running would extend the file after the trim.
+        if let Some(p) = ws.prealloc.as_mut().filter(|p| p.busy) {
+            if let Some((e, r)) = self.prealloc_bg.wait_done() {
+                let len = file.size().map_err(MapError::Io)?;
+                p.extended(e, r, len);
+            }
+            p.busy = false;
+        }
         // Nothing past the last allocated cluster is referenced: drop the preallocated tail
         // (or one a crash left behind).
         let end = ws.next_free;
@@ -1149,10 +1286,11 @@ impl Qcow2Image {
             > 0;
         if l2_dirty || !ws.dirty_chunks.is_empty() {
             if ws.covered < ws.next_free {
+                let end = ws.next_free.next_multiple_of(SIZE_STEP);
                 if file.size().map_err(MapError::Io)? < ws.next_free {
-                    file.set_len(ws.next_free).map_err(MapError::Io)?;
+                    file.set_len(end).map_err(MapError::Io)?;
                 }
-                ws.covered = ws.next_free;
+                ws.covered = ws.covered.max(ws.next_free);
             }
             self.write_dirty_refcounts(ws, file)?;
         }
