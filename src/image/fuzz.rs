@@ -177,10 +177,12 @@ mod tests {
         SEED.get_or_init(make_seed).clone()
     }
 
-    fn make_seed() -> Vec<u8> {
+    /// A fresh 8 MiB qcow2 image with 64 KiB clusters made by `vublk create`, at a temporary
+    /// path (the caller removes it).
+    pub(super) fn fresh_image(tag: &str) -> std::path::PathBuf {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
         std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(format!("fuzz-seed-{}", std::process::id()));
+        let p = dir.join(format!("fuzz-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_file(&p);
         let params = crate::image::create::CreateParams {
             qcow2: true,
@@ -190,6 +192,11 @@ mod tests {
             backing: None,
         };
         crate::image::create::create(&p, &params).unwrap();
+        p
+    }
+
+    fn make_seed() -> Vec<u8> {
+        let p = fresh_image("seed");
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -249,18 +256,7 @@ mod directed {
     }
 
     fn seed() -> Vec<u8> {
-        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(format!("fuzz-directed-{}", std::process::id()));
-        let _ = std::fs::remove_file(&p);
-        let params = crate::image::create::CreateParams {
-            qcow2: true,
-            size_bytes: 8 << 20,
-            cluster_bits: 16,
-            compression: crate::image::qcow2::Compression::Zlib,
-            backing: None,
-        };
-        crate::image::create::create(&p, &params).unwrap();
+        let p = super::tests::fresh_image("directed");
         let b = std::fs::read(&p).unwrap();
         std::fs::remove_file(&p).unwrap();
         b
