@@ -300,3 +300,61 @@ mod directed {
         }
     }
 }
+
+#[cfg(test)]
+mod tail {
+    use super::*;
+
+    /// A read-write open cuts off a tail that nothing uses, but never a cluster an L2 entry
+    /// points at, even when its refcount says it is free (broken refcounts).
+    #[test]
+    fn open_keeps_referenced_clusters_past_the_last_refcount() {
+        let p = super::tests::fresh_image("tail");
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        let q = Qcow2Image::open(&f, true).unwrap();
+        let mut fill = |_: u64, buf: &mut [u8]| {
+            buf.fill(0);
+            Ok(())
+        };
+        // Guest cluster 0 allocates its data and the L2 table; guest cluster 1's data is
+        // then the last cluster of the file.
+        q.write(&f, 0, &[0x11; 65536], &mut fill).unwrap();
+        q.write(&f, 65536, &[0x5a; 65536], &mut fill).unwrap();
+        q.close(&f).unwrap();
+        drop(q);
+        let mut img = std::fs::read(&p).unwrap();
+        std::fs::remove_file(&p).unwrap();
+        let be64 = |b: &[u8], o: usize| u64::from_be_bytes(b[o..o + 8].try_into().unwrap());
+        const MASK: u64 = 0x00ff_ffff_ffff_fe00;
+        let l2 = (be64(&img, be64(&img, 40) as usize) & MASK) as usize;
+        let last = (be64(&img, l2 + 8) & MASK) as usize;
+        assert_eq!(
+            last + 65536,
+            img.len(),
+            "guest cluster 1 is not the last cluster"
+        );
+        // Its 16-bit refcount says free: refcount table -> first block.
+        let rt = be64(&img, 48) as usize;
+        let rb = be64(&img, rt) as usize;
+        let at = rb + last / 65536 * 2;
+        img[at..at + 2].fill(0);
+        // And a 1 MiB tail of zeroes after it that nothing uses.
+        let len = img.len();
+        img.resize(len + (1 << 20), 0);
+        let disk = MemStorage::new(img);
+        let q = Qcow2Image::open(&disk, true).unwrap();
+        q.close(&disk).unwrap();
+        let after = disk.lock().clone();
+        assert!(
+            after.len() >= len,
+            "referenced data was cut off: {}",
+            after.len()
+        );
+        assert!(after[last..last + 65536].iter().all(|&b| b == 0x5a));
+        assert_eq!(after.len(), len, "the unused tail was not cut off");
+    }
+}

@@ -34,6 +34,10 @@ const MAX_L1_BYTES: u64 = 32 << 20;
 pub const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
 /// Guest bytes the default L2 cache covers at least.
 pub const DEFAULT_L2_COVERAGE: u64 = 64 << 30;
+/// At a read-write open, a tail past the last refcounted cluster is only cut off after
+/// checking that no active L2 entry points into it, which reads every L2 table: not for
+/// images with more tables than this (1 TiB of guest data at 64 KiB clusters).
+const MAX_TAIL_SCAN_TABLES: usize = 2048;
 /// While serving, the file is grown in steps of this (never to a size that is not a multiple
 /// of the page size, see `extend_to`).
 const SIZE_STEP: u64 = 1 << 20;
@@ -613,6 +617,41 @@ impl Qcow2Image {
             }
             end = cl;
             looked += 1;
+        }
+        // Refcounts say the tail is free; never cut off what an L2 entry still points at (an
+        // image with broken refcounts). Bounded: with more L2 tables than this, keep the tail.
+        if end < ws.next_free {
+            let l1: Vec<u64> = self.l1.read().unwrap_or_else(|e| e.into_inner()).clone();
+            let tables: Vec<u64> = l1
+                .iter()
+                .map(|e| e & L1_OFFSET_MASK)
+                .filter(|&t| t != 0)
+                .collect();
+            if tables.len() > MAX_TAIL_SCAN_TABLES {
+                end = ws.next_free;
+            }
+            for &t in tables.iter().take(MAX_TAIL_SCAN_TABLES) {
+                if t + c > self.file_len() {
+                    continue;
+                }
+                let Ok(entries) = self.read_l2(file, t) else {
+                    end = ws.next_free;
+                    break;
+                };
+                for e in entries {
+                    let last = if e & L2_COMPRESSED != 0 {
+                        let x = 62 - (self.cluster_bits - 8);
+                        let host = e & ((1u64 << x) - 1);
+                        let sectors = ((e & !L2_COMPRESSED) >> x) + 1;
+                        host + sectors * 512
+                    } else if e & L2_OFFSET_MASK != 0 {
+                        (e & L2_OFFSET_MASK) + c
+                    } else {
+                        0
+                    };
+                    end = end.max(last.next_multiple_of(c).min(ws.next_free));
+                }
+            }
         }
         // Cut the tail off now: a new cluster must read as zeroes wherever it is not written
         // (stale data from before the crash must not show through).
