@@ -99,6 +99,12 @@ pub struct Args {
     #[arg(long, value_name = "SIZE", default_value = "1M")]
     pub prealloc_align: String,
 
+    /// qcow2: store every cluster written whole compressed (the image's compression type),
+    /// merging partial writes to unallocated clusters into whole ones; a cluster that does not
+    /// compress is written normally. For backup targets and image export.
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    pub compress_writes: OnOff,
+
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL", default_value = "info")]
     pub log_level: String,
@@ -149,6 +155,13 @@ pub enum DiscardMode {
     Ignore,
     /// DISCARD punches holes; WRITE_ZEROES with the unmap flag deallocates.
     Unmap,
+}
+
+/// on / off switches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
 }
 
 /// `--prealloc` values.

@@ -44,6 +44,7 @@ pub struct Config {
     pub detect_zeroes: DetectZeroes,
     pub discard: DiscardMode,
     pub prealloc: crate::args::PreallocArg,
+    pub compress_writes: bool,
     pub prealloc_size: u64,
     pub prealloc_align: u64,
     /// qcow2 L2 cache bytes (None: the default for the image).
@@ -182,6 +183,7 @@ impl Config {
             discard: args.discard,
             l2_cache_bytes,
             prealloc: args.prealloc,
+            compress_writes: args.compress_writes == crate::args::OnOff::On,
             prealloc_size,
             prealloc_align,
             log_level,

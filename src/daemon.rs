@@ -165,8 +165,20 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         })
     })?;
     let mut dev = Device::new(img.file, params);
+    if cfg.compress_writes && !qcow2.as_ref().is_some_and(|q| q.writable()) {
+        return Err(DaemonError::Usage(
+            "--compress-writes on: needs a qcow2 image opened read-write".into(),
+        ));
+    }
     if let Some(q) = qcow2.as_ref().filter(|q| q.writable()) {
         q.set_punch_freed(cfg.discard == crate::args::DiscardMode::Unmap);
+        if cfg.compress_writes {
+            q.set_compress_writes(true);
+            info!(
+                "compressed writes: on ({:?}): clusters written whole are stored compressed",
+                q.compression
+            );
+        }
         let file_align = dio.offset as u64;
         if cfg.prealloc_align % file_align != 0 {
             return Err(DaemonError::Usage(format!(
@@ -361,6 +373,17 @@ fn log_device_stats(dev: &Device) {
     if let Some(q) = dev.qcow2.as_ref().filter(|q| q.writable()) {
         let (done, skipped) = q.prealloc_counts();
         info!("preallocation: {done} done, {skipped} skipped");
+        if q.compress_writes() {
+            info!(
+                "compressed writes: {} clusters compressed, {} stored normally (did not compress)",
+                q.compress_stats
+                    .0
+                    .load(std::sync::atomic::Ordering::Relaxed),
+                q.compress_stats
+                    .1
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
     }
 }
 

@@ -603,6 +603,11 @@ impl QueueWorker {
         let mut whole_clusters = None;
         let mut in_place = false;
         if let (false, Some(q)) = (is_read, self.dev.qcow2.as_ref()) {
+            if q.compress_writes() {
+                // Compressed clusters are built, packed and written by the format.
+                self.qcow2_write(idx, &mem);
+                return Ok(false);
+            }
             // Clusters owned alone and contiguous: write in place through the ring, like raw.
             // Anything else needs allocation: the synchronous metadata path.
             // Fresh clusters whose old contents are zeroes: allocated here, written through

@@ -233,6 +233,7 @@ pub struct Fill {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum RefChange {
     Set(u64),
+    Inc,
     Dec,
 }
 
@@ -253,6 +254,9 @@ struct WriteState {
     free_cursor: u64,
     /// No run of free clusters longer than this exists (until something is freed).
     free_run_hint: u64,
+    /// Where the next compressed chunk goes: the end of the last one, inside a host cluster
+    /// that holds compressed chunks (0: start a new host cluster).
+    comp_pos: u64,
     /// Preallocation ahead of the end of the file (None: off, writes extend the file).
     prealloc: Option<crate::image::prealloc::Prealloc>,
     /// Refcount block chunks (min(4 KiB, cluster) each) by file offset: the current contents.
@@ -334,6 +338,10 @@ pub struct Qcow2Image {
     pub fill_gate: std::sync::atomic::AtomicU64,
     /// Data clusters allocated from free space (refcount 0) instead of the end of the file.
     pub reused_clusters: std::sync::atomic::AtomicU64,
+    /// `--compress-writes on`: clusters written whole are stored compressed.
+    compress_writes: std::sync::atomic::AtomicBool,
+    /// Clusters stored compressed, and written normally because they did not compress.
+    pub compress_stats: (std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64),
     /// The background preallocation thread, when there is one.
     prealloc_bg: PreallocBg,
     /// Preallocations done and skipped.
@@ -499,6 +507,7 @@ impl Qcow2Image {
                 next_free: file_size.next_multiple_of(cluster_size),
                 covered: file_size,
                 prealloc: None,
+                comp_pos: 0,
                 free_cursor: 0,
                 free_run_hint: u64::MAX,
                 refcount_chunks: std::collections::HashMap::new(),
@@ -582,6 +591,8 @@ impl Qcow2Image {
             punch_freed: std::sync::atomic::AtomicBool::new(false),
             prealloc_stats: Default::default(),
             prealloc_bg: Default::default(),
+            compress_writes: std::sync::atomic::AtomicBool::new(false),
+            compress_stats: Default::default(),
             reused_clusters: std::sync::atomic::AtomicU64::new(0),
             fills: Default::default(),
             fills_in_flight: std::sync::atomic::AtomicU64::new(0),
@@ -1036,6 +1047,71 @@ impl Qcow2Image {
         }))
     }
 
+    /// Store clusters written whole compressed (`--compress-writes on`).
+    pub fn set_compress_writes(&self, on: bool) {
+        self.compress_writes
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn compress_writes(&self) -> bool {
+        self.compress_writes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A cluster compressed with the image's compression type, if that comes out below the
+    /// cluster size (chunks are packed byte by byte). zlib: raw deflate with a 4 KiB window
+    /// (what QEMU inflates with).
+    pub fn compress_cluster(&self, data: &[u8]) -> Option<Vec<u8>> {
+        let limit = data.len().saturating_sub(1);
+        let out = match self.compression {
+            Compression::Zlib => {
+                let mut z = flate2::Compress::new_with_window_bits(
+                    flate2::Compression::default(),
+                    false,
+                    12,
+                );
+                let mut out = Vec::with_capacity(limit + 64);
+                match z.compress_vec(data, &mut out, flate2::FlushCompress::Finish) {
+                    Ok(flate2::Status::StreamEnd) => out,
+                    _ => return None,
+                }
+            }
+            Compression::Zstd => zstd::bulk::compress(data, 0).ok()?,
+        };
+        (out.len() <= limit && !out.is_empty()).then_some(out)
+    }
+
+    /// Room for a compressed chunk of `len` bytes: right after the previous chunk when it
+    /// fits in the same host cluster (which then counts one more reference), else at the
+    /// start of a new host cluster at the end of the file.
+    fn alloc_compressed(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        len: u64,
+    ) -> Result<u64, MapError> {
+        let c = self.cluster_size();
+        let pos = ws.comp_pos;
+        let bits = 1u32 << ws.refcount_order;
+        let max = if bits == 64 {
+            u64::MAX
+        } else {
+            (1u64 << bits) - 1
+        };
+        if pos % c != 0
+            && pos + len <= (pos & !(c - 1)) + c
+            // Narrow refcounts (1 bit) cannot count another chunk in the same cluster.
+            && self.get_refcount(ws, file, pos & !(c - 1))? < max
+        {
+            self.set_refcount(ws, file, pos & !(c - 1), RefChange::Inc)?;
+            ws.comp_pos = pos + len;
+            return Ok(pos);
+        }
+        let host = self.alloc_cluster(ws, file)?;
+        ws.comp_pos = host + len;
+        Ok(host)
+    }
+
     /// End a fill started by [`Self::plan_fresh_write`] (its write completed or failed).
     pub fn end_fill(&self, key: u64) {
         self.fills.release(key);
@@ -1074,6 +1150,45 @@ impl Qcow2Image {
             let host = e & L2_OFFSET_MASK;
             let in_place =
                 e & L2_COMPRESSED == 0 && e & L2_COPIED != 0 && e & L2_ZERO == 0 && host != 0;
+            let compress = self.compress_writes() && (n == c as usize || !in_place);
+            if compress {
+                // The cluster's new contents, whole: old contents (a copy-on-write of zero,
+                // backing, compressed or shared data) around the new data.
+                let buf = cluster.as_mut_slice();
+                if n < c as usize {
+                    fill_old(cl_start, buf)?;
+                }
+                buf[in_cl..in_cl + n].copy_from_slice(src);
+                if let Some(z) = self.compress_cluster(buf) {
+                    let at = self.alloc_compressed(&mut ws, file, z.len() as u64)?;
+                    write_unaligned(file, at, &z, self.meta_chunk()).map_err(MapError::Io)?;
+                    let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
+                    let x = 62 - (self.cluster_bits - 8);
+                    let extra = ((at + z.len() as u64 - 1) >> 9) - (at >> 9);
+                    let entry = L2_COMPRESSED | (extra << x) | at;
+                    self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), entry)?;
+                    self.release_old(&mut ws, e);
+                    self.compress_stats
+                        .0
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    pos += n as u64;
+                    continue;
+                }
+                self.compress_stats
+                    .1
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                // Does not compress: a normal cluster with these contents.
+                let (new, _) = match self.find_free_run(&mut ws, file, 1)? {
+                    Some(h) => (h, true),
+                    None => (self.alloc_cluster(&mut ws, file)?, false),
+                };
+                write_all_aligned(file, new, buf).map_err(MapError::Io)?;
+                let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
+                self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
+                self.release_old(&mut ws, e);
+                pos += n as u64;
+                continue;
+            }
             if in_place {
                 if self.is_metadata(host) {
                     return Err(MapError::Corrupt("a data cluster overlaps metadata"));
@@ -1362,6 +1477,10 @@ impl Qcow2Image {
             file.sync_data().map_err(MapError::Io)?;
             for host in std::mem::take(&mut ws.pending_decs) {
                 if self.set_refcount(ws, file, host, RefChange::Dec)? == 0 {
+                    if ws.comp_pos & !(self.cluster_size() - 1) == host {
+                        // Never append compressed chunks to a freed cluster.
+                        ws.comp_pos = 0;
+                    }
                     ws.free_cursor = ws.free_cursor.min(host);
                     ws.free_run_hint = u64::MAX;
                     if self.punch_freed.load(std::sync::atomic::Ordering::Relaxed) {
@@ -1640,6 +1759,8 @@ impl Qcow2Image {
         let new = match change {
             RefChange::Set(v) if v <= max => v,
             RefChange::Set(_) => return Err(MapError::Corrupt("refcount overflow")),
+            RefChange::Inc if old < max => old + 1,
+            RefChange::Inc => return Err(MapError::Corrupt("refcount overflow")),
             RefChange::Dec => old.saturating_sub(1),
         };
         refcount_put(buf, i, ws.refcount_order, new);
@@ -1938,6 +2059,18 @@ fn write_be64(file: &dyn Storage, offset: u64, value: u64, chunk_size: u64) -> i
     let i = (offset - chunk) as usize;
     buf[i..i + 8].copy_from_slice(&value.to_be_bytes());
     write_all_aligned(file, chunk, &buf)
+}
+
+/// Write `data` at any byte offset: read-modify-write of the `chunk`-aligned blocks around
+/// it (the file may be O_DIRECT). Used for compressed chunks, which the allocator places
+/// back to back; callers hold the allocation lock, so no other writer shares the blocks.
+fn write_unaligned(file: &dyn Storage, offset: u64, data: &[u8], chunk: u64) -> io::Result<()> {
+    let start = offset & !(chunk - 1);
+    let end = (offset + data.len() as u64).next_multiple_of(chunk);
+    let mut buf = read_aligned(file, start, (end - start) as usize)?;
+    let at = (offset - start) as usize;
+    buf[at..at + data.len()].copy_from_slice(data);
+    write_all_aligned(file, start, &buf)
 }
 
 /// pwrite `data` at `offset` through an aligned copy (the file may be O_DIRECT; offset and

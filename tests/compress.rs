@@ -1,0 +1,175 @@
+//! `--compress-writes on`: clusters written whole are stored compressed (zlib and zstd),
+//! partial writes to unallocated clusters are merged into whole compressed clusters, writes
+//! over compressed clusters copy-on-write, incompressible clusters are stored normally; the
+//! image passes `qemu-img check`, equals the expected data by `qemu-img compare`, and reads
+//! back through vublk before and after a restart.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 16 * MIB;
+
+fn have_qemu_img() -> bool {
+    if Command::new("qemu-img")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return true;
+    }
+    skip_or_fail::<()>("qemu-img not installed");
+    false
+}
+
+fn run(cmd: &mut Command) -> String {
+    let o = cmd.output().unwrap();
+    assert!(
+        o.status.success(),
+        "{cmd:?}:\n{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The "compressed clusters" percentage that `qemu-img check` reports.
+fn compressed_percent(img: &Path) -> f64 {
+    let out = run(Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(img));
+    out.split("fragmented, ")
+        .nth(1)
+        .and_then(|r| r.split('%').next())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no compressed percentage in:\n{out}"))
+}
+
+/// Text-like data: compresses well, but is not a constant.
+fn compressible(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len);
+    let mut i = seed;
+    while v.len() < len {
+        v.extend_from_slice(format!("line {i:08} of the compressible pattern, ").as_bytes());
+        i += 1;
+    }
+    v.truncate(len);
+    v
+}
+
+fn serve_and_check(dir: &TestDir, img: &Path, expected: &[u8]) {
+    let opts = BackendOpts {
+        read_only: true,
+        ..Default::default()
+    };
+    let backend = Backend::start(dir, img, &opts);
+    let mut c = connect(
+        &backend.socket,
+        ClientOpts {
+            read_only: true,
+            ..Default::default()
+        },
+    );
+    assert_same(&c.read_all(0), expected, "after a restart");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+#[test]
+fn compressed_writes_are_interchangeable_with_qemu_img() {
+    if skip_unless_vublk("compressed writes are vublk's") || !have_qemu_img() {
+        return;
+    }
+    let dir = TestDir::new("compress");
+    for ctype in ["zlib", "zstd"] {
+        // Only compressible data: nearly every cluster compressed.
+        let img = dir.join(&format!("all-{ctype}.qcow2"));
+        run(Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .args(["create", "--format", "qcow2", "--size", "16M"])
+            .args(["--compression-type", ctype])
+            .arg(&img));
+        let opts = BackendOpts {
+            extra_args: vec!["--compress-writes".into(), "on".into()],
+            ..Default::default()
+        };
+        let backend = Backend::start(&dir, &img, &opts);
+        let mut c = connect_queues(&backend.socket, 1);
+        let mut model = vec![0u8; SIZE as usize];
+        let text = compressible(8 * MIB as usize, 1);
+        for (i, chunk) in text.chunks(MIB as usize).enumerate() {
+            assert_eq!(c.write_at(0, i as u64 * MIB, chunk), 0);
+        }
+        model[..8 * MIB as usize].copy_from_slice(&text);
+        // Incompressible data: stored as normal clusters.
+        let noise = pattern(MIB as usize, 9 * MIB, 7);
+        assert_eq!(c.write_at(0, 9 * MIB, &noise), 0);
+        model[9 * MIB as usize..10 * MIB as usize].copy_from_slice(&noise);
+        // A partial write into an unallocated cluster: merged with zeroes, compressed.
+        let part = compressible(4096, 99);
+        assert_eq!(c.write_at(0, 12 * MIB + 8192, &part), 0);
+        model[(12 * MIB + 8192) as usize..(12 * MIB + 12288) as usize].copy_from_slice(&part);
+        // A partial write over a compressed cluster: copy-on-write, compressed again.
+        let over = compressible(1024, 5000);
+        assert_eq!(c.write_at(0, MIB + 512, &over), 0);
+        model[(MIB + 512) as usize..(MIB + 1536) as usize].copy_from_slice(&over);
+        assert_eq!(c.submit(0, Op::Flush), 0);
+        assert_same(
+            &c.read_all(0),
+            &model,
+            &format!("{ctype}: reads while serving"),
+        );
+        drop(c);
+        assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+        let log = std::fs::read_to_string(&backend.log).unwrap();
+        assert!(log.contains("compressed writes: on"), "{log}");
+        // 128 + 1 compressible clusters written (the overwrite replaced one), 16 did not
+        // compress.
+        assert!(
+            log.contains("clusters compressed, 16 stored normally"),
+            "{ctype}: counters:\n{log}"
+        );
+        run(Command::new("qemu-img")
+            .args(["check", "-q", "-f", "qcow2"])
+            .arg(&img));
+        let pct = compressed_percent(&img);
+        eprintln!("{ctype}: {pct}% compressed clusters");
+        // 129 compressed of 145 allocated.
+        assert!(pct > 85.0, "{ctype}: only {pct}% compressed");
+        let raw = dir.join("expected.raw");
+        std::fs::write(&raw, &model).unwrap();
+        run(Command::new("qemu-img")
+            .args(["compare", "-q", "-f", "raw", "-F", "qcow2"])
+            .arg(&raw)
+            .arg(&img));
+        // The image is far smaller than its data.
+        let size = file_size(&img);
+        eprintln!("{ctype}: image {size} bytes for 9 MiB of data");
+        assert!(size < 4 * MIB, "{ctype}: image of {size} bytes");
+        serve_and_check(&dir, &img, &model);
+    }
+}
+
+#[test]
+fn compress_writes_needs_a_writable_qcow2() {
+    if skip_unless_vublk("compressed writes are vublk's") {
+        return;
+    }
+    let dir = TestDir::new("compress-raw");
+    let img = dir.join("raw.img");
+    std::fs::write(&img, vec![0u8; MIB as usize]).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .args(["--socket-path"])
+        .arg(dir.join("s.sock"))
+        .args(["--blk-file"])
+        .arg(&img)
+        .args(["--compress-writes", "on"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--compress-writes"), "{err}");
+}
