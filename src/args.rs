@@ -105,6 +105,12 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     pub compress_writes: OnOff,
 
+    /// With --compress-writes on: pack compressed chunks in memory and write each host
+    /// cluster once, whole (the unfinished one on FLUSH and shutdown), instead of a
+    /// read-modify-write of the blocks around every chunk.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    pub compressed_cache: OnOff,
+
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL", default_value = "info")]
     pub log_level: String,

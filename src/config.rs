@@ -45,6 +45,7 @@ pub struct Config {
     pub discard: DiscardMode,
     pub prealloc: crate::args::PreallocArg,
     pub compress_writes: bool,
+    pub compressed_cache: bool,
     pub prealloc_size: u64,
     pub prealloc_align: u64,
     /// qcow2 L2 cache bytes (None: the default for the image).
@@ -184,6 +185,7 @@ impl Config {
             l2_cache_bytes,
             prealloc: args.prealloc,
             compress_writes: args.compress_writes == crate::args::OnOff::On,
+            compressed_cache: args.compressed_cache == crate::args::OnOff::On,
             prealloc_size,
             prealloc_align,
             log_level,

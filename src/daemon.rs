@@ -174,9 +174,12 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         q.set_punch_freed(cfg.discard == crate::args::DiscardMode::Unmap);
         if cfg.compress_writes {
             q.set_compress_writes(true);
+            q.set_compressed_cache(cfg.compressed_cache);
             info!(
-                "compressed writes: on ({:?}): clusters written whole are stored compressed",
-                q.compression
+                "compressed writes: on ({:?}, cache {}): clusters written whole are stored \
+                 compressed",
+                q.compression,
+                if cfg.compressed_cache { "on" } else { "off" }
             );
         }
         let file_align = dio.offset as u64;
@@ -383,6 +386,8 @@ fn log_device_stats(dev: &Device) {
                     .1
                     .load(std::sync::atomic::Ordering::Relaxed)
             );
+            let (writes, bytes) = q.compressed_file_writes();
+            info!("compressed writes: {writes} writes of {bytes} bytes reached the file");
         }
     }
 }

@@ -304,8 +304,9 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) -> u64 {
         let cache = (round % 3 == 0).then_some(0);
         let q = Qcow2Image::open_with_cache(&disk, true, cache).unwrap();
         q.set_punch_freed(round % 2 == 1);
-        // Rounds 2 and 6 store what they write compressed.
+        // Rounds 2 and 6 store what they write compressed (round 2 through the cache).
         q.set_compress_writes(round % 4 == 2);
+        q.set_compressed_cache(round == 2);
         // Odd rounds preallocate (small steps: big ones only cost copies here).
         q.set_prealloc((round % 2 == 1).then_some((64 << 10, 4096, 512)));
         let mut now = flushed.clone();

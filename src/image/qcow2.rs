@@ -151,6 +151,24 @@ pub enum ZeroMode {
     Discard,
 }
 
+/// Compressed chunks packed in memory: `data` is the host cluster at `start`, filled up to
+/// `used`; it reaches the file whole when full, or up to `used` (rounded up to the file's
+/// alignment) before any L2 entry naming its chunks is written.
+#[derive(Default)]
+struct CompCache {
+    on: bool,
+    start: u64,
+    data: Vec<u8>,
+    used: usize,
+    /// `data` has bytes the file does not.
+    dirty: bool,
+    /// A cache write failed: that data is lost, and every later FLUSH fails.
+    failed: bool,
+    /// Writes of compressed data that reached the file, and their bytes.
+    file_writes: u64,
+    file_bytes: u64,
+}
+
 /// A finished background extension: its end, and Ok or the errno.
 type ExtensionDone = (u64, Result<(), i32>);
 
@@ -338,6 +356,9 @@ pub struct Qcow2Image {
     pub fill_gate: std::sync::atomic::AtomicU64,
     /// Data clusters allocated from free space (refcount 0) instead of the end of the file.
     pub reused_clusters: std::sync::atomic::AtomicU64,
+    /// The compressed-write cache (`--compressed-cache on`): the host cluster being packed.
+    /// Locked after the allocation state, never before it.
+    comp_cache: Mutex<CompCache>,
     /// `--compress-writes on`: clusters written whole are stored compressed.
     compress_writes: std::sync::atomic::AtomicBool,
     /// Clusters stored compressed, and written normally because they did not compress.
@@ -592,6 +613,7 @@ impl Qcow2Image {
             prealloc_stats: Default::default(),
             prealloc_bg: Default::default(),
             compress_writes: std::sync::atomic::AtomicBool::new(false),
+            comp_cache: Mutex::new(CompCache::default()),
             compress_stats: Default::default(),
             reused_clusters: std::sync::atomic::AtomicU64::new(0),
             fills: Default::default(),
@@ -1081,35 +1103,135 @@ impl Qcow2Image {
         (out.len() <= limit && !out.is_empty()).then_some(out)
     }
 
-    /// Room for a compressed chunk of `len` bytes: right after the previous chunk when it
-    /// fits in the same host cluster (which then counts one more reference), else at the
-    /// start of a new host cluster at the end of the file.
-    fn alloc_compressed(
+    /// Place a compressed chunk and write it (or keep it in the cache): right after the
+    /// previous chunk when it fits in the same host cluster, which then counts one more
+    /// reference; with the cache, a chunk may also spill into the next host cluster when that
+    /// one is allocated right after it; else it starts a new host cluster at the end of the
+    /// file. Returns the chunk's host offset.
+    fn place_compressed(
         &self,
         ws: &mut WriteState,
         file: &dyn Storage,
-        len: u64,
+        z: &[u8],
     ) -> Result<u64, MapError> {
         let c = self.cluster_size();
-        let pos = ws.comp_pos;
+        let len = z.len() as u64;
         let bits = 1u32 << ws.refcount_order;
         let max = if bits == 64 {
             u64::MAX
         } else {
             (1u64 << bits) - 1
         };
-        if pos % c != 0
-            && pos + len <= (pos & !(c - 1)) + c
-            // Narrow refcounts (1 bit) cannot count another chunk in the same cluster.
-            && self.get_refcount(ws, file, pos & !(c - 1))? < max
-        {
-            self.set_refcount(ws, file, pos & !(c - 1), RefChange::Inc)?;
+        let pos = ws.comp_pos;
+        let cur = pos & !(c - 1);
+        // Narrow refcounts (1 bit) cannot count another chunk in the same cluster.
+        let can_share = pos % c != 0 && self.get_refcount(ws, file, cur)? < max;
+        let mut cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
+        if !cache.on {
+            drop(cache);
+            let host = if can_share && pos + len <= cur + c {
+                self.set_refcount(ws, file, cur, RefChange::Inc)?;
+                pos
+            } else {
+                self.alloc_cluster(ws, file)?
+            };
+            ws.comp_pos = host + len;
+            write_unaligned(file, host, z, self.meta_chunk()).map_err(MapError::Io)?;
+            let mut cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache.file_writes += 1;
+            cache.file_bytes += len;
+            return Ok(host);
+        }
+        if cache.failed {
+            return Err(MapError::Io(io::Error::other(
+                "an earlier compressed-cache write failed",
+            )));
+        }
+        let cached = can_share && !cache.data.is_empty() && cache.start == cur;
+        if cached && pos + len <= cur + c {
+            self.set_refcount(ws, file, cur, RefChange::Inc)?;
+            let at = cache.used;
+            cache.data[at..at + len as usize].copy_from_slice(z);
+            cache.used += len as usize;
+            cache.dirty = true;
             ws.comp_pos = pos + len;
+            if cache.used == c as usize {
+                Self::write_cache(&mut cache, file, c)?;
+                cache.data.clear();
+                ws.comp_pos = 0;
+            }
             return Ok(pos);
         }
+        if cached && ws.next_free == cur + c {
+            // Spill: the end of this cluster, then the start of the next one.
+            self.set_refcount(ws, file, cur, RefChange::Inc)?;
+            let room = (cur + c - pos) as usize;
+            let at = cache.used;
+            cache.data[at..].copy_from_slice(&z[..room]);
+            cache.used = c as usize;
+            cache.dirty = true;
+            Self::write_cache(&mut cache, file, c)?;
+            let next = self.alloc_cluster(ws, file)?;
+            debug_assert_eq!(next, cur + c);
+            cache.start = next;
+            cache.data.iter_mut().for_each(|b| *b = 0);
+            cache.data[..z.len() - room].copy_from_slice(&z[room..]);
+            cache.used = z.len() - room;
+            cache.dirty = true;
+            ws.comp_pos = next + cache.used as u64;
+            return Ok(pos);
+        }
+        // A new host cluster; the unfinished one (if any) goes to the file first.
+        if !cache.data.is_empty() {
+            Self::write_cache(&mut cache, file, self.meta_chunk())?;
+            cache.data.clear();
+        }
         let host = self.alloc_cluster(ws, file)?;
+        cache.start = host;
+        cache.data = vec![0u8; c as usize];
+        cache.data[..z.len()].copy_from_slice(z);
+        cache.used = z.len();
+        cache.dirty = true;
         ws.comp_pos = host + len;
         Ok(host)
+    }
+
+    /// Write the cached cluster up to what is used, rounded up to `align`.
+    fn write_cache(cache: &mut CompCache, file: &dyn Storage, align: u64) -> Result<(), MapError> {
+        if !cache.dirty || cache.data.is_empty() {
+            return Ok(());
+        }
+        let n = (cache.used as u64)
+            .next_multiple_of(align)
+            .min(cache.data.len() as u64) as usize;
+        match write_all_aligned(file, cache.start, &cache.data[..n]) {
+            Ok(()) => {
+                cache.dirty = false;
+                cache.file_writes += 1;
+                cache.file_bytes += n as u64;
+                Ok(())
+            }
+            Err(e) => {
+                log::error!(
+                    "compressed-write cache: writing {n} bytes at {:#x} failed ({e}); the \
+                     compressed clusters in it are lost and every later FLUSH fails",
+                    cache.start
+                );
+                cache.failed = true;
+                Err(MapError::Io(e))
+            }
+        }
+    }
+
+    /// `--compressed-cache on|off`.
+    pub fn set_compressed_cache(&self, on: bool) {
+        self.comp_cache.lock().unwrap_or_else(|e| e.into_inner()).on = on;
+    }
+
+    /// Writes of compressed data that reached the file, and their bytes.
+    pub fn compressed_file_writes(&self) -> (u64, u64) {
+        let c = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
+        (c.file_writes, c.file_bytes)
     }
 
     /// End a fill started by [`Self::plan_fresh_write`] (its write completed or failed).
@@ -1160,8 +1282,7 @@ impl Qcow2Image {
                 }
                 buf[in_cl..in_cl + n].copy_from_slice(src);
                 if let Some(z) = self.compress_cluster(buf) {
-                    let at = self.alloc_compressed(&mut ws, file, z.len() as u64)?;
-                    write_unaligned(file, at, &z, self.meta_chunk()).map_err(MapError::Io)?;
+                    let at = self.place_compressed(&mut ws, file, &z)?;
                     let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
                     let x = 62 - (self.cluster_bits - 8);
                     let extra = ((at + z.len() as u64 - 1) >> 9) - (at >> 9);
@@ -1432,6 +1553,17 @@ impl Qcow2Image {
     /// refcount increases, a barrier, dirty L2 tables, a barrier, then the decrements that
     /// the written L2 changes allow (they become dirty refcount chunks, written next time).
     fn write_back(&self, ws: &mut WriteState, file: &dyn Storage) -> Result<(), MapError> {
+        {
+            // Compressed chunks reach the file before any L2 entry that names them; after a
+            // failed cache write, nothing may claim durability again.
+            let mut cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
+            if cache.failed {
+                return Err(MapError::Io(io::Error::other(
+                    "an earlier compressed-cache write failed: compressed data was lost",
+                )));
+            }
+            Self::write_cache(&mut cache, file, self.meta_chunk())?;
+        }
         let l2_dirty = self
             .l2_cache
             .lock()
@@ -1478,8 +1610,14 @@ impl Qcow2Image {
             for host in std::mem::take(&mut ws.pending_decs) {
                 if self.set_refcount(ws, file, host, RefChange::Dec)? == 0 {
                     if ws.comp_pos & !(self.cluster_size() - 1) == host {
-                        // Never append compressed chunks to a freed cluster.
+                        // Never append compressed chunks to a freed cluster (nor write a
+                        // cached copy of it: nothing refers to it any more).
                         ws.comp_pos = 0;
+                        let mut cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
+                        if cache.start == host {
+                            cache.data.clear();
+                            cache.dirty = false;
+                        }
                     }
                     ws.free_cursor = ws.free_cursor.min(host);
                     ws.free_run_hint = u64::MAX;
@@ -1994,8 +2132,23 @@ impl Qcow2Image {
     ) -> Result<(), MapError> {
         let start = host_offset & !511;
         let lead = (host_offset - start) as usize;
-        let raw =
+        let mut raw =
             read_aligned(file, start, lead + compressed_len as usize).map_err(MapError::Io)?;
+        {
+            // Bytes still in the compressed-write cache are newer than the file's.
+            let cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
+            if !cache.data.is_empty() {
+                let (a, b) = (cache.start, cache.start + cache.used as u64);
+                let (x, y) = (host_offset, host_offset + compressed_len);
+                let (lo, hi) = (a.max(x), b.min(y));
+                if lo < hi {
+                    let dst = lead + (lo - x) as usize;
+                    let src = (lo - a) as usize;
+                    let n = (hi - lo) as usize;
+                    raw[dst..dst + n].copy_from_slice(&cache.data[src..src + n]);
+                }
+            }
+        }
         let input = raw
             .get(lead..)
             .ok_or(MapError::Corrupt("short compressed cluster"))?;
