@@ -358,3 +358,125 @@ mod tail {
         assert_eq!(after.len(), len, "the unused tail was not cut off");
     }
 }
+
+#[cfg(test)]
+mod packing {
+    use super::*;
+    use crate::image::qcow2::Compression;
+
+    fn image(compression: Compression) -> Vec<u8> {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("packing-{compression:?}-{}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        let params = crate::image::create::CreateParams {
+            qcow2: true,
+            size_bytes: 8 << 20,
+            cluster_bits: 16,
+            compression,
+            backing: None,
+        };
+        crate::image::create::create(&p, &params).unwrap();
+        let b = std::fs::read(&p).unwrap();
+        std::fs::remove_file(&p).unwrap();
+        b
+    }
+
+    /// A cluster of text-like data that compresses to a few KiB (different per `k`).
+    fn cluster_data(k: u64) -> Vec<u8> {
+        let mut v = Vec::with_capacity(65536);
+        let mut i = k * 7919;
+        while v.len() < 65536 {
+            v.extend_from_slice(format!("{i:x}-{}|", i * i % 1_000_003).as_bytes());
+            i += 1;
+        }
+        v.truncate(65536);
+        v
+    }
+
+    /// Chunks are packed back to back in allocation order, their L2 descriptors count the
+    /// 512-byte sectors they touch, one spills into the next host cluster, and everything
+    /// reads back; for zlib and zstd, with and without the cache.
+    #[test]
+    fn chunks_are_packed_back_to_back() {
+        for compression in [Compression::Zlib, Compression::Zstd] {
+            for cache in [true, false] {
+                let disk = MemStorage::new(image(compression));
+                let q = Qcow2Image::open(&disk, true).unwrap();
+                q.set_compress_writes(true);
+                q.set_compressed_cache(cache);
+                let mut fill = |_: u64, buf: &mut [u8]| {
+                    buf.fill(0);
+                    Ok(())
+                };
+                let mut lens = Vec::new();
+                for k in 0..40u64 {
+                    let data = cluster_data(k);
+                    lens.push(q.compress_cluster(&data).unwrap().len() as u64);
+                    q.write(&disk, k * 65536, &data, &mut fill).unwrap();
+                }
+                let mut ext = Vec::new();
+                let mut hosts = Vec::new();
+                for k in 0..40u64 {
+                    q.map(&disk, k * 65536, 65536, &mut ext).unwrap();
+                    let [Extent::Compressed {
+                        host_offset,
+                        compressed_len,
+                        ..
+                    }] = ext[..]
+                    else {
+                        panic!("cluster {k} not compressed: {ext:?}");
+                    };
+                    // The descriptor's sectors cover the chunk, from its offset's sector.
+                    let len = lens[k as usize];
+                    let sectors = ((host_offset + len - 1) >> 9) - (host_offset >> 9) + 1;
+                    assert_eq!(
+                        compressed_len,
+                        sectors * 512 - (host_offset & 511),
+                        "{compression:?} cache {cache}: sector count of chunk {k}"
+                    );
+                    hosts.push(host_offset);
+                }
+                let mut spills = 0;
+                for k in 1..40usize {
+                    let prev_end = hosts[k - 1] + lens[k - 1];
+                    let same_run = hosts[k] == prev_end;
+                    let new_cluster = hosts[k] % 65536 == 0;
+                    assert!(
+                        same_run || new_cluster,
+                        "{compression:?} cache {cache}: chunk {k} at {:#x} neither follows \
+                         chunk {} (ends {prev_end:#x}) nor starts a cluster",
+                        hosts[k],
+                        k - 1
+                    );
+                    if same_run && hosts[k] / 65536 != (hosts[k] + lens[k] - 1) / 65536 {
+                        spills += 1;
+                    }
+                }
+                if cache {
+                    assert!(
+                        spills > 0,
+                        "{compression:?}: no chunk spilled into the next cluster"
+                    );
+                }
+                // Everything reads back through decompression (from the cache or the file).
+                let mut buf = vec![0u8; 65536];
+                for k in 0..40u64 {
+                    q.map(&disk, k * 65536, 65536, &mut ext).unwrap();
+                    let Extent::Compressed {
+                        host_offset,
+                        compressed_len,
+                        ..
+                    } = ext[0]
+                    else {
+                        panic!("cluster {k}: {:?}", ext[0]);
+                    };
+                    q.decompress(&disk, host_offset, compressed_len, &mut buf)
+                        .unwrap();
+                    assert!(buf == cluster_data(k), "{compression:?} cache {cache}: {k}");
+                }
+                q.close(&disk).unwrap();
+            }
+        }
+    }
+}
