@@ -670,10 +670,15 @@ impl QueueWorker {
         if in_place {
             // A fill of these clusters may be in flight (its L2 entries are visible before
             // its write lands): never let its zeroes land over this write.
-            let q = self.dev.qcow2.as_ref().expect("in_place implies qcow2");
-            if q.fills_in_flight.load(Ordering::SeqCst) > 0 {
-                let key = self.acquire_fill_range(file_offset, file_offset + len);
-                self.slots[usize::from(idx)].fill_key = Some((key, false));
+            let fills = self
+                .dev
+                .qcow2
+                .as_ref()
+                .is_some_and(|q| q.fills_in_flight.load(Ordering::SeqCst) > 0);
+            if fills {
+                if let Some(key) = self.acquire_fill_range(file_offset, file_offset + len) {
+                    self.slots[usize::from(idx)].fill_key = Some((key, false));
+                }
             }
         }
         let slot = &mut self.slots[usize::from(idx)];
@@ -1004,12 +1009,12 @@ impl QueueWorker {
 
     /// Take a shared range of the image's fill locks, waiting for a fill of it to complete
     /// (this queue's own operations are reaped meanwhile: the fill may be ours).
-    fn acquire_fill_range(&mut self, start: u64, end: u64) -> u64 {
+    fn acquire_fill_range(&mut self, start: u64, end: u64) -> Option<u64> {
         let dev = self.dev.clone();
-        let q = dev.qcow2.as_ref().expect("fill ranges exist for qcow2");
+        let q = dev.qcow2.as_ref()?;
         loop {
             if let Some(k) = q.fills.try_acquire(start, end, Holder::Write) {
-                return k;
+                return Some(k);
             }
             if let Err(e) = self.engine.submit() {
                 error!("queue {}: submit: {e}", self.index);

@@ -14,34 +14,13 @@ use common::*;
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 16 * MIB;
 
-fn have_qemu_img() -> bool {
-    if Command::new("qemu-img")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        return true;
-    }
-    skip_or_fail::<()>("qemu-img not installed");
-    false
-}
-
-fn run(cmd: &mut Command) -> String {
-    let o = cmd.output().unwrap();
-    assert!(
-        o.status.success(),
-        "{cmd:?}:\n{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
 /// The "compressed clusters" percentage that `qemu-img check` reports.
 fn compressed_percent(img: &Path) -> f64 {
-    let out = run(Command::new("qemu-img")
-        .args(["check", "-f", "qcow2"])
-        .arg(img));
+    let out = run_ok(
+        Command::new("qemu-img")
+            .args(["check", "-f", "qcow2"])
+            .arg(img),
+    );
     out.split("fragmented, ")
         .nth(1)
         .and_then(|r| r.split('%').next())
@@ -93,10 +72,12 @@ fn compressed_writes_are_interchangeable_with_qemu_img() {
         ("zstd", "off"),
     ] {
         let img = dir.join(&format!("{ctype}-cache-{cache}.qcow2"));
-        run(Command::new(env!("CARGO_BIN_EXE_vublk"))
-            .args(["create", "--format", "qcow2", "--size", "16M"])
-            .args(["--compression-type", ctype])
-            .arg(&img));
+        run_ok(
+            Command::new(env!("CARGO_BIN_EXE_vublk"))
+                .args(["create", "--format", "qcow2", "--size", "16M"])
+                .args(["--compression-type", ctype])
+                .arg(&img),
+        );
         let opts = BackendOpts {
             extra_args: ["--compress-writes", "on", "--compressed-cache", cache]
                 .iter()
@@ -147,19 +128,18 @@ fn compressed_writes_are_interchangeable_with_qemu_img() {
             log.contains("clusters compressed, 16 stored normally"),
             "{ctype}: counters:\n{log}"
         );
-        run(Command::new("qemu-img")
-            .args(["check", "-q", "-f", "qcow2"])
-            .arg(&img));
+        run_ok(
+            Command::new("qemu-img")
+                .args(["check", "-q", "-f", "qcow2"])
+                .arg(&img),
+        );
         let pct = compressed_percent(&img);
         eprintln!("{ctype}: {pct}% compressed clusters");
         // 129 compressed of 145 allocated.
         assert!(pct > 85.0, "{ctype}: only {pct}% compressed");
         let raw = dir.join("expected.raw");
         std::fs::write(&raw, &model).unwrap();
-        run(Command::new("qemu-img")
-            .args(["compare", "-q", "-f", "raw", "-F", "qcow2"])
-            .arg(&raw)
-            .arg(&img));
+        qemu_compare(&raw, &img);
         // The image is far smaller than its data.
         let size = file_size(&img);
         eprintln!("{ctype}: image {size} bytes for 9 MiB of data");
@@ -192,9 +172,11 @@ fn sigkill_with_a_partly_filled_cache() {
     }
     let dir = TestDir::new("compress-kill");
     let img = dir.join("k.qcow2");
-    run(Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .args(["create", "--format", "qcow2", "--size", "16M"])
-        .arg(&img));
+    run_ok(
+        Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .args(["create", "--format", "qcow2", "--size", "16M"])
+            .arg(&img),
+    );
     let opts = BackendOpts {
         extra_args: vec!["--compress-writes".into(), "on".into()],
         ..Default::default()

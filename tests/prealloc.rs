@@ -11,18 +11,6 @@ use common::*;
 
 const MIB: u64 = 1 << 20;
 
-fn have_qemu_img() -> bool {
-    if Command::new("qemu-img")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        return true;
-    }
-    skip_or_fail::<()>("qemu-img not installed");
-    false
-}
-
 fn create(img: &Path, size: &str) {
     let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
         .args(["create", "--format", "qcow2", "--size", size])

@@ -24,13 +24,7 @@ fn have_qemu_tools() -> bool {
 }
 
 fn run(cmd: &mut Command) {
-    let o = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        o.status.success(),
-        "{cmd:?} failed:\n{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    run_ok(cmd);
 }
 
 /// Patterns: plain data, compressed clusters, zero clusters, partial clusters, data across
@@ -455,10 +449,7 @@ fn random_writes_to_qcow2_match_model_and_check_clean() {
         run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
         let raw = dir.join(&format!("{name}.expected"));
         std::fs::write(&raw, &model).unwrap();
-        run(Command::new("qemu-img")
-            .args(["compare", "-q", "-f", "raw", "-F", "qcow2"])
-            .arg(&raw)
-            .arg(&img));
+        qemu_compare(&raw, &img);
         // And vublk reads back what it wrote after a restart.
         check_through_vublk(&dir, &img, &model, &[]);
     }
@@ -600,10 +591,7 @@ fn two_queue_random_writes_to_qcow2_match_model_and_check_clean() {
         run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
         let raw = dir.join(&format!("{name}.expected"));
         std::fs::write(&raw, &expected).unwrap();
-        run(Command::new("qemu-img")
-            .args(["compare", "-q", "-f", "raw", "-F", "qcow2"])
-            .arg(&raw)
-            .arg(&img));
+        qemu_compare(&raw, &img);
     }
 }
 
@@ -776,10 +764,7 @@ fn two_queues_allocating_the_same_clusters() {
     run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
     let raw = dir.join("two.expected");
     std::fs::write(&raw, &expected).unwrap();
-    run(Command::new("qemu-img")
-        .args(["compare", "-q", "-f", "raw", "-F", "qcow2"])
-        .arg(&raw)
-        .arg(&img));
+    qemu_compare(&raw, &img);
 }
 
 /// Allocated clusters as `qemu-img check` counts them.
@@ -965,10 +950,7 @@ fn freed_clusters_are_punched_and_reused() {
         run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
         let raw = dir.join("reuse.expected");
         std::fs::write(&raw, &model).unwrap();
-        run(Command::new("qemu-img")
-            .args(["compare", "-q", "-f", "raw", "-F", "qcow2"])
-            .arg(&raw)
-            .arg(&img));
+        qemu_compare(&raw, &img);
     }
 }
 

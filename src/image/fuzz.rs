@@ -180,6 +180,14 @@ mod tests {
     /// A fresh 8 MiB qcow2 image with 64 KiB clusters made by `vublk create`, at a temporary
     /// path (the caller removes it).
     pub(super) fn fresh_image(tag: &str) -> std::path::PathBuf {
+        fresh_image_with(tag, crate::image::qcow2::Compression::Zlib)
+    }
+
+    /// The same with a given compression type.
+    pub(super) fn fresh_image_with(
+        tag: &str,
+        compression: crate::image::qcow2::Compression,
+    ) -> std::path::PathBuf {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join(format!("fuzz-{tag}-{}", std::process::id()));
@@ -188,7 +196,7 @@ mod tests {
             qcow2: true,
             size_bytes: 8 << 20,
             cluster_bits: 16,
-            compression: crate::image::qcow2::Compression::Zlib,
+            compression,
             backing: None,
         };
         crate::image::create::create(&p, &params).unwrap();
@@ -365,18 +373,7 @@ mod packing {
     use crate::image::qcow2::Compression;
 
     fn image(compression: Compression) -> Vec<u8> {
-        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(format!("packing-{compression:?}-{}", std::process::id()));
-        let _ = std::fs::remove_file(&p);
-        let params = crate::image::create::CreateParams {
-            qcow2: true,
-            size_bytes: 8 << 20,
-            cluster_bits: 16,
-            compression,
-            backing: None,
-        };
-        crate::image::create::create(&p, &params).unwrap();
+        let p = super::tests::fresh_image_with(&format!("packing-{compression:?}"), compression);
         let b = std::fs::read(&p).unwrap();
         std::fs::remove_file(&p).unwrap();
         b

@@ -1388,7 +1388,9 @@ impl Qcow2Image {
             self.count_prealloc(ok, p.unsupported && !was_unsupported);
             ws.covered = ws.covered.max(len);
         }
-        let p = ws.prealloc.as_mut().expect("checked above");
+        let Some(p) = ws.prealloc.as_mut() else {
+            return false;
+        };
         let plan = p.handle_write(start, end - start, zero);
         let Some((s, e)) = plan.extend else {
             if !plan.merged {
