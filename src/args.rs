@@ -111,6 +111,17 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub compressed_cache: OnOff,
 
+    /// Bound of the compressed-write cache: it holds a run of adjacent host clusters up to
+    /// this size and writes it as one aligned write when the run is full (a size of one
+    /// cluster writes every host cluster as it fills). Default: 16 host clusters.
+    #[arg(long, value_name = "SIZE")]
+    pub compressed_cache_size: Option<String>,
+
+    /// With --compress-writes on: threads that compress and place writes off the queue
+    /// threads (0: compress on the queue thread). Default: the number of online CPUs, up to 8.
+    #[arg(long, value_name = "N")]
+    pub compress_threads: Option<usize>,
+
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL", default_value = "info")]
     pub log_level: String,

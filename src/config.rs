@@ -46,6 +46,9 @@ pub struct Config {
     pub prealloc: crate::args::PreallocArg,
     pub compress_writes: bool,
     pub compressed_cache: bool,
+    /// `--compressed-cache-size` in bytes (None: 16 host clusters).
+    pub compressed_cache_bytes: Option<u64>,
+    pub compress_threads: usize,
     pub prealloc_size: u64,
     pub prealloc_align: u64,
     /// qcow2 L2 cache bytes (None: the default for the image).
@@ -62,6 +65,10 @@ pub struct ConfigError(pub String);
 const MAX_PREALLOC: u64 = 1 << 40;
 /// Upper bound of --l2-cache-size.
 const MAX_L2_CACHE: u64 = 4 << 30;
+/// Largest `--compressed-cache-size`.
+const MAX_COMPRESSED_CACHE: u64 = 1 << 30;
+/// Most `--compress-threads`.
+const MAX_COMPRESS_THREADS: usize = 64;
 
 fn bad(msg: impl Into<String>) -> ConfigError {
     ConfigError(msg.into())
@@ -145,6 +152,30 @@ impl Config {
                 }
             },
         };
+        let compressed_cache_bytes = match &args.compressed_cache_size {
+            None => None,
+            Some(s) => match crate::args::parse_size(s) {
+                Some(n) if n > 0 && n <= MAX_COMPRESSED_CACHE => Some(n),
+                _ => {
+                    return Err(bad(format!(
+                        "--compressed-cache-size {s}: must be a size from one cluster up to 1G \
+                         (e.g. 1M)"
+                    )))
+                }
+            },
+        };
+        let compress_threads = match args.compress_threads {
+            Some(n) if n > MAX_COMPRESS_THREADS => {
+                return Err(bad(format!(
+                    "--compress-threads {n}: at most {MAX_COMPRESS_THREADS}"
+                )))
+            }
+            Some(n) => n,
+            None => std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .min(8),
+        };
         let prealloc_size = crate::args::parse_size(&args.prealloc_size)
             .filter(|&n| n <= MAX_PREALLOC)
             .ok_or_else(|| {
@@ -186,6 +217,8 @@ impl Config {
             prealloc: args.prealloc,
             compress_writes: args.compress_writes == crate::args::OnOff::On,
             compressed_cache: args.compressed_cache == crate::args::OnOff::On,
+            compressed_cache_bytes,
+            compress_threads,
             prealloc_size,
             prealloc_align,
             log_level,

@@ -175,11 +175,33 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         if cfg.compress_writes {
             q.set_compress_writes(true);
             q.set_compressed_cache(cfg.compressed_cache);
+            let c = q.cluster_size();
+            let clusters = match cfg.compressed_cache_bytes {
+                None => crate::image::qcow2::DEFAULT_COMPRESSED_CACHE_CLUSTERS,
+                Some(n) if n >= c => (n / c) as usize,
+                Some(n) => {
+                    return Err(DaemonError::Usage(format!(
+                        "--compressed-cache-size {n}: smaller than one cluster ({c} bytes)"
+                    )))
+                }
+            };
+            q.set_compressed_cache_clusters(clusters);
+            if cfg.compress_threads > 0 {
+                match crate::offload::Pool::new(cfg.compress_threads, "vublk-compress") {
+                    Ok(p) => dev.compress_pool = Some(p),
+                    Err(e) => warn!("compressing on the queue threads (no thread pool: {e})"),
+                }
+            }
             info!(
-                "compressed writes: on ({:?}, cache {}): clusters written whole are stored \
-                 compressed",
+                "compressed writes: on ({:?}, cache {}, {} compression threads): clusters \
+                 written whole are stored compressed",
                 q.compression,
-                if cfg.compressed_cache { "on" } else { "off" }
+                if cfg.compressed_cache {
+                    format!("on, {clusters} clusters")
+                } else {
+                    "off".into()
+                },
+                cfg.compress_threads
             );
         }
         let file_align = dio.offset as u64;

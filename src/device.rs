@@ -87,6 +87,9 @@ pub struct Device {
     /// Present when a guest block is smaller than the file's direct-I/O block, so sub-block
     /// writes are read-modify-written and must be serialised against overlapping writes.
     pub write_ranges: Option<RangeLocks>,
+    /// Threads that compress and place `--compress-writes on` writes (None: on the queue
+    /// threads).
+    pub compress_pool: Option<crate::offload::Pool>,
 }
 
 impl Device {
@@ -108,6 +111,7 @@ impl Device {
             && params.align.offset > params.logical_block_size as usize;
         Device {
             write_ranges: rmw_possible.then(RangeLocks::default),
+            compress_pool: None,
             zero_stats: ZeroStats::default(),
             qcow2: None,
             backing: Vec::new(),

@@ -10,6 +10,7 @@
 //! - `virtio_blk`: request parsing and status mapping (no image, no io_uring).
 //! - `image`: disk images (raw).
 //! - `zero`: all-zero detection over guest memory (detect-zeroes).
+//! - `offload`: a thread pool for work too slow for a queue thread (compressed writes).
 //! - `io`: I/O engines (io_uring, blocking), O_DIRECT alignment probe, bounce buffers.
 
 pub mod args;
@@ -19,6 +20,7 @@ pub mod daemon;
 pub mod device;
 pub mod image;
 pub mod io;
+pub mod offload;
 pub mod virtio_blk;
 pub mod worker;
 pub mod zero;

@@ -21,6 +21,7 @@ use crate::io::align::iovecs_aligned;
 use crate::io::bounce::{AlignedBuf, BouncePool};
 use crate::io::ranges::Holder;
 use crate::io::{Completion, Engine, Op};
+use crate::offload::Inbox;
 use crate::virtio_blk::{parse_request, status, Desc, Range, Request, RequestError, RequestType};
 use crate::zero::DetectZeroes;
 
@@ -38,6 +39,8 @@ enum OpKind {
     PunchZero = 6,
     /// One extent of a qcow2 read, into the bounce buffer; `range` is its iovec index.
     ReadPart = 7,
+    /// A write done on the compression pool (result 0 or a negative errno).
+    Offload = 8,
 }
 
 impl OpKind {
@@ -50,6 +53,7 @@ impl OpKind {
             5 => OpKind::ZeroRange,
             6 => OpKind::PunchZero,
             7 => OpKind::ReadPart,
+            8 => OpKind::Offload,
             _ => return None,
         })
     }
@@ -155,6 +159,11 @@ pub struct QueueWorker {
     poll: Duration,
     /// Set by another thread (queue stop) to end a poll loop early.
     poll_abort: Arc<AtomicBool>,
+    /// Where the compression pool reports this queue's writes (None: no pool, or an engine
+    /// without an eventfd: compress on this thread).
+    inbox: Option<Arc<Inbox>>,
+    /// Requests on the compression pool.
+    offloaded: usize,
 }
 
 impl QueueWorker {
@@ -167,7 +176,15 @@ impl QueueWorker {
         let n = usize::from(dev.params.queue_size);
         let bounce = BouncePool::new(dev.params.align.bounce_align());
         engine.register_file(dev.file.as_raw_fd());
+        let inbox = match (dev.compress_pool.as_ref(), engine.event_fd()) {
+            (Some(_), Some(fd)) => Inbox::new(fd)
+                .map_err(|e| warn!("queue {index}: compressing on the queue thread ({e})"))
+                .ok(),
+            _ => None,
+        };
         QueueWorker {
+            inbox,
+            offloaded: 0,
             poll: Duration::ZERO,
             poll_abort: Arc::new(AtomicBool::new(false)),
             index,
@@ -244,7 +261,7 @@ impl QueueWorker {
         let mut last_work = Instant::now();
         while !self.poll_abort.load(Ordering::Relaxed) {
             let mut worked = false;
-            if self.engine.has_completions() {
+            if self.engine.has_completions() || self.inbox_ready() {
                 self.reap_and_complete(vring);
                 worked = true;
             }
@@ -278,6 +295,13 @@ impl QueueWorker {
             self.reap_and_complete(&vring);
             if self.in_flight() == 0 {
                 break;
+            }
+            if self.offloaded > 0 {
+                // The pool reports through the inbox, not the ring.
+                if let Some(inbox) = &self.inbox {
+                    inbox.wait(Duration::from_millis(5));
+                }
+                continue;
             }
             if let Err(e) = self.engine.wait_one() {
                 error!(
@@ -604,7 +628,11 @@ impl QueueWorker {
         let mut in_place = false;
         if let (false, Some(q)) = (is_read, self.dev.qcow2.as_ref()) {
             if q.compress_writes() {
-                // Compressed clusters are built, packed and written by the format.
+                // Compressed clusters are built, packed and written by the format, on the
+                // compression pool when there is one.
+                if self.inbox.is_some() {
+                    return Ok(self.offload_qcow2_write(idx, &mem));
+                }
                 self.qcow2_write(idx, &mem);
                 return Ok(false);
             }
@@ -991,20 +1019,60 @@ impl QueueWorker {
     }
 
     fn qcow2_write_bytes(&mut self, offset: u64, data: &[u8]) -> Result<(), String> {
-        let dev = self.dev.clone();
-        let Some(q) = dev.qcow2.as_ref() else {
-            return Err("not a qcow2 image".into());
-        };
-        if !dev.writeback() {
+        if !self.dev.writeback() {
             self.stats.durable_writes += 1;
         }
-        let mut fill_old = |cl_start: u64, buf: &mut [u8]| read_old_cluster(&dev, q, cl_start, buf);
-        q.write(&dev.file, offset, data, &mut fill_old)
-            .map_err(|e| e.to_string())?;
-        if !dev.writeback() {
-            dev.sync().map_err(|e| e.to_string())?;
+        write_qcow2(&self.dev, offset, data)
+    }
+
+    /// `--compress-writes on` with a compression pool: copy the guest data here, compress
+    /// and place it on a pool thread; the result comes back through the inbox. Returns
+    /// whether the request now waits for it (false: it is finished, status set).
+    fn offload_qcow2_write(&mut self, idx: u16, mem: &Arc<Mem>) -> bool {
+        let dev = self.dev.clone();
+        let (Some(inbox), Some(pool)) = (self.inbox.clone(), dev.compress_pool.as_ref()) else {
+            self.qcow2_write(idx, mem);
+            return false;
+        };
+        self.drain_fills();
+        let slot = &mut self.slots[usize::from(idx)];
+        let (offset, len) = (slot.req.offset_bytes(), slot.req.data_len as usize);
+        let mut data = vec![0u8; len];
+        if let Err(e) = copy_from_guest(mem, &slot.req.data, &mut data) {
+            error!("queue {}: qcow2 write at {offset}: {e}", self.index);
+            slot.status = status::IOERR;
+            return false;
         }
-        Ok(())
+        let job_dev = self.dev.clone();
+        let ud = user_data(idx, OpKind::Offload, 0);
+        let queue = self.index;
+        let job: crate::offload::Job = Box::new(move || {
+            let result = match write_qcow2(&job_dev, offset, &data) {
+                Ok(()) => 0,
+                Err(e) => {
+                    error!("queue {queue}: qcow2 write at {offset}: {e}");
+                    -libc::EIO
+                }
+            };
+            inbox.post(Completion {
+                user_data: ud,
+                result,
+            });
+        });
+        if pool.submit(job).is_err() {
+            self.qcow2_write(idx, mem);
+            return false;
+        }
+        if !self.dev.writeback() {
+            self.stats.durable_writes += 1;
+        }
+        self.slots[usize::from(idx)].pending = 1;
+        self.offloaded += 1;
+        true
+    }
+
+    fn inbox_ready(&self) -> bool {
+        self.inbox.as_ref().is_some_and(|i| i.has())
     }
 
     /// Take a shared range of the image's fill locks, waiting for a fill of it to complete
@@ -1153,7 +1221,7 @@ impl QueueWorker {
             if let Err(e) = self.engine.submit() {
                 error!("queue {}: submit: {e}", self.index);
             }
-            if !self.engine.has_completions() {
+            if !self.engine.has_completions() && !self.inbox_ready() {
                 break;
             }
         }
@@ -1174,6 +1242,9 @@ impl QueueWorker {
     /// for the caller to put them on the used ring.
     fn reap_deferred(&mut self) {
         self.engine.reap(&mut self.completions);
+        if let Some(inbox) = &self.inbox {
+            inbox.take(&mut self.completions);
+        }
         while !self.completions.is_empty() {
             let mut done = std::mem::take(&mut self.completions);
             for c in done.drain(..) {
@@ -1194,6 +1265,9 @@ impl QueueWorker {
     /// Account one finished operation; Some((head, used_len)) when its request is done.
     fn complete_op(&mut self, c: Completion) -> Option<(u16, u32)> {
         let (idx, kind, range) = decode(c.user_data);
+        if kind == Some(OpKind::Offload) {
+            self.offloaded = self.offloaded.saturating_sub(1);
+        }
         let slot = self.slots.get_mut(usize::from(idx))?;
         if slot.pending == 0 {
             error!("queue {}: completion for idle slot {idx}", self.index);
@@ -1374,11 +1448,35 @@ impl Drop for QueueWorker {
         loop {
             self.reap_deferred();
             self.deferred_used.clear();
-            if self.in_flight() == 0 || self.engine.wait_one().is_err() {
+            if self.in_flight() == 0 {
+                break;
+            }
+            if self.offloaded > 0 {
+                if let Some(inbox) = &self.inbox {
+                    inbox.wait(Duration::from_millis(5));
+                }
+                continue;
+            }
+            if self.engine.wait_one().is_err() {
                 break;
             }
         }
     }
+}
+
+/// A qcow2 write through the format (allocation, compression, copy-on-write), made durable
+/// before returning in write-through mode.
+fn write_qcow2(dev: &Device, offset: u64, data: &[u8]) -> Result<(), String> {
+    let Some(q) = dev.qcow2.as_ref() else {
+        return Err("not a qcow2 image".into());
+    };
+    let mut fill_old = |cl_start: u64, buf: &mut [u8]| read_old_cluster(dev, q, cl_start, buf);
+    q.write(&dev.file, offset, data, &mut fill_old)
+        .map_err(|e| e.to_string())?;
+    if !dev.writeback() {
+        dev.sync().map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }
 
 /// Has the driver made chains available that we have not popped?

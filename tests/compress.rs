@@ -65,11 +65,14 @@ fn compressed_writes_are_interchangeable_with_qemu_img() {
     }
     let dir = TestDir::new("compress");
     let mut file_writes = Vec::new();
-    for (ctype, cache) in [
-        ("zlib", "on"),
-        ("zstd", "on"),
-        ("zlib", "off"),
-        ("zstd", "off"),
+    // The last case compresses on the queue thread and writes each host cluster as it fills.
+    let one_by_one = ["--compress-threads", "0", "--compressed-cache-size", "64K"];
+    for (ctype, cache, more) in [
+        ("zlib", "on", &[][..]),
+        ("zstd", "on", &[][..]),
+        ("zlib", "off", &[][..]),
+        ("zstd", "off", &[][..]),
+        ("zlib", "one", &one_by_one[..]),
     ] {
         let img = dir.join(&format!("{ctype}-cache-{cache}.qcow2"));
         run_ok(
@@ -79,8 +82,10 @@ fn compressed_writes_are_interchangeable_with_qemu_img() {
                 .arg(&img),
         );
         let opts = BackendOpts {
-            extra_args: ["--compress-writes", "on", "--compressed-cache", cache]
+            extra_args: ["--compress-writes", "on", "--compressed-cache"]
                 .iter()
+                .chain([if cache == "off" { "off" } else { "on" }].iter())
+                .chain(more)
                 .map(|s| s.to_string())
                 .collect(),
             ..Default::default()
@@ -115,6 +120,12 @@ fn compressed_writes_are_interchangeable_with_qemu_img() {
         assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
         let log = std::fs::read_to_string(&backend.log).unwrap();
         assert!(log.contains("compressed writes: on"), "{log}");
+        if cache == "one" {
+            assert!(
+                log.contains("cache on, 1 clusters, 0 compression threads"),
+                "{log}"
+            );
+        }
         let writes: u64 = log
             .split("compressed writes: ")
             .filter_map(|r| r.split(" writes of").next()?.parse().ok())
@@ -156,12 +167,20 @@ fn compressed_writes_are_interchangeable_with_qemu_img() {
                 .2
         };
         assert!(
-            w("on") * 3 <= w("off"),
-            "{ctype}: the cache did not cut writes: {} with, {} without",
+            w("on") * 10 <= w("off"),
+            "{ctype}: the cache did not cut writes 10x: {} with, {} without",
             w("on"),
             w("off")
         );
     }
+    // A run of 16 host clusters is written at once; one cluster at a time takes more writes.
+    let w = |cache| file_writes.iter().find(|(_, c, _)| *c == cache).unwrap().2;
+    assert!(
+        w("on") < w("one"),
+        "16-cluster runs: {} writes, one cluster at a time: {}",
+        w("on"),
+        w("one")
+    );
 }
 
 /// SIGKILL with a partly filled cache: no corruption, everything flushed is intact.
@@ -248,4 +267,24 @@ fn compress_writes_needs_a_writable_qcow2() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("--compress-writes"), "{err}");
+    // A cache smaller than one cluster, or a bad size, is refused.
+    let qcow2 = dir.join("q.qcow2");
+    run_ok(
+        Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .args(["create", "--format", "qcow2", "--size", "16M"])
+            .arg(&qcow2),
+    );
+    for size in ["4K", "lots", "0"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .args(["--socket-path"])
+            .arg(dir.join("s.sock"))
+            .args(["--blk-file"])
+            .arg(&qcow2)
+            .args(["--compress-writes", "on", "--compressed-cache-size", size])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{size}: {err}");
+        assert!(err.contains("--compressed-cache-size"), "{size}: {err}");
+    }
 }

@@ -373,7 +373,10 @@ mod packing {
     use crate::image::qcow2::Compression;
 
     fn image(compression: Compression) -> Vec<u8> {
-        let p = super::tests::fresh_image_with(&format!("packing-{compression:?}"), compression);
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p =
+            super::tests::fresh_image_with(&format!("packing-{compression:?}-{n}"), compression);
         let b = std::fs::read(&p).unwrap();
         std::fs::remove_file(&p).unwrap();
         b
@@ -475,5 +478,171 @@ mod packing {
                 q.close(&disk).unwrap();
             }
         }
+    }
+
+    /// Incompressible data (a xorshift stream), different per `k`.
+    fn noise(k: u64) -> Vec<u8> {
+        let mut x = k.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..65536)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    fn zero_fill(_: u64, buf: &mut [u8]) -> Result<(), crate::image::qcow2::MapError> {
+        buf.fill(0);
+        Ok(())
+    }
+
+    fn assert_reads(q: &Qcow2Image, disk: &MemStorage, k: u64, want: &[u8], what: &str) {
+        let mut ext = Vec::new();
+        q.map(disk, k * 65536, 65536, &mut ext).unwrap();
+        let mut buf = vec![0u8; 65536];
+        match ext[..] {
+            [Extent::Compressed {
+                host_offset,
+                compressed_len,
+                ..
+            }] => q
+                .decompress(disk, host_offset, compressed_len, &mut buf)
+                .unwrap(),
+            [Extent::Data { host_offset, .. }] => {
+                disk.read_at(&mut buf, host_offset).unwrap();
+            }
+            _ => panic!("{what}: cluster {k}: {ext:?}"),
+        }
+        assert!(buf == want, "{what}: cluster {k} reads back wrong");
+    }
+
+    /// `--compressed-cache-size`: the cache holds a run of up to N contiguous host clusters
+    /// and writes it as one aligned write when the run is full; a bound of one cluster writes
+    /// each host cluster when it fills. Both give the same image contents.
+    #[test]
+    fn the_cache_writes_runs_of_up_to_its_bound() {
+        let n = 120u64;
+        let mut results = Vec::new();
+        for clusters in [1usize, 4] {
+            let disk = MemStorage::new(image(Compression::Zlib));
+            let q = Qcow2Image::open(&disk, true).unwrap();
+            q.set_compress_writes(true);
+            q.set_compressed_cache(true);
+            q.set_compressed_cache_clusters(clusters);
+            let mut fill = zero_fill;
+            let mut total = 0;
+            for k in 0..n {
+                let data = cluster_data(k);
+                total += q.compress_cluster(&data).unwrap().len() as u64;
+                q.write(&disk, k * 65536, &data, &mut fill).unwrap();
+            }
+            let (writes, bytes) = q.compressed_file_writes();
+            let host_clusters = total.div_ceil(65536);
+            eprintln!(
+                "bound {clusters}: {writes} writes of {bytes} bytes, {host_clusters} host clusters"
+            );
+            // Before any flush, full runs reached the file, each as one write; one run may
+            // have been cut short when a new L2 table was allocated right after it.
+            let run = 65536 * clusters as u64;
+            assert!(writes > 0, "bound {clusters}: nothing written");
+            assert!(
+                bytes <= writes * run && bytes > (writes - 1) * run,
+                "bound {clusters}: {writes} writes of {bytes} bytes are not full runs"
+            );
+            let full_runs = total / run;
+            assert!(
+                (full_runs.saturating_sub(1)..=full_runs + 1).contains(&writes),
+                "bound {clusters}: {writes} writes for {host_clusters} host clusters of chunks"
+            );
+            for k in 0..n {
+                assert_reads(&q, &disk, k, &cluster_data(k), "before close");
+            }
+            q.close(&disk).unwrap();
+            let q = Qcow2Image::open(&disk, false).unwrap();
+            for k in 0..n {
+                assert_reads(&q, &disk, k, &cluster_data(k), "after reopen");
+            }
+            results.push(writes);
+        }
+        assert!(
+            results[0] >= 3 * results[1],
+            "a 4-cluster cache did not cut writes: {results:?}"
+        );
+    }
+
+    /// A host cluster whose chunks are all overwritten is freed and reused for other data;
+    /// the cache must never write its stale copy of that cluster over the new data.
+    #[test]
+    fn a_freed_cluster_is_never_rewritten_from_the_cache() {
+        let disk = MemStorage::new(image(Compression::Zlib));
+        let q = Qcow2Image::open(&disk, true).unwrap();
+        q.set_compress_writes(true);
+        q.set_compressed_cache(true);
+        q.set_punch_freed(true);
+        let mut fill = zero_fill;
+        // Enough chunks to fill two host clusters and start a third (one run in the cache).
+        let mut k = 0u64;
+        let mut hosts = Vec::new();
+        let mut ext = Vec::new();
+        loop {
+            let data = cluster_data(k);
+            let len = q.compress_cluster(&data).unwrap().len() as u64;
+            q.write(&disk, k * 65536, &data, &mut fill).unwrap();
+            q.map(&disk, k * 65536, 65536, &mut ext).unwrap();
+            let Extent::Compressed { host_offset, .. } = ext[0] else {
+                panic!("{:?}", ext[0]);
+            };
+            hosts.push((host_offset, len));
+            k += 1;
+            // The first chunk that starts a host cluster after the L2 table was allocated
+            // starts the run.
+            let run = hosts
+                .iter()
+                .skip(1)
+                .find(|h| h.0 % 65536 == 0)
+                .map(|h| h.0 / 65536);
+            if run.is_some_and(|r| host_offset / 65536 == r + 2) {
+                break;
+            }
+        }
+        q.flush(&disk).unwrap();
+        // Overwrite every chunk in the middle host cluster with incompressible data: that
+        // cluster is freed at the next write-back and reused by the next normal cluster.
+        let run = hosts.iter().skip(1).find(|h| h.0 % 65536 == 0).unwrap().0 / 65536;
+        let middle = run + 1;
+        let mut want: Vec<Vec<u8>> = (0..k).map(cluster_data).collect();
+        for (i, &(h, len)) in hosts.iter().enumerate() {
+            if h / 65536 == middle || (h + len - 1) / 65536 == middle {
+                want[i] = noise(i as u64);
+                q.write(&disk, i as u64 * 65536, &want[i], &mut fill)
+                    .unwrap();
+            }
+        }
+        q.flush(&disk).unwrap();
+        q.flush(&disk).unwrap();
+        let reuse = k + 10;
+        let fresh = noise(reuse);
+        q.set_compress_writes(false);
+        q.write(&disk, reuse * 65536, &fresh, &mut fill).unwrap();
+        q.map(&disk, reuse * 65536, 65536, &mut ext).unwrap();
+        assert!(
+            matches!(ext[..], [Extent::Data { host_offset, .. }] if host_offset / 65536 == middle),
+            "the freed cluster was not reused: {ext:?}"
+        );
+        q.set_compress_writes(true);
+        // Small chunks appended to the run's last cluster, then everything written back.
+        for j in k..k + 5 {
+            want.push(vec![j as u8; 65536]);
+            q.write(&disk, j * 65536, &want[j as usize], &mut fill)
+                .unwrap();
+        }
+        q.flush(&disk).unwrap();
+        for (i, w) in want.iter().enumerate() {
+            assert_reads(&q, &disk, i as u64, w, "after reuse");
+        }
+        assert_reads(&q, &disk, reuse, &fresh, "the reused cluster");
+        q.close(&disk).unwrap();
     }
 }

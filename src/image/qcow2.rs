@@ -20,6 +20,8 @@ const INCOMPAT_KNOWN: u64 =
     INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_DATA_FILE | INCOMPAT_COMPRESSION | INCOMPAT_EXTL2;
 /// L2 entry bits.
 const L2_COMPRESSED: u64 = 1 << 62;
+/// `--compressed-cache-size` default, in host clusters.
+pub const DEFAULT_COMPRESSED_CACHE_CLUSTERS: usize = 16;
 const L2_ZERO: u64 = 1;
 /// "Copied": the refcount is exactly 1, so the cluster may be written in place.
 const L2_COPIED: u64 = 1 << 63;
@@ -157,6 +159,8 @@ pub enum ZeroMode {
 #[derive(Default)]
 struct CompCache {
     on: bool,
+    /// Bound of the run of host clusters held (`--compressed-cache-size`), in clusters.
+    cap_clusters: usize,
     start: u64,
     data: Vec<u8>,
     used: usize,
@@ -613,7 +617,10 @@ impl Qcow2Image {
             prealloc_stats: Default::default(),
             prealloc_bg: Default::default(),
             compress_writes: std::sync::atomic::AtomicBool::new(false),
-            comp_cache: Mutex::new(CompCache::default()),
+            comp_cache: Mutex::new(CompCache {
+                cap_clusters: DEFAULT_COMPRESSED_CACHE_CLUSTERS,
+                ..CompCache::default()
+            }),
             compress_stats: Default::default(),
             reused_clusters: std::sync::atomic::AtomicU64::new(0),
             fills: Default::default(),
@@ -1147,15 +1154,20 @@ impl Qcow2Image {
                 "an earlier compressed-cache write failed",
             )));
         }
-        let cached = can_share && !cache.data.is_empty() && cache.start == cur;
+        // The cache holds a run of contiguous host clusters: every one but the last is full.
+        let c_us = c as usize;
+        let cap = cache.cap_clusters.max(1) * c_us;
+        let cache_end = cache.start + cache.data.len() as u64;
+        let cached = can_share && !cache.data.is_empty() && cache_end == cur + c;
         if cached && pos + len <= cur + c {
             self.set_refcount(ws, file, cur, RefChange::Inc)?;
-            let at = cache.used;
+            let at = (pos - cache.start) as usize;
             cache.data[at..at + len as usize].copy_from_slice(z);
-            cache.used += len as usize;
+            cache.used = at + len as usize;
             cache.dirty = true;
             ws.comp_pos = pos + len;
-            if cache.used == c as usize {
+            if pos + len == cur + c && cache.data.len() >= cap {
+                // Full: the whole run goes to the file as one aligned write.
                 Self::write_cache(&mut cache, file, c)?;
                 cache.data.clear();
                 ws.comp_pos = 0;
@@ -1166,37 +1178,50 @@ impl Qcow2Image {
             // Spill: the end of this cluster, then the start of the next one.
             self.set_refcount(ws, file, cur, RefChange::Inc)?;
             let room = (cur + c - pos) as usize;
-            let at = cache.used;
-            cache.data[at..].copy_from_slice(&z[..room]);
-            cache.used = c as usize;
+            let at = (pos - cache.start) as usize;
+            cache.data[at..at + room].copy_from_slice(&z[..room]);
+            cache.used = at + room;
             cache.dirty = true;
-            Self::write_cache(&mut cache, file, c)?;
             let next = self.alloc_cluster(ws, file)?;
-            debug_assert_eq!(next, cur + c);
-            cache.start = next;
-            cache.data.iter_mut().for_each(|b| *b = 0);
-            cache.data[..z.len() - room].copy_from_slice(&z[room..]);
-            cache.used = z.len() - room;
+            if next != cur + c || cache.data.len() >= cap {
+                // The run is full (or, defensively, the next cluster is not adjacent).
+                Self::write_cache(&mut cache, file, c)?;
+                cache.data.clear();
+                cache.data.resize(c_us, 0);
+                cache.start = next;
+                cache.used = 0;
+            } else {
+                let grown = cache.data.len() + c_us;
+                cache.data.resize(grown, 0);
+            }
+            let at = (next - cache.start) as usize;
+            cache.data[at..at + z.len() - room].copy_from_slice(&z[room..]);
+            cache.used = at + z.len() - room;
             cache.dirty = true;
-            ws.comp_pos = next + cache.used as u64;
+            ws.comp_pos = next + (z.len() - room) as u64;
             return Ok(pos);
         }
-        // A new host cluster; the unfinished one (if any) goes to the file first.
-        if !cache.data.is_empty() {
-            Self::write_cache(&mut cache, file, self.meta_chunk())?;
-            cache.data.clear();
-        }
+        // A new host cluster: appended to the run when it is adjacent and there is room,
+        // else the run (its unfinished last cluster rounded up) goes to the file first.
         let host = self.alloc_cluster(ws, file)?;
-        cache.start = host;
-        cache.data = vec![0u8; c as usize];
-        cache.data[..z.len()].copy_from_slice(z);
-        cache.used = z.len();
+        let end = cache.start + cache.data.len() as u64;
+        if cache.data.is_empty() || host != end || cache.data.len() >= cap {
+            if !cache.data.is_empty() {
+                Self::write_cache(&mut cache, file, self.meta_chunk())?;
+                cache.data.clear();
+            }
+            cache.start = host;
+        }
+        let at = (host - cache.start) as usize;
+        cache.data.resize(at + c_us, 0);
+        cache.data[at..at + z.len()].copy_from_slice(z);
+        cache.used = at + z.len();
         cache.dirty = true;
         ws.comp_pos = host + len;
         Ok(host)
     }
 
-    /// Write the cached cluster up to what is used, rounded up to `align`.
+    /// Write the cached run up to what is used, rounded up to `align`.
     fn write_cache(cache: &mut CompCache, file: &dyn Storage, align: u64) -> Result<(), MapError> {
         if !cache.dirty || cache.data.is_empty() {
             return Ok(());
@@ -1228,6 +1253,14 @@ impl Qcow2Image {
         self.comp_cache.lock().unwrap_or_else(|e| e.into_inner()).on = on;
     }
 
+    /// `--compressed-cache-size`: how many host clusters the cache holds at most (at least 1).
+    pub fn set_compressed_cache_clusters(&self, n: usize) {
+        self.comp_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .cap_clusters = n.max(1);
+    }
+
     /// Writes of compressed data that reached the file, and their bytes.
     pub fn compressed_file_writes(&self) -> (u64, u64) {
         let c = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -1257,13 +1290,29 @@ impl Qcow2Image {
         let Some(ws) = self.write.as_ref() else {
             return Err(MapError::Corrupt("image is read-only"));
         };
-        let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
         let c = self.cluster_size();
         let end = offset + data.len() as u64;
+        // Whole clusters compress the same whatever the image holds: compress them before
+        // taking the allocation lock, so that writers on other threads compress in parallel.
+        let mut pre: Vec<Option<Option<Vec<u8>>>> = Vec::new();
+        if self.compress_writes() {
+            let mut pos = offset;
+            while pos < end {
+                let in_cl = pos & (c - 1);
+                let n = (c - in_cl).min(end - pos);
+                let at = (pos - offset) as usize;
+                pre.push((n == c).then(|| self.compress_cluster(&data[at..at + n as usize])));
+                pos += n;
+            }
+        }
+        let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
         let mut pos = offset;
         let mut cluster =
             crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
+        let mut i = 0;
         while pos < end {
+            let this = i;
+            i += 1;
             let cl_start = pos & !(c - 1);
             let in_cl = (pos - cl_start) as usize;
             let n = ((c - in_cl as u64).min(end - pos)) as usize;
@@ -1277,11 +1326,17 @@ impl Qcow2Image {
                 // The cluster's new contents, whole: old contents (a copy-on-write of zero,
                 // backing, compressed or shared data) around the new data.
                 let buf = cluster.as_mut_slice();
-                if n < c as usize {
-                    fill_old(cl_start, buf)?;
-                }
-                buf[in_cl..in_cl + n].copy_from_slice(src);
-                if let Some(z) = self.compress_cluster(buf) {
+                let z = match pre.get_mut(this).and_then(Option::take) {
+                    Some(z) => z,
+                    None => {
+                        if n < c as usize {
+                            fill_old(cl_start, buf)?;
+                        }
+                        buf[in_cl..in_cl + n].copy_from_slice(src);
+                        self.compress_cluster(buf)
+                    }
+                };
+                if let Some(z) = z {
                     let at = self.place_compressed(&mut ws, file, &z)?;
                     let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
                     let x = 62 - (self.cluster_bits - 8);
@@ -1299,6 +1354,7 @@ impl Qcow2Image {
                     .1
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // Does not compress: a normal cluster with these contents.
+                buf[in_cl..in_cl + n].copy_from_slice(src);
                 let (new, _) = match self.find_free_run(&mut ws, file, 1)? {
                     Some(h) => (h, true),
                     None => (self.alloc_cluster(&mut ws, file)?, false),
@@ -1565,6 +1621,15 @@ impl Qcow2Image {
                 )));
             }
             Self::write_cache(&mut cache, file, self.meta_chunk())?;
+            // Keep only the last cluster of the run (the one chunks may still be appended
+            // to): the full ones are in the file now, and one of them may be freed below.
+            let c = self.cluster_size() as usize;
+            if cache.data.len() > c {
+                let drop_n = cache.data.len() - c;
+                cache.data.drain(..drop_n);
+                cache.start += drop_n as u64;
+                cache.used = cache.used.saturating_sub(drop_n);
+            }
         }
         let l2_dirty = self
             .l2_cache
@@ -1611,15 +1676,17 @@ impl Qcow2Image {
             file.sync_data().map_err(MapError::Io)?;
             for host in std::mem::take(&mut ws.pending_decs) {
                 if self.set_refcount(ws, file, host, RefChange::Dec)? == 0 {
-                    if ws.comp_pos & !(self.cluster_size() - 1) == host {
-                        // Never append compressed chunks to a freed cluster (nor write a
-                        // cached copy of it: nothing refers to it any more).
+                    // Never append compressed chunks to a freed cluster, nor write a cached
+                    // copy of it later (it may be reused for other data).
+                    let mut cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
+                    let cached = !cache.data.is_empty() && cache.start == host;
+                    if cached {
+                        cache.data.clear();
+                        cache.dirty = false;
+                    }
+                    drop(cache);
+                    if cached || ws.comp_pos & !(self.cluster_size() - 1) == host {
                         ws.comp_pos = 0;
-                        let mut cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
-                        if cache.start == host {
-                            cache.data.clear();
-                            cache.dirty = false;
-                        }
                     }
                     ws.free_cursor = ws.free_cursor.min(host);
                     ws.free_run_hint = u64::MAX;
