@@ -453,12 +453,10 @@ mod packing {
                         spills += 1;
                     }
                 }
-                if cache {
-                    assert!(
-                        spills > 0,
-                        "{compression:?}: no chunk spilled into the next cluster"
-                    );
-                }
+                assert!(
+                    spills > 0,
+                    "{compression:?} cache {cache}: no chunk spilled into the next cluster"
+                );
                 // Everything reads back through decompression (from the cache or the file).
                 let mut buf = vec![0u8; 65536];
                 for k in 0..40u64 {

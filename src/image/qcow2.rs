@@ -1139,6 +1139,12 @@ impl Qcow2Image {
             let host = if can_share && pos + len <= cur + c {
                 self.set_refcount(ws, file, cur, RefChange::Inc)?;
                 pos
+            } else if can_share && ws.next_free == cur + c {
+                // Spill into the next cluster: allocation takes `next_free` first, so the
+                // new cluster is the adjacent one.
+                self.set_refcount(ws, file, cur, RefChange::Inc)?;
+                self.alloc_cluster(ws, file)?;
+                pos
             } else {
                 self.alloc_cluster(ws, file)?
             };

@@ -83,6 +83,22 @@ struct Opts {
     #[arg(long)]
     fresh_file: bool,
 
+    /// Instead of workloads: the compressed-write table. Per --fill-data and
+    /// --compression-types, write --size bytes as 64 KiB requests at depth 8 into a fresh
+    /// qcow2 (qemu-img made, 64 KiB clusters) through each backend, then FLUSH; report the
+    /// time, the image size and the write system calls the backend made (/proc/PID/io).
+    /// Use variants with --compress-writes on (vublk) or "compress" (qsd: the compress filter;
+    /// add "pagecache" for cache.direct=off).
+    #[arg(long)]
+    compress_fill: bool,
+    /// --compress-fill data: ones (a constant byte), mix (the files under /usr, in path
+    /// order: binaries, text and compressed files, like a file system image).
+    #[arg(long, default_value = "ones,mix", value_delimiter = ',')]
+    fill_data: Vec<String>,
+    /// --compress-fill: the images' compression types.
+    #[arg(long, default_value = "zlib,zstd", value_delimiter = ',')]
+    compression_types: Vec<String>,
+
     /// Instead of workloads: measure the all-zero scanner on host buffers.
     #[arg(long)]
     zero_scan: bool,
@@ -321,8 +337,28 @@ fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work
             // "preallocate" among the options puts QEMU's preallocate filter between the
             // qcow2 node and the file (its defaults: 128 MiB ahead, 1 MiB aligned).
             let prealloc = backend.extra.iter().any(|e| e == "preallocate");
-            let extra = if prealloc { String::new() } else { extra };
-            let blockdev = if image.extension().is_some_and(|e| e == "qcow2") && prealloc {
+            // "compress": QEMU's compress filter over the qcow2 node (compressed writes);
+            // "pagecache": cache.direct=off. Both with aio=threads, QEMU's default, so that
+            // /proc/PID/io counts its writes.
+            let opt_set: Vec<&str> = backend.extra.iter().flat_map(|e| e.split(',')).collect();
+            let compress = opt_set.contains(&"compress");
+            let extra = if prealloc || compress {
+                String::new()
+            } else {
+                extra
+            };
+            let blockdev = if compress {
+                format!(
+                    "driver=compress,node-name=file0,file.driver=qcow2,file.file.driver=file,\
+                     file.file.filename={},file.file.cache.direct={},file.file.aio=threads",
+                    image.display(),
+                    if opt_set.contains(&"pagecache") {
+                        "off"
+                    } else {
+                        "on"
+                    }
+                )
+            } else if image.extension().is_some_and(|e| e == "qcow2") && prealloc {
                 format!(
                     "driver=qcow2,node-name=file0,file.driver=preallocate,\
                      file.file.driver=file,file.file.filename={},file.file.cache.direct=on,\
@@ -821,6 +857,10 @@ fn main() {
         zero_fill(&opts, &backends, &vublk, &work);
         return;
     }
+    if opts.compress_fill {
+        compress_fill(&opts, &backends, &vublk, &work);
+        return;
+    }
     // Only fresh qcow2 images: the raw benchmark image is not needed (and may be large).
     let only_fresh = opts.fresh_qcow2
         && backends.iter().all(|b| {
@@ -1267,4 +1307,271 @@ fn fresh_file(opts: &Opts, work: &Path) {
         );
     }
     let _ = fs::remove_file(&path);
+}
+
+/// `--compress-fill` data: `len` bytes of a constant byte, or of the files under /usr.
+fn fill_data(kind: &str, len: usize) -> Vec<u8> {
+    match kind {
+        "ones" => vec![1u8; len],
+        "mix" => {
+            let mut out = Vec::with_capacity(len);
+            let mut dirs = vec![PathBuf::from("/usr")];
+            let mut files = Vec::new();
+            while let Some(d) = dirs.pop() {
+                let Ok(rd) = fs::read_dir(&d) else { continue };
+                let mut entries: Vec<_> = rd.filter_map(Result::ok).collect();
+                entries.sort_by_key(|e| e.path());
+                for e in entries.into_iter().rev() {
+                    match e.file_type() {
+                        Ok(t) if t.is_dir() => dirs.push(e.path()),
+                        Ok(t) if t.is_file() => files.push(e.path()),
+                        _ => {}
+                    }
+                }
+            }
+            files.sort();
+            'outer: loop {
+                for f in &files {
+                    if let Ok(b) = fs::read(f) {
+                        let n = b.len().min(len - out.len());
+                        out.extend_from_slice(&b[..n]);
+                        if out.len() == len {
+                            break 'outer;
+                        }
+                    }
+                }
+                assert!(!out.is_empty(), "no readable files under /usr");
+            }
+            out
+        }
+        other => panic!("--fill-data {other}: ones or mix"),
+    }
+}
+
+/// write system calls and bytes of a process so far (/proc/PID/io: syscw, wchar).
+fn proc_writes(pid: i32) -> Option<(u64, u64)> {
+    let s = fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    let field = |k: &str| -> Option<u64> {
+        s.lines()
+            .find_map(|l| l.strip_prefix(k))?
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some((field("syscw:")?, field("wchar:")?))
+}
+
+/// Count a process's positioned writes (pwrite64, pwritev, pwritev2: the image file's
+/// writes; eventfd signals are plain write(2) and not counted) with `perf stat`, threads
+/// created later included. None where perf or its syscall tracepoints are missing.
+fn start_write_count(pid: i32, out: &Path) -> Option<Child> {
+    let mut c = Command::new("perf")
+        .args(["stat", "-x", ",", "-e"])
+        .arg(
+            "syscalls:sys_enter_pwrite64,syscalls:sys_enter_pwritev,\
+             syscalls:sys_enter_pwritev2",
+        )
+        .arg("-p")
+        .arg(pid.to_string())
+        .arg("-o")
+        .arg(out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    // perf attaches asynchronously: give it a moment.
+    std::thread::sleep(Duration::from_millis(300));
+    if let Ok(Some(_)) = c.try_wait() {
+        return None;
+    }
+    Some(c)
+}
+
+fn stop_write_count(mut c: Child, out: &Path) -> Option<u64> {
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+    c.wait().ok()?;
+    let s = fs::read_to_string(out).ok()?;
+    let mut total = 0;
+    let mut seen = false;
+    for l in s.lines().filter(|l| l.contains("syscalls:")) {
+        total += l.split(',').next()?.trim().parse::<u64>().ok()?;
+        seen = true;
+    }
+    seen.then_some(total)
+}
+
+/// Write `data` sequentially as 64 KiB requests at depth 8, then FLUSH.
+fn write_data_through(b: &mut Blkio, q: &mut Blkioq, data: &[u8]) {
+    const BS: usize = 64 << 10;
+    const DEPTH: usize = 8;
+    let region = b.alloc_mem_region(BS * DEPTH).expect("alloc region");
+    b.map_mem_region(&region).expect("map region");
+    let mut completions: Vec<MaybeUninit<blkio::Completion>> =
+        (0..DEPTH).map(|_| MaybeUninit::uninit()).collect();
+    let mut next = 0usize;
+    let mut in_flight = 0;
+    let submit = |q: &mut Blkioq, slot: usize, next: &mut usize| {
+        let buf = (region.addr + slot * BS) as *mut u8;
+        // SAFETY: the slot's buffer is ours and not in flight.
+        unsafe { std::ptr::copy_nonoverlapping(data[*next..].as_ptr(), buf, BS) };
+        q.write(*next as u64, buf as *const u8, BS, slot, ReqFlags::empty());
+        *next += BS;
+    };
+    for slot in 0..DEPTH {
+        if next + BS <= data.len() {
+            submit(q, slot, &mut next);
+            in_flight += 1;
+        }
+    }
+    while in_flight > 0 {
+        let n = q.do_io(&mut completions, 1, None, None).expect("do_io");
+        for c in completions.iter().take(n) {
+            // SAFETY: do_io initialised the first n entries.
+            let c = unsafe { c.assume_init_ref() };
+            assert_eq!(c.ret, 0, "write failed: errno {}", -c.ret);
+            in_flight -= 1;
+            if next + BS <= data.len() {
+                submit(q, c.user_data, &mut next);
+                in_flight += 1;
+            }
+        }
+    }
+    q.flush(0, ReqFlags::empty());
+    let n = q.do_io(&mut completions, 1, None, None).expect("flush");
+    assert_eq!(n, 1);
+    // SAFETY: the first completion was initialised by do_io.
+    let flushed = unsafe { completions[0].assume_init_ref() }.ret;
+    assert_eq!(flushed, 0, "FLUSH failed");
+}
+
+struct CompressResult {
+    secs: f64,
+    image_bytes: u64,
+    syscw: u64,
+    wchar: u64,
+    /// vublk's own count of compressed writes reaching the file, and their bytes.
+    cache_writes: Option<(u64, u64)>,
+}
+
+fn compress_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
+    let size = opts.size - opts.size % (64 << 10);
+    let mut rows = String::new();
+    for kind in &opts.fill_data {
+        let data = fill_data(kind, size as usize);
+        for ctype in &opts.compression_types {
+            let mut results: Vec<Vec<CompressResult>> =
+                backends.iter().map(|_| Vec::new()).collect();
+            for run in 0..opts.runs {
+                for (bi, backend) in backends.iter().enumerate() {
+                    let default_image = work.join("compress-fill.qcow2");
+                    let image = backend.image.as_deref().unwrap_or(&default_image);
+                    if fs::remove_file(image).is_ok() {
+                        // SAFETY: plain system call.
+                        unsafe { libc::sync() };
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                    let st = Command::new("qemu-img")
+                        .args(["create", "-q", "-f", "qcow2", "-o"])
+                        .arg(format!("cluster_size=64k,compression_type={ctype}"))
+                        .arg(image)
+                        .arg(size.to_string())
+                        .status()
+                        .expect("qemu-img create");
+                    assert!(st.success(), "qemu-img create {} failed", image.display());
+                    let server = start_server(backend, image, opts, vublk, work);
+                    let (mut b, mut queues) = connect_client(backend, &server, image, 1);
+                    let pid = server.pid().expect("a server process");
+                    let perf_out = work.join("compress-fill.perf");
+                    let perf = start_write_count(pid, &perf_out);
+                    let w0 = proc_writes(pid).unwrap_or_default();
+                    let t0 = Instant::now();
+                    write_data_through(&mut b, &mut queues[0], &data);
+                    let secs = t0.elapsed().as_secs_f64();
+                    let w1 = proc_writes(pid).unwrap_or_default();
+                    let pwrites = perf.and_then(|p| stop_write_count(p, &perf_out));
+                    drop(queues);
+                    drop(b);
+                    drop(server);
+                    let log = fs::read_to_string(work.join(format!("{}.log", backend.name())))
+                        .unwrap_or_default();
+                    let cache_writes = log.split("compressed writes: ").find_map(|r| {
+                        let (w, rest) = r.split_once(" writes of ")?;
+                        let bytes = rest.split_whitespace().next()?;
+                        Some((w.parse().ok()?, bytes.parse().ok()?))
+                    });
+                    let image_bytes = fs::metadata(image).expect("image").len();
+                    let r = CompressResult {
+                        secs,
+                        image_bytes,
+                        // perf's count of positioned writes when it works; else every
+                        // write system call (eventfd signals included).
+                        syscw: pwrites.unwrap_or(w1.0 - w0.0),
+                        wchar: w1.1 - w0.1,
+                        cache_writes,
+                    };
+                    eprintln!(
+                        "run {} {kind} {ctype} {:10} {:.2} s, image {} MiB, {} write calls \
+                         ({} MiB), compressed writes to the file {:?}",
+                        run + 1,
+                        backend.name(),
+                        r.secs,
+                        r.image_bytes >> 20,
+                        r.syscw,
+                        r.wchar >> 20,
+                        r.cache_writes
+                    );
+                    results[bi].push(r);
+                }
+            }
+            for (bi, backend) in backends.iter().enumerate() {
+                let rs = &results[bi];
+                let secs = median(rs.iter().map(|r| r.secs).collect());
+                let img = median(rs.iter().map(|r| r.image_bytes as f64).collect());
+                let calls = median(rs.iter().map(|r| r.syscw as f64).collect());
+                let wchar = median(rs.iter().map(|r| r.wchar as f64).collect());
+                let cw = rs
+                    .iter()
+                    .find_map(|r| r.cache_writes)
+                    .map(|(w, b)| {
+                        format!("{w} ({:.1} KiB avg)", b as f64 / w.max(1) as f64 / 1024.0)
+                    })
+                    .unwrap_or_else(|| "-".into());
+                let _ = writeln!(
+                    rows,
+                    "| {kind} | {ctype} | {} | {secs:.2} | {:.1} | {calls:.0} | {:.1} | {cw} |",
+                    backend.name(),
+                    img / (1 << 20) as f64,
+                    if calls > 0.0 {
+                        wchar / calls / 1024.0
+                    } else {
+                        0.0
+                    },
+                );
+            }
+        }
+    }
+    let mut out = String::new();
+    let _ = writeln!(out, "\nMachine: {}", machine_description());
+    let _ = writeln!(
+        out,
+        "{} MiB written as 64 KiB requests at depth 8 into a fresh qcow2 (64 KiB clusters), \
+         then FLUSH; time to the FLUSH's completion; {} runs, medians; write calls = the \
+         backend's pwrite/pwritev calls during the run (perf stat syscall tracepoints: data \
+         and metadata writes to the image), avg write = bytes written (/proc/PID/io wchar) / \
+         calls.\n",
+        size >> 20,
+        opts.runs
+    );
+    let _ = writeln!(
+        out,
+        "| data | compression | backend | time (s) | image (MiB) | write calls | avg write (KiB) | compressed writes to the file (vublk) |"
+    );
+    let _ = writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|");
+    out.push_str(&rows);
+    print!("{out}");
+    if let Some(p) = &opts.report {
+        fs::write(p, &out).expect("write report");
+    }
 }
