@@ -642,5 +642,186 @@ mod packing {
         }
         assert_reads(&q, &disk, reuse, &fresh, "the reused cluster");
         q.close(&disk).unwrap();
+        let (allocated, _) = strict_check(&disk, "after reuse");
+        assert!(allocated > 0);
+        // Discarding every chunk frees every host cluster: refcounts stay exact (no leak,
+        // nothing allocated).
+        let q = Qcow2Image::open(&disk, true).unwrap();
+        let used = want.len() as u64;
+        for k in (0..used).chain([reuse]) {
+            q.zero_range(&disk, k * 65536, 65536, ZeroMode::Discard, false, &mut fill)
+                .unwrap();
+        }
+        q.close(&disk).unwrap();
+        let (allocated, check) = strict_check(&disk, "after discarding everything");
+        assert_eq!(allocated, 0, "clusters still allocated:\n{check}");
+    }
+
+    /// `qemu-img check --output=json` must find nothing (no corruption, no leak); returns the
+    /// allocated cluster count and the report. Without qemu-img: (1, "").
+    fn strict_check(disk: &MemStorage, what: &str) -> (u64, String) {
+        let have = std::process::Command::new("qemu-img")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !have {
+            return (1, String::new());
+        }
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+        std::fs::create_dir_all(&dir).unwrap();
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let p = dir.join(format!(
+            "strict-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::write(&p, &*disk.lock()).unwrap();
+        let o = std::process::Command::new("qemu-img")
+            .args(["check", "--output=json", "-f", "qcow2"])
+            .arg(&p)
+            .output()
+            .unwrap();
+        std::fs::remove_file(&p).unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert_eq!(o.status.code(), Some(0), "{what}: qemu-img check:\n{out}");
+        let allocated = out
+            .split("\"allocated-clusters\":")
+            .nth(1)
+            .map(|r| {
+                r.trim()
+                    .split([',', '\n'])
+                    .next()
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or_else(|| panic!("{what}: bad allocated-clusters in:\n{out}"))
+            })
+            // qemu-img leaves the field out when nothing is allocated.
+            .unwrap_or(0);
+        (allocated, out)
+    }
+
+    /// A disk whose writes fail while `fail` is set.
+    struct FlakyDisk {
+        inner: MemStorage,
+        fail: std::sync::atomic::AtomicBool,
+    }
+
+    impl Storage for FlakyDisk {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+            self.inner.read_at(buf, offset)
+        }
+        fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+            if self.fail.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+            self.inner.write_all_at(buf, offset)
+        }
+        fn set_len(&self, len: u64) -> io::Result<()> {
+            self.inner.set_len(len)
+        }
+        fn size(&self) -> io::Result<u64> {
+            self.inner.size()
+        }
+        fn sync_data(&self) -> io::Result<()> {
+            self.inner.sync_data()
+        }
+        fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+            self.inner.punch_hole(offset, len)
+        }
+    }
+
+    /// A failed cache write loses the chunks in it: the FLUSH that hit it fails, and so does
+    /// every later one, even once the disk works again; nothing claims durability again.
+    #[test]
+    fn a_failed_cache_write_fails_every_later_flush() {
+        let disk = FlakyDisk {
+            inner: MemStorage::new(image(Compression::Zstd)),
+            fail: std::sync::atomic::AtomicBool::new(false),
+        };
+        let q = Qcow2Image::open(&disk, true).unwrap();
+        q.set_compress_writes(true);
+        q.set_compressed_cache(true);
+        let mut fill = zero_fill;
+        for k in 0..3 {
+            q.write(&disk, k * 65536, &cluster_data(k), &mut fill)
+                .unwrap();
+        }
+        q.flush(&disk).unwrap();
+        // Chunks that sit in the cache (the unfinished cluster) when the disk fails.
+        for k in 3..6 {
+            q.write(&disk, k * 65536, &cluster_data(k), &mut fill)
+                .unwrap();
+        }
+        disk.fail.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            q.flush(&disk).is_err(),
+            "the flush that lost data succeeded"
+        );
+        disk.fail.store(false, std::sync::atomic::Ordering::Relaxed);
+        for attempt in 0..3 {
+            assert!(
+                q.flush(&disk).is_err(),
+                "flush {attempt} after the lost cache write succeeded"
+            );
+        }
+        assert!(
+            q.write(&disk, 10 * 65536, &cluster_data(10), &mut fill)
+                .is_err(),
+            "a compressed write after the lost cache write succeeded"
+        );
+        // What was flushed before the failure is still there.
+        for k in 0..3 {
+            let mut ext = Vec::new();
+            q.map(&disk, k * 65536, 65536, &mut ext).unwrap();
+            let Extent::Compressed {
+                host_offset,
+                compressed_len,
+                ..
+            } = ext[0]
+            else {
+                panic!("{:?}", ext[0]);
+            };
+            let mut buf = vec![0u8; 65536];
+            q.decompress(&disk, host_offset, compressed_len, &mut buf)
+                .unwrap();
+            assert!(buf == cluster_data(k), "flushed cluster {k}");
+        }
+    }
+
+    /// Several threads write compressed clusters at once (runs are written outside the
+    /// allocation lock) while each reads back what it wrote at once and others flush: every
+    /// read sees its data, whether it is in the cache, being written, or in the file.
+    #[test]
+    fn concurrent_writers_read_back_their_chunks() {
+        let disk = MemStorage::new(image(Compression::Zstd));
+        let q = Qcow2Image::open(&disk, true).unwrap();
+        q.set_compress_writes(true);
+        q.set_compressed_cache(true);
+        q.set_compressed_cache_clusters(2);
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let (q, disk) = (&q, &disk);
+                s.spawn(move || {
+                    let mut fill = zero_fill;
+                    for i in 0..30u64 {
+                        let k = t * 100 + i;
+                        q.write(disk, k * 65536, &cluster_data(k), &mut fill)
+                            .unwrap();
+                        assert_reads(q, disk, k, &cluster_data(k), "right after the write");
+                        if i % 10 == 9 {
+                            q.flush(disk).unwrap();
+                        }
+                    }
+                });
+            }
+        });
+        q.close(&disk).unwrap();
+        let q = Qcow2Image::open(&disk, false).unwrap();
+        for t in 0..4u64 {
+            for i in 0..30u64 {
+                let k = t * 100 + i;
+                assert_reads(&q, &disk, k, &cluster_data(k), "after reopen");
+            }
+        }
+        strict_check(&disk, "after concurrent writers");
     }
 }

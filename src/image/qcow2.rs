@@ -168,9 +168,19 @@ struct CompCache {
     dirty: bool,
     /// A cache write failed: that data is lost, and every later FLUSH fails.
     failed: bool,
+    /// Runs taken out of the cache and being written by the thread that filled them,
+    /// outside the allocation lock: (file offset, bytes). Reads still find their chunks
+    /// here; metadata write-back waits until they are in the file.
+    writing: Vec<(u64, std::sync::Arc<Vec<u8>>)>,
     /// Writes of compressed data that reached the file, and their bytes.
     file_writes: u64,
     file_bytes: u64,
+}
+
+/// A run of compressed chunks taken out of the cache, to be written.
+struct Run {
+    start: u64,
+    bytes: std::sync::Arc<Vec<u8>>,
 }
 
 /// A finished background extension: its end, and Ok or the errno.
@@ -363,6 +373,8 @@ pub struct Qcow2Image {
     /// The compressed-write cache (`--compressed-cache on`): the host cluster being packed.
     /// Locked after the allocation state, never before it.
     comp_cache: Mutex<CompCache>,
+    /// Signalled when a run leaves `CompCache::writing`.
+    comp_written: std::sync::Condvar,
     /// `--compress-writes on`: clusters written whole are stored compressed.
     compress_writes: std::sync::atomic::AtomicBool,
     /// Clusters stored compressed, and written normally because they did not compress.
@@ -617,6 +629,7 @@ impl Qcow2Image {
             prealloc_stats: Default::default(),
             prealloc_bg: Default::default(),
             compress_writes: std::sync::atomic::AtomicBool::new(false),
+            comp_written: std::sync::Condvar::new(),
             comp_cache: Mutex::new(CompCache {
                 cap_clusters: DEFAULT_COMPRESSED_CACHE_CLUSTERS,
                 ..CompCache::default()
@@ -1143,6 +1156,7 @@ impl Qcow2Image {
         ws: &mut WriteState,
         file: &dyn Storage,
         z: &[u8],
+        runs: &mut Vec<Run>,
     ) -> Result<u64, MapError> {
         let c = self.cluster_size();
         let len = z.len() as u64;
@@ -1197,8 +1211,7 @@ impl Qcow2Image {
             ws.comp_pos = pos + len;
             if pos + len == cur + c && cache.data.len() >= cap {
                 // Full: the whole run goes to the file as one aligned write.
-                Self::write_cache(&mut cache, file, c)?;
-                cache.data.clear();
+                runs.extend(Self::take_run(&mut cache, c));
                 ws.comp_pos = 0;
             }
             return Ok(pos);
@@ -1214,8 +1227,7 @@ impl Qcow2Image {
             let next = self.alloc_cluster(ws, file)?;
             if next != cur + c || cache.data.len() >= cap {
                 // The run is full (or, defensively, the next cluster is not adjacent).
-                Self::write_cache(&mut cache, file, c)?;
-                cache.data.clear();
+                runs.extend(Self::take_run(&mut cache, c));
                 cache.data.resize(c_us, 0);
                 cache.start = next;
                 cache.used = 0;
@@ -1235,10 +1247,7 @@ impl Qcow2Image {
         let host = self.alloc_cluster(ws, file)?;
         let end = cache.start + cache.data.len() as u64;
         if cache.data.is_empty() || host != end || cache.data.len() >= cap {
-            if !cache.data.is_empty() {
-                Self::write_cache(&mut cache, file, self.meta_chunk())?;
-                cache.data.clear();
-            }
+            runs.extend(Self::take_run(&mut cache, self.meta_chunk()));
             cache.start = host;
         }
         let at = (host - cache.start) as usize;
@@ -1248,6 +1257,58 @@ impl Qcow2Image {
         cache.dirty = true;
         ws.comp_pos = host + len;
         Ok(host)
+    }
+
+    /// Take the cached run out of the cache (up to what is used, rounded up to `align`) for
+    /// the caller to write once it has dropped the allocation lock; the cache is empty after.
+    fn take_run(cache: &mut CompCache, align: u64) -> Option<Run> {
+        let data = std::mem::take(&mut cache.data);
+        if !cache.dirty || data.is_empty() {
+            return None;
+        }
+        cache.dirty = false;
+        let n = (cache.used as u64)
+            .next_multiple_of(align)
+            .min(data.len() as u64) as usize;
+        let mut data = data;
+        data.truncate(n);
+        let bytes = std::sync::Arc::new(data);
+        cache.writing.push((cache.start, bytes.clone()));
+        Some(Run {
+            start: cache.start,
+            bytes,
+        })
+    }
+
+    /// Write runs taken by [`Self::take_run`] (without the allocation lock held).
+    fn write_runs(&self, file: &dyn Storage, runs: Vec<Run>) -> Result<(), MapError> {
+        let mut result = Ok(());
+        for run in runs {
+            let r = write_all_aligned(file, run.start, &run.bytes);
+            let mut cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache
+                .writing
+                .retain(|(_, b)| !std::sync::Arc::ptr_eq(b, &run.bytes));
+            match r {
+                Ok(()) => {
+                    cache.file_writes += 1;
+                    cache.file_bytes += run.bytes.len() as u64;
+                }
+                Err(e) => {
+                    log::error!(
+                        "compressed-write cache: writing {} bytes at {:#x} failed ({e}); the \
+                         compressed clusters in it are lost and every later FLUSH fails",
+                        run.bytes.len(),
+                        run.start
+                    );
+                    cache.failed = true;
+                    result = Err(MapError::Io(e));
+                }
+            }
+            drop(cache);
+            self.comp_written.notify_all();
+        }
+        result
     }
 
     /// Write the cached run up to what is used, rounded up to `align`.
@@ -1334,7 +1395,36 @@ impl Qcow2Image {
                 pos += n;
             }
         }
+        let mut ws_guard = ws.lock().unwrap_or_else(|e| e.into_inner());
+        let mut runs = Vec::new();
+        let r = self.write_locked(&mut ws_guard, file, offset, data, fill_old, pre, &mut runs);
+        if runs.is_empty() {
+            r?;
+            return self.maybe_write_back(&mut ws_guard, file);
+        }
+        // Full runs of compressed chunks go to the file without the allocation lock held, so
+        // that other writers compress and place meanwhile; write-back waits for them.
+        drop(ws_guard);
+        let written = self.write_runs(file, runs);
+        r?;
+        written?;
         let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+        self.maybe_write_back(&mut ws, file)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write_locked(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        offset: u64,
+        data: &[u8],
+        fill_old: &mut FillOld<'_>,
+        mut pre: Vec<Option<Option<Vec<u8>>>>,
+        runs: &mut Vec<Run>,
+    ) -> Result<(), MapError> {
+        let c = self.cluster_size();
+        let end = offset + data.len() as u64;
         let mut pos = offset;
         let mut cluster =
             crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
@@ -1366,13 +1456,13 @@ impl Qcow2Image {
                     }
                 };
                 if let Some(z) = z {
-                    let at = self.place_compressed(&mut ws, file, &z)?;
-                    let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
+                    let at = self.place_compressed(ws, file, &z, runs)?;
+                    let l2 = self.ensure_l2(ws, file, cl_start)?;
                     let x = 62 - (self.cluster_bits - 8);
                     let extra = ((at + z.len() as u64 - 1) >> 9) - (at >> 9);
                     let entry = L2_COMPRESSED | (extra << x) | at;
-                    self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), entry)?;
-                    self.release_old(&mut ws, e);
+                    self.write_l2_entry(ws, file, l2, self.l2_index(cl_start), entry)?;
+                    self.release_old(ws, e);
                     self.compress_stats
                         .0
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1384,14 +1474,14 @@ impl Qcow2Image {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // Does not compress: a normal cluster with these contents.
                 buf[in_cl..in_cl + n].copy_from_slice(src);
-                let (new, _) = match self.find_free_run(&mut ws, file, 1)? {
+                let (new, _) = match self.find_free_run(ws, file, 1)? {
                     Some(h) => (h, true),
-                    None => (self.alloc_cluster(&mut ws, file)?, false),
+                    None => (self.alloc_cluster(ws, file)?, false),
                 };
                 write_all_aligned(file, new, buf).map_err(MapError::Io)?;
-                let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
-                self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
-                self.release_old(&mut ws, e);
+                let l2 = self.ensure_l2(ws, file, cl_start)?;
+                self.write_l2_entry(ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
+                self.release_old(ws, e);
                 pos += n as u64;
                 continue;
             }
@@ -1409,13 +1499,13 @@ impl Qcow2Image {
                     true
                 };
                 buf[in_cl..in_cl + n].copy_from_slice(src);
-                let (new, reused) = match self.find_free_run(&mut ws, file, 1)? {
+                let (new, reused) = match self.find_free_run(ws, file, 1)? {
                     Some(h) => {
                         self.reused_clusters
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         (h, true)
                     }
-                    None => (self.alloc_cluster(&mut ws, file)?, false),
+                    None => (self.alloc_cluster(ws, file)?, false),
                 };
                 if old_is_zero && n < c as usize && !reused {
                     // A fresh cluster past every earlier allocation is a hole: write only
@@ -1424,13 +1514,13 @@ impl Qcow2Image {
                 } else {
                     write_all_aligned(file, new, buf).map_err(MapError::Io)?;
                 }
-                let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
-                self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
-                self.release_old(&mut ws, e);
+                let l2 = self.ensure_l2(ws, file, cl_start)?;
+                self.write_l2_entry(ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
+                self.release_old(ws, e);
             }
             pos += n as u64;
         }
-        self.maybe_write_back(&mut ws, file)
+        self.maybe_write_back(ws, file)
     }
 
     /// Write back dirty metadata in dependency order; the caller syncs the file afterwards
@@ -1601,6 +1691,11 @@ impl Qcow2Image {
         };
         let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
         self.write_back(&mut ws, file)?;
+        // The decrements that write-back applied last (clusters the written L2 tables no
+        // longer use): written now, or a clean shutdown would leave them leaked.
+        if !ws.dirty_chunks.is_empty() {
+            self.write_dirty_refcounts(&mut ws, file)?;
+        }
         // A background extension still running would extend the file after the trim.
         if let Some(p) = ws.prealloc.as_mut().filter(|p| p.busy) {
             if let Some((e, r)) = self.prealloc_bg.wait_done() {
@@ -1644,6 +1739,14 @@ impl Qcow2Image {
             // Compressed chunks reach the file before any L2 entry that names them; after a
             // failed cache write, nothing may claim durability again.
             let mut cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
+            // Runs other writers are writing right now reach the file first (their threads
+            // do not need the allocation lock to finish).
+            while !cache.writing.is_empty() {
+                cache = self
+                    .comp_written
+                    .wait(cache)
+                    .unwrap_or_else(|e| e.into_inner());
+            }
             if cache.failed {
                 return Err(MapError::Io(io::Error::other(
                     "an earlier compressed-cache write failed: compressed data was lost",
@@ -2230,21 +2333,38 @@ impl Qcow2Image {
     ) -> Result<(), MapError> {
         let start = host_offset & !511;
         let lead = (host_offset - start) as usize;
-        let mut raw =
-            read_aligned(file, start, lead + compressed_len as usize).map_err(MapError::Io)?;
+        // Bytes still in the compressed-write cache are newer than the file's. Take them
+        // first: whatever is not in the cache now already is in the file (a run leaves the
+        // cache only after its write completed), so the file read below sees it.
+        let mut overlays: Vec<(usize, Vec<u8>)> = Vec::new();
         {
-            // Bytes still in the compressed-write cache are newer than the file's.
             let cache = self.comp_cache.lock().unwrap_or_else(|e| e.into_inner());
-            if !cache.data.is_empty() {
-                let (a, b) = (cache.start, cache.start + cache.used as u64);
+            let held = cache
+                .writing
+                .iter()
+                .map(|(start, b)| (*start, &b[..]))
+                .chain([(cache.start, &cache.data[..cache.used.min(cache.data.len())])]);
+            for (a, bytes) in held {
+                let b = a + bytes.len() as u64;
                 let (x, y) = (host_offset, host_offset + compressed_len);
                 let (lo, hi) = (a.max(x), b.min(y));
                 if lo < hi {
-                    let dst = lead + (lo - x) as usize;
                     let src = (lo - a) as usize;
-                    let n = (hi - lo) as usize;
-                    raw[dst..dst + n].copy_from_slice(&cache.data[src..src + n]);
+                    overlays.push((
+                        lead + (lo - x) as usize,
+                        bytes[src..src + (hi - lo) as usize].to_vec(),
+                    ));
                 }
+            }
+        }
+        let want = lead + compressed_len as usize;
+        let mut raw = read_aligned(file, start, want).map_err(MapError::Io)?;
+        if raw.len() < want && !overlays.is_empty() {
+            raw.resize(want, 0);
+        }
+        for (dst, bytes) in overlays {
+            if let Some(d) = raw.get_mut(dst..dst + bytes.len()) {
+                d.copy_from_slice(&bytes);
             }
         }
         let input = raw
