@@ -590,6 +590,17 @@ fn run_guest(variant: &Variant) {
             String::from_utf8_lossy(&o.stdout)
         );
         println!("[vm] qemu-img check: clean");
+        if backend == Backend::Vublk && variant.vublk_args.contains(&"--compress-writes") {
+            // The guest's whole-cluster writes (mkfs, files) were stored compressed.
+            let out = String::from_utf8_lossy(&o.stdout).into_owned();
+            let pct: f64 = out
+                .split("fragmented, ")
+                .nth(1)
+                .and_then(|r| r.split('%').next()?.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no compressed percentage in:\n{out}"));
+            println!("[vm] compressed clusters: {pct}%");
+            assert!(pct > 1.0, "no compressed clusters:\n{out}");
+        }
         let raw = run.path.join("converted.raw");
         let st = Command::new("qemu-img")
             .args(["convert", "-f", "qcow2", "-O", "raw"])
@@ -780,6 +791,22 @@ fn guest_mkfs_and_files_on_a_fresh_qcow2() {
     run_guest(&Variant {
         name: "qcow2-rw",
         vublk_args: &["--format", "qcow2"],
+        serial: None,
+        logical_block: 512,
+        mode: None,
+        device_props: "",
+        prepare: Some(prepare_qcow2_fresh),
+    });
+}
+
+/// The same workload with `--compress-writes on` (the backup-target configuration): whole
+/// clusters the guest writes are stored compressed through the cache and the thread pool;
+/// the image must pass `qemu-img check` and read back identically.
+#[test]
+fn guest_mkfs_and_files_on_a_compressing_qcow2() {
+    run_guest(&Variant {
+        name: "qcow2-compress",
+        vublk_args: &["--format", "qcow2", "--compress-writes", "on"],
         serial: None,
         logical_block: 512,
         mode: None,
