@@ -99,6 +99,11 @@ pub struct Args {
     #[arg(long, value_name = "SIZE", default_value = "1M")]
     pub prealloc_align: String,
 
+    /// parallels: how the file grows ahead of the data: falloc (allocated) or truncate
+    /// (size only, sparse).
+    #[arg(long, value_enum, default_value_t = PreallocModeArg::Falloc)]
+    pub prealloc_mode: PreallocModeArg,
+
     /// qcow2: store every cluster written whole compressed (the image's compression type),
     /// merging partial writes to unallocated clusters into whole ones; a cluster that does not
     /// compress is written normally. For backup targets and image export.
@@ -134,6 +139,8 @@ pub enum Format {
     Raw,
     /// qcow2 (versions 2 and 3).
     Qcow2,
+    /// Parallels (Virtuozzo) images, both magics.
+    Parallels,
 }
 
 /// Host cache modes (QEMU's names and meanings).
@@ -181,6 +188,15 @@ pub enum OnOff {
     Off,
 }
 
+/// `--prealloc-mode` values (parallels).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PreallocModeArg {
+    /// Allocate the preallocated space (fallocate).
+    Falloc,
+    /// Only extend the file's size (sparse); falls back to falloc where unsupported.
+    Truncate,
+}
+
 /// `--prealloc` values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PreallocArg {
@@ -202,7 +218,7 @@ pub enum BackingMode {
 /// Subcommands (without one, vublk serves an image).
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Create a new raw or qcow2 image (never overwrites).
+    /// Create a new raw, qcow2 or parallels image (never overwrites).
     Create(CreateArgs),
 }
 
@@ -215,9 +231,10 @@ pub struct CreateArgs {
     /// Virtual size, e.g. 8G, 512M, 1T or bytes (default: the backing file's size).
     #[arg(long, value_name = "SIZE")]
     pub size: Option<String>,
-    /// qcow2 cluster size, a power of two from 512 to 2M.
-    #[arg(long, value_name = "BYTES", default_value = "64K")]
-    pub cluster_size: String,
+    /// Cluster size: qcow2 a power of two from 512 to 2M (default 64K); parallels a multiple
+    /// of 512 up to 1G (default 1M).
+    #[arg(long, value_name = "BYTES")]
+    pub cluster_size: Option<String>,
     /// qcow2 compression type for compressed clusters.
     #[arg(long, value_enum, default_value_t = CompressionArg::Zlib)]
     pub compression_type: CompressionArg,

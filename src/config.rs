@@ -44,6 +44,7 @@ pub struct Config {
     pub detect_zeroes: DetectZeroes,
     pub discard: DiscardMode,
     pub prealloc: crate::args::PreallocArg,
+    pub prealloc_mode: crate::args::PreallocModeArg,
     pub compress_writes: bool,
     pub compressed_cache: bool,
     /// `--compressed-cache-size` in bytes (None: 16 host clusters).
@@ -215,6 +216,7 @@ impl Config {
             discard: args.discard,
             l2_cache_bytes,
             prealloc: args.prealloc,
+            prealloc_mode: args.prealloc_mode,
             compress_writes: args.compress_writes == crate::args::OnOff::On,
             compressed_cache: args.compressed_cache == crate::args::OnOff::On,
             compressed_cache_bytes,

@@ -87,6 +87,8 @@ pub struct Device {
     /// Present when a guest block is smaller than the file's direct-I/O block, so sub-block
     /// writes are read-modify-written and must be serialised against overlapping writes.
     pub write_ranges: Option<RangeLocks>,
+    /// The parallels mapping, for parallels images.
+    pub parallels: Option<crate::image::parallels::ParallelsImage>,
     /// Threads that compress and place `--compress-writes on` writes (None: on the queue
     /// threads).
     pub compress_pool: Option<crate::offload::Pool>,
@@ -112,6 +114,7 @@ impl Device {
         Device {
             write_ranges: rmw_possible.then(RangeLocks::default),
             compress_pool: None,
+            parallels: None,
             zero_stats: ZeroStats::default(),
             qcow2: None,
             backing: Vec::new(),
@@ -125,6 +128,10 @@ impl Device {
 
     /// Write back format metadata (qcow2 caches) without syncing.
     pub fn write_back_metadata(&self) -> std::io::Result<()> {
+        if let Some(p) = &self.parallels {
+            p.flush(&self.file)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+        }
         match &self.qcow2 {
             Some(q) => q
                 .flush(&self.file)
@@ -144,6 +151,10 @@ impl Device {
     pub fn close(&self) -> std::io::Result<()> {
         if let Some(q) = &self.qcow2 {
             q.close(&self.file)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+        }
+        if let Some(p) = &self.parallels {
+            p.close(&self.file)
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
         }
         self.file.sync_data()

@@ -448,6 +448,14 @@ impl QueueWorker {
                         return Ok(false);
                     }
                 }
+                if let Some(p) = self.dev.parallels.as_ref() {
+                    // The BAT of every completed allocation; the sync below makes it durable.
+                    if let Err(e) = p.flush(&self.dev.file) {
+                        error!("queue {}: parallels BAT write-back: {e}", self.index);
+                        slot.status = status::IOERR;
+                        return Ok(false);
+                    }
+                }
                 slot.pending = 1;
                 // SAFETY: no buffers.
                 unsafe {
@@ -489,6 +497,10 @@ impl QueueWorker {
         }
         if self.dev.qcow2.is_some() {
             self.qcow2_zero_ranges(idx, discard, discard_unmap);
+            return Ok(false);
+        }
+        if self.dev.parallels.is_some() {
+            self.parallels_zero_ranges(idx, discard, discard_unmap);
             return Ok(false);
         }
         if self.dev.write_ranges.is_some() {
@@ -548,9 +560,13 @@ impl QueueWorker {
 
     /// Would this write (at offset 0) start the image with a format magic?
     fn plants_format_header(&self, idx: u16, mem: &Mem) -> bool {
-        let mut magic = [0u8; 4];
+        use crate::image::parallels::{MAGIC_EXT, MAGIC_OLD};
+        let mut magic = [0u8; 16];
         let data = &self.slots[usize::from(idx)].req.data;
-        copy_from_guest_prefix(mem, data, &mut magic) && magic == crate::image::qcow2::MAGIC
+        copy_from_guest_prefix(mem, data, &mut magic[..4])
+            && magic[..4] == crate::image::qcow2::MAGIC
+            || copy_from_guest_prefix(mem, data, &mut magic)
+                && (magic == *MAGIC_OLD || magic == *MAGIC_EXT)
     }
 
     /// detect-zeroes: is the whole write all zero? Reads guest memory in place.
@@ -671,6 +687,29 @@ impl QueueWorker {
                 }
             }
         }
+        if let (false, Some(p)) = (is_read, self.dev.parallels.as_ref()) {
+            // Allocated and contiguous: in place through the ring. Else allocate here (the
+            // new clusters read as zeroes, so no fill is needed) and write through the ring;
+            // write-through mode and scattered clusters take the synchronous path, which
+            // also makes a new allocation durable.
+            let planned = match p.owned_extent(offset, len) {
+                Some(host) => Ok(Some(host)),
+                None if writeback => p.allocate(&self.dev.file, offset, len),
+                None => Ok(None),
+            };
+            match planned {
+                Ok(Some(host)) => write_offset = host,
+                Ok(None) => {
+                    self.parallels_write(idx, &mem);
+                    return Ok(false);
+                }
+                Err(e) => {
+                    error!("queue {}: parallels write at {offset}: {e}", self.index);
+                    self.slots[usize::from(idx)].status = status::IOERR;
+                    return Ok(false);
+                }
+            }
+        }
         let file_offset = if is_read {
             match self.plan_read(idx, &mem, offset, len) {
                 Ok(o) => o,
@@ -686,6 +725,8 @@ impl QueueWorker {
                 // The read-modify-write path works on raw offsets; qcow2 goes the
                 // synchronous way (it writes through aligned buffers).
                 self.qcow2_write(idx, &mem);
+            } else if self.dev.parallels.is_some() {
+                self.parallels_write(idx, &mem);
             } else {
                 self.read_modify_write(idx, &mem);
             }
@@ -744,7 +785,10 @@ impl QueueWorker {
             self.stats.bounced += 1;
             // Sub-block reads read the whole file blocks around the request.
             let (start, end) = block_span(file_offset, len, block);
-            if self.dev.qcow2.is_none() && end > self.dev.params.size_bytes {
+            if self.dev.qcow2.is_none()
+                && self.dev.parallels.is_none()
+                && end > self.dev.params.size_bytes
+            {
                 error!("queue {}: read of {len} bytes at {offset} needs file blocks past the end of the image", self.index);
                 slot.status = status::IOERR;
                 return Ok(false);
@@ -802,6 +846,16 @@ impl QueueWorker {
         len: u64,
     ) -> Result<u64, std::io::Result<bool>> {
         let dev = self.dev.clone();
+        if let Some(p) = dev.parallels.as_ref() {
+            let mut pieces = std::mem::take(&mut self.pieces);
+            p.map(offset, len, &mut pieces);
+            let r = match pieces.as_slice() {
+                [Piece::Data { host_offset, .. }] => Ok(*host_offset),
+                _ => Err(self.submit_pieces(idx, mem, &dev, &pieces)),
+            };
+            self.pieces = pieces;
+            return r;
+        }
         let Some(q) = dev.qcow2.as_ref() else {
             return Ok(offset);
         };
@@ -1073,6 +1127,69 @@ impl QueueWorker {
 
     fn inbox_ready(&self) -> bool {
         self.inbox.as_ref().is_some_and(|i| i.has())
+    }
+
+    /// parallels write through the format (allocation, scattered clusters, sub-block
+    /// writes), synchronous; durable before completion in write-through mode.
+    fn parallels_write(&mut self, idx: u16, mem: &Arc<Mem>) {
+        let dev = self.dev.clone();
+        let Some(p) = dev.parallels.as_ref() else {
+            return;
+        };
+        let (offset, len) = {
+            let r = &self.slots[usize::from(idx)].req;
+            (r.offset_bytes(), r.data_len as usize)
+        };
+        let mut data = vec![0u8; len];
+        let r = copy_from_guest(mem, &self.slots[usize::from(idx)].req.data, &mut data)
+            .map_err(|e| e.to_string())
+            .and_then(|()| p.write(&dev.file, offset, &data).map_err(|e| e.to_string()))
+            .and_then(|()| {
+                if dev.writeback() {
+                    Ok(())
+                } else {
+                    self.stats.durable_writes += 1;
+                    dev.sync().map_err(|e| e.to_string())
+                }
+            });
+        if let Err(e) = r {
+            error!("queue {}: parallels write at {offset}: {e}", self.index);
+            self.slots[usize::from(idx)].status = status::IOERR;
+        }
+    }
+
+    /// parallels DISCARD / WRITE_ZEROES / detected zero writes: whole clusters freed where
+    /// unmapping is allowed, zeroes written elsewhere (synchronous).
+    fn parallels_zero_ranges(&mut self, idx: u16, discard: bool, discard_unmap: bool) {
+        let dev = self.dev.clone();
+        let Some(p) = dev.parallels.as_ref() else {
+            return;
+        };
+        let ranges: Vec<(u64, u64, bool)> = self.slots[usize::from(idx)]
+            .req
+            .ranges
+            .iter()
+            .map(|r| (r.offset_bytes, r.len_bytes, r.unmap))
+            .collect();
+        for (off, len, unmap) in ranges {
+            let free = discard || (unmap && discard_unmap);
+            if let Err(e) = p.zero_range(&dev.file, off, len, free, discard) {
+                error!("queue {}: parallels zeroing at {off}: {e}", self.index);
+                self.slots[usize::from(idx)].status = status::IOERR;
+                return;
+            }
+            if free {
+                dev.zero_stats
+                    .unmapped_bytes
+                    .fetch_add(len, Ordering::Relaxed);
+            }
+        }
+        if !dev.writeback() {
+            if let Err(e) = dev.sync() {
+                error!("queue {}: sync after parallels zeroing: {e}", self.index);
+                self.slots[usize::from(idx)].status = status::IOERR;
+            }
+        }
     }
 
     /// Take a shared range of the image's fill locks, waiting for a fill of it to complete

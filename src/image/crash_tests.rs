@@ -174,6 +174,7 @@ fn fresh_image(tag: &str, size: u64, cluster: u64, refcount_bits: u32) -> Vec<u8
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     } else {
         let params = super::create::CreateParams {
+            parallels_cluster: None,
             qcow2: true,
             size_bytes: size,
             cluster_bits: cluster.trailing_zeros(),

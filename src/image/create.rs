@@ -1,4 +1,4 @@
-//! `vublk create`: new raw and qcow2 images that qemu-img accepts.
+//! `vublk create`: new raw, qcow2 and parallels images that qemu-img accepts.
 //!
 //! qcow2 layout written (version 3, refcount order 4): cluster 0 header (+ extensions and the
 //! backing file name), cluster 1 the refcount table, cluster 2 the first refcount block,
@@ -15,6 +15,8 @@ use super::qcow2::{Compression, MAGIC};
 #[derive(Debug, Clone)]
 pub struct CreateParams {
     pub qcow2: bool,
+    /// A parallels image with this cluster size (qcow2 must be false).
+    pub parallels_cluster: Option<u64>,
     pub size_bytes: u64,
     pub cluster_bits: u32,
     pub compression: Compression,
@@ -33,6 +35,8 @@ pub enum CreateError {
     Size,
     #[error("the image needs an L1 table larger than 32 MiB: use larger clusters")]
     TooLarge,
+    #[error("{0}")]
+    Parallels(String),
 }
 
 /// Extension type: backing file format name.
@@ -59,7 +63,14 @@ pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
                 CreateError::Io(name.clone(), e)
             }
         })?;
-    let r = if p.qcow2 {
+    let r = if let Some(cluster) = p.parallels_cluster {
+        super::parallels::new_image(p.size_bytes, cluster)
+            .map_err(CreateError::Parallels)
+            .and_then(|b| {
+                f.write_all(&b)
+                    .map_err(|e| CreateError::Io(name.clone(), e))
+            })
+    } else if p.qcow2 {
         write_qcow2(&mut f, p)
     } else {
         f.set_len(p.size_bytes)
@@ -163,14 +174,26 @@ fn write_qcow2(f: &mut File, p: &CreateParams) -> Result<(), CreateError> {
 pub fn params_from_args(a: &crate::args::CreateArgs) -> Result<CreateParams, String> {
     use crate::args::{parse_size, CompressionArg, Format};
     let qcow2 = a.format == Format::Qcow2;
-    let cluster = parse_size(&a.cluster_size)
-        .filter(|c| c.is_power_of_two() && (512..=2 << 20).contains(c))
-        .ok_or_else(|| {
-            format!(
-                "--cluster-size {}: must be a power of two from 512 to 2M",
-                a.cluster_size
-            )
-        })?;
+    let cs = a
+        .cluster_size
+        .as_deref()
+        .unwrap_or(if a.format == Format::Parallels {
+            "1M"
+        } else {
+            "64K"
+        });
+    let cluster = if a.format == Format::Parallels {
+        parse_size(cs)
+            .filter(|c| *c > 0 && c % 512 == 0 && *c <= 1 << 30)
+            .ok_or_else(|| format!("--cluster-size {cs}: must be a multiple of 512 up to 1G"))?
+    } else {
+        parse_size(cs)
+            .filter(|c| c.is_power_of_two() && (512..=2 << 20).contains(c))
+            .ok_or_else(|| format!("--cluster-size {cs}: must be a power of two from 512 to 2M"))?
+    };
+    if a.format == Format::Parallels && a.backing.is_some() {
+        return Err("--backing needs --format qcow2".into());
+    }
     let backing = match &a.backing {
         None => None,
         Some(_) if !qcow2 => return Err("--backing needs --format qcow2".into()),
@@ -222,6 +245,7 @@ pub fn params_from_args(a: &crate::args::CreateArgs) -> Result<CreateParams, Str
     }
     Ok(CreateParams {
         qcow2,
+        parallels_cluster: (a.format == Format::Parallels).then_some(cluster),
         size_bytes,
         cluster_bits: cluster.trailing_zeros(),
         compression: match a.compression_type {
@@ -250,6 +274,7 @@ mod tests {
     fn created_qcow2_opens_and_reads_as_unallocated() {
         let p = path("q");
         let params = CreateParams {
+            parallels_cluster: None,
             qcow2: true,
             size_bytes: 10 << 30,
             cluster_bits: 16,
@@ -277,6 +302,7 @@ mod tests {
         create(
             &p,
             &CreateParams {
+                parallels_cluster: None,
                 qcow2: true,
                 size_bytes: 1 << 20,
                 cluster_bits: 16,
@@ -297,6 +323,7 @@ mod tests {
         create(
             &p,
             &CreateParams {
+                parallels_cluster: None,
                 qcow2: false,
                 size_bytes: 1 << 30,
                 cluster_bits: 16,

@@ -166,6 +166,61 @@ pub fn qcow2_open(data: &[u8]) {
     }
 }
 
+/// Open `data` as a parallels image read-only and read-write; map, write, zero, flush and
+/// close a few ranges chosen from the input's first bytes.
+pub fn parallels_open(data: &[u8]) {
+    use super::parallels::{ParallelsImage, PreallocMode};
+    let (ops, image) = data.split_at(data.len().min(16));
+    let pick = |i: usize| {
+        u64::from_le_bytes(std::array::from_fn(|k| {
+            ops.get(i * 8 + k).copied().unwrap_or(0)
+        }))
+    };
+    for writable in [false, true] {
+        let disk = MemStorage::new(image.to_vec());
+        let Ok(p) = ParallelsImage::open(&disk, writable, 512) else {
+            continue;
+        };
+        let mode = if pick(0) & 1 == 0 {
+            PreallocMode::Falloc
+        } else {
+            PreallocMode::Truncate
+        };
+        p.set_prealloc((pick(1) & 2 == 0).then_some((mode, 1 << 20)));
+        let size = p.size_bytes;
+        if size == 0 {
+            continue;
+        }
+        let c = p.cluster_size;
+        let mut pieces = Vec::new();
+        for i in 0..2 {
+            let off = (pick(i) % size) & !511;
+            let len = (size - off).min(3 * c).min(1 << 20) & !511;
+            if len == 0 {
+                continue;
+            }
+            p.map(off, len, &mut pieces);
+            assert_eq!(pieces.iter().map(|x| x.len()).sum::<u64>(), len);
+            for x in &pieces {
+                if let super::chain::Piece::Data {
+                    host_offset, len, ..
+                } = *x
+                {
+                    let mut b = vec![0u8; len as usize];
+                    let _ = super::qcow2::read_aligned(&disk, host_offset, b.len())
+                        .map(|v| b.copy_from_slice(&v));
+                }
+            }
+            if writable {
+                let _ = p.write(&disk, off, &vec![0x5au8; len as usize]);
+                let _ = p.zero_range(&disk, off & !(c - 1), c, i == 0, false);
+                let _ = p.flush(&disk);
+            }
+        }
+        let _ = p.close(&disk);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,6 +248,7 @@ mod tests {
         let p = dir.join(format!("fuzz-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_file(&p);
         let params = crate::image::create::CreateParams {
+            parallels_cluster: None,
             qcow2: true,
             size_bytes: 8 << 20,
             cluster_bits: 16,
@@ -823,5 +879,188 @@ mod packing {
             }
         }
         strict_check(&disk, "after concurrent writers");
+    }
+}
+
+#[cfg(test)]
+mod parallels_tests {
+    use super::*;
+    use crate::image::chain::Piece;
+    use crate::image::parallels::{new_image, ParallelsError, ParallelsImage, PreallocMode};
+    use proptest::prelude::*;
+
+    const C: u64 = 65536;
+
+    fn read_guest(p: &ParallelsImage, disk: &MemStorage, off: u64, len: u64) -> Vec<u8> {
+        let mut pieces = Vec::new();
+        p.map(off, len, &mut pieces);
+        let mut out = Vec::new();
+        for x in &pieces {
+            match *x {
+                Piece::Data {
+                    host_offset, len, ..
+                } => out.extend(
+                    super::super::qcow2::read_aligned(disk, host_offset, len as usize).unwrap(),
+                ),
+                Piece::Zero { len } => out.extend(std::iter::repeat_n(0u8, len as usize)),
+                _ => panic!("{x:?}"),
+            }
+        }
+        out
+    }
+
+    /// Writes, discards that free clusters, reuse of freed clusters only after the BAT is
+    /// written, growth by cluster + preallocation, and a clean close that trims the file.
+    #[test]
+    fn a_model_of_writes_discards_and_reuse() {
+        let size = 8 << 20;
+        let disk = MemStorage::new(new_image(size, C).unwrap());
+        let p = ParallelsImage::open(&disk, true, 512).unwrap();
+        p.set_prealloc(Some((PreallocMode::Falloc, 1 << 20)));
+        let mut model = vec![0u8; size as usize];
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        for round in 0..200 {
+            let off = (next() % (size / 512)) * 512;
+            let len = ((next() % 256 + 1) * 512).min(size - off);
+            match round % 7 {
+                0 => {
+                    p.zero_range(&disk, off, len, true, false).unwrap();
+                    model[off as usize..(off + len) as usize].fill(0);
+                }
+                1 => p.flush(&disk).unwrap(),
+                _ => {
+                    let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ (round as u8)).collect();
+                    p.write(&disk, off, &data).unwrap();
+                    model[off as usize..(off + len) as usize].copy_from_slice(&data);
+                }
+            }
+            if round % 50 == 49 {
+                assert!(read_guest(&p, &disk, 0, size) == model, "round {round}");
+            }
+        }
+        assert!(p.stats.freed.load(std::sync::atomic::Ordering::Relaxed) > 0);
+        assert!(
+            p.stats.reused.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "no reuse"
+        );
+        p.close(&disk).unwrap();
+        // Clean close: in-use cleared, the file ends at the last used cluster.
+        let b = disk.lock().clone();
+        assert_eq!(
+            u32::from_le_bytes(b[44..48].try_into().unwrap()),
+            0x312e_3276
+        );
+        let p = ParallelsImage::open(&disk, false, 512).unwrap();
+        assert!(read_guest(&p, &disk, 0, size) == model, "after reopen");
+        let data_off = p.data_off;
+        let bat: Vec<u64> = (0..size / C)
+            .map(|g| {
+                u64::from(u32::from_le_bytes(
+                    b[64 + g as usize * 4..][..4].try_into().unwrap(),
+                ))
+            })
+            .collect();
+        let end = bat
+            .iter()
+            .filter(|&&e| e != 0)
+            .map(|e| e * C + C)
+            .max()
+            .unwrap_or(data_off);
+        assert_eq!(b.len() as u64, end, "not trimmed to the last used cluster");
+    }
+
+    /// Growth: with preallocation the file grows by the cluster plus the preallocation, not
+    /// cluster by cluster; without it, by one cluster.
+    #[test]
+    fn growth_steps() {
+        for (prealloc, steps) in [(Some((PreallocMode::Falloc, 1u64 << 20)), 1u64), (None, 16)] {
+            let disk = MemStorage::new(new_image(8 << 20, C).unwrap());
+            let p = ParallelsImage::open(&disk, true, 512).unwrap();
+            p.set_prealloc(prealloc);
+            let base = disk.size().unwrap();
+            for k in 0..16 {
+                p.write(&disk, k * C, &vec![1u8; C as usize]).unwrap();
+            }
+            let grows = p.stats.grows.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(grows, steps, "{prealloc:?}");
+            if prealloc.is_some() {
+                assert_eq!(disk.size().unwrap(), base + C + (1 << 20));
+            } else {
+                assert_eq!(disk.size().unwrap(), base + 16 * C);
+            }
+            p.close(&disk).unwrap();
+            assert_eq!(disk.size().unwrap(), base + 16 * C);
+        }
+    }
+
+    /// Entries outside the file, or two entries naming one cluster, are never served.
+    #[test]
+    fn broken_bats_are_refused() {
+        let mut img = new_image(4 << 20, C).unwrap();
+        img.resize(img.len() + 2 * C as usize, 0);
+        let first = (img.len() as u64 / C - 2) as u32;
+        let set = |img: &mut Vec<u8>, g: usize, v: u32| {
+            img[64 + g * 4..68 + g * 4].copy_from_slice(&v.to_le_bytes())
+        };
+        let mut dup = img.clone();
+        set(&mut dup, 0, first);
+        set(&mut dup, 3, first);
+        let mut outside = img.clone();
+        set(&mut outside, 1, first + 5);
+        for (what, bytes) in [("duplicate", dup), ("outside", outside)] {
+            for writable in [false, true] {
+                let disk = MemStorage::new(bytes.clone());
+                match ParallelsImage::open(&disk, writable, 512) {
+                    Err(ParallelsError::NeedsRepair(m)) => {
+                        let msg = ParallelsError::NeedsRepair(m).to_string();
+                        assert!(msg.contains("qemu-img check -r all"), "{msg}");
+                    }
+                    other => panic!("{what}: {other:?}"),
+                }
+                assert!(
+                    *disk.lock() == bytes,
+                    "{what}: a refused open changed the file"
+                );
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        #[test]
+        fn mutated_parallels_images_never_panic(
+            flips in proptest::collection::vec((0usize..1024, any::<u8>()), 1..12),
+            ops in proptest::collection::vec(any::<u8>(), 16),
+        ) {
+            let mut img = new_image(2 << 20, 4096).unwrap();
+            img.resize(img.len() + 3 * 4096, 0x11);
+            let first = (img.len() as u32 / 4096) - 3;
+            img[64..68].copy_from_slice(&first.to_le_bytes());
+            for (at, v) in flips {
+                if let Some(b) = img.get_mut(at) {
+                    *b = v;
+                }
+            }
+            let mut data = ops;
+            data.extend_from_slice(&img);
+            parallels_open(&data);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic_as_parallels(
+            data in proptest::collection::vec(any::<u8>(), 0..4096)
+        ) {
+            let mut d = data;
+            if d.len() > 32 {
+                d[16..32].copy_from_slice(b"WithouFreSpacExt");
+            }
+            parallels_open(&d);
+        }
     }
 }

@@ -6,6 +6,7 @@ pub mod chain;
 mod crash_tests;
 pub mod create;
 pub mod fuzz;
+pub mod parallels;
 pub mod prealloc;
 pub mod qcow2;
 mod raw;

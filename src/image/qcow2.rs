@@ -2446,7 +2446,7 @@ fn write_unaligned(file: &dyn Storage, offset: u64, data: &[u8], chunk: u64) -> 
 
 /// pwrite `data` at `offset` through an aligned copy (the file may be O_DIRECT; offset and
 /// length are multiples of 512 everywhere this is used).
-fn write_all_aligned(file: &dyn Storage, offset: u64, data: &[u8]) -> io::Result<()> {
+pub(crate) fn write_all_aligned(file: &dyn Storage, offset: u64, data: &[u8]) -> io::Result<()> {
     let mut buf = crate::io::bounce::AlignedBuf::new(data.len().max(1), 4096)?;
     buf.as_mut_slice()[..data.len()].copy_from_slice(data);
     file.write_all_at(&buf.as_slice()[..data.len()], offset)

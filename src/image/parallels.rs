@@ -1,0 +1,723 @@
+//! Parallels images (Virtuozzo's format, QEMU's `parallels` driver): a 64-byte header, a block
+//! allocation table (BAT) of little-endian u32 entries mapping each guest cluster to a host
+//! cluster (0: not allocated, reads as zeroes), then data clusters. The old magic stores host
+//! offsets in 512-byte sectors, the new one in clusters.
+//!
+//! The image grows by whole clusters. Extending the file one cluster at a time costs an inode
+//! update each time, so growth happens in chunks of the clusters needed plus
+//! `--prealloc-size`, either allocated (`falloc`) or only sized (`truncate`); a clean close
+//! truncates the file to the end of the last used cluster. The header's in-use field is set
+//! while the image is open read-write; when a start finds it still set (a crash), the image is
+//! checked: the leaked tail is trimmed, and BAT entries that point outside the file or at the
+//! same cluster twice make the open fail (never served; `qemu-img check -r all` repairs them).
+//!
+//! Free clusters inside the file (from discards) are reused first, then the preallocated tail,
+//! then the file grows. A discarded cluster becomes reusable only once the BAT that no longer
+//! names it is durable, so a crash can never leave two entries naming one cluster.
+
+use std::collections::BTreeSet;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use super::chain::Piece;
+use super::qcow2::{read_aligned, write_all_aligned};
+use super::storage::Storage;
+
+pub const MAGIC_OLD: &[u8; 16] = b"WithoutFreeSpace";
+pub const MAGIC_EXT: &[u8; 16] = b"WithouFreSpacExt";
+const VERSION: u32 = 2;
+const HEADER_LEN: u64 = 64;
+/// The header's in-use field while open read-write, and after a clean close.
+pub const INUSE_OPEN: u32 = 0x746F_6E59;
+pub const INUSE_CLOSED: u32 = 0x312e_3276;
+/// Format-extension cluster magic.
+pub const EXT_MAGIC: u64 = 0xAB23_4CEF_23DC_EA87;
+/// Largest cluster: QEMU's limit on tracks (sectors per cluster) keeps this far below.
+const MAX_CLUSTER: u64 = 1 << 30;
+/// Growth is rounded to this: O_DIRECT I/O racing a size change to a non-page multiple
+/// fails with EIO on some file systems.
+const GROW_ALIGN: u64 = 4096;
+
+/// How the tail is preallocated (`--prealloc-mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreallocMode {
+    /// Allocate the blocks (fallocate): the tail reads as zeroes and writes into it do not
+    /// allocate.
+    Falloc,
+    /// Only extend the size (sparse); falls back to `Falloc` for good if the file system
+    /// cannot extend a file that way.
+    Truncate,
+}
+
+/// Why an image cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum ParallelsError {
+    #[error("reading the parallels header or BAT failed")]
+    Io(#[source] io::Error),
+    #[error("not a parallels image: {0}")]
+    Header(String),
+    #[error(
+        "the parallels image is inconsistent ({0}); it is never served like this: repair it \
+         with `qemu-img check -r all -f parallels FILE` first"
+    )]
+    NeedsRepair(String),
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// Errors while serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ParallelsIoError {
+    #[error("I/O on the image file failed: {0}")]
+    Io(#[from] io::Error),
+    #[error("image is read-only")]
+    ReadOnly,
+    #[error("the image would need a host offset beyond what a BAT entry can hold")]
+    Full,
+    #[error("image consistency is broken: {0}")]
+    Broken(&'static str),
+}
+
+/// Counters for the shutdown log.
+#[derive(Debug, Default)]
+pub struct ParallelsStats {
+    /// Clusters allocated, and of those reused from free space inside the file.
+    pub allocated: AtomicU64,
+    pub reused: AtomicU64,
+    /// File growths, and bytes added by them.
+    pub grows: AtomicU64,
+    pub grown_bytes: AtomicU64,
+    /// Clusters freed by discard / unmapping write-zeroes.
+    pub freed: AtomicU64,
+}
+
+struct State {
+    /// Header and BAT as in the file, up to the data offset (the BAT is changed here and
+    /// written back by chunks).
+    meta: Vec<u8>,
+    /// Chunks of `meta` (by offset) that differ from the file.
+    dirty: BTreeSet<u64>,
+    /// One flag per host cluster from the data offset to the end of the file: in use.
+    used: Vec<bool>,
+    /// Lowest index that may be free.
+    free_hint: usize,
+    /// End of the last used cluster (bytes).
+    data_end: u64,
+    /// The file's size as we made it.
+    file_end: u64,
+    /// Host clusters whose BAT entry was cleared but not yet written and synced: free only
+    /// after that.
+    pending_free: Vec<usize>,
+    /// Preallocation: mode and bytes beyond the clusters needed (None: grow cluster by cluster).
+    prealloc: Option<(PreallocMode, u64)>,
+    /// fallocate is not supported: extend by size only.
+    falloc_unsupported: bool,
+}
+
+/// An open parallels image.
+pub struct ParallelsImage {
+    pub size_bytes: u64,
+    pub cluster_size: u64,
+    /// Host offset of BAT entry value 1, in bytes (512 for the old magic, the cluster size for
+    /// the new one).
+    unit: u64,
+    /// Data area start (bytes).
+    pub data_off: u64,
+    /// The format-extension cluster, if any (host bytes): kept as it is.
+    pub ext_cluster: Option<u64>,
+    nb_bat: usize,
+    writable: bool,
+    /// Metadata write granularity (the file's direct-I/O alignment).
+    chunk: u64,
+    state: Mutex<State>,
+    pub stats: ParallelsStats,
+    /// The image was not closed cleanly (in-use set at open).
+    pub was_in_use: bool,
+    /// Bytes of leaked tail cut off at open.
+    pub trimmed_at_open: u64,
+}
+
+impl std::fmt::Debug for ParallelsImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParallelsImage")
+            .field("size_bytes", &self.size_bytes)
+            .field("cluster_size", &self.cluster_size)
+            .field("data_off", &self.data_off)
+            .finish()
+    }
+}
+
+fn le32(b: &[u8], off: usize) -> u32 {
+    u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
+}
+
+fn le64(b: &[u8], off: usize) -> u64 {
+    let mut v = [0u8; 8];
+    v.copy_from_slice(&b[off..off + 8]);
+    u64::from_le_bytes(v)
+}
+
+/// Does the file start with a parallels magic?
+pub fn probe(file: &dyn Storage) -> bool {
+    read_aligned(file, 0, 16).is_ok_and(|m| m[..] == MAGIC_OLD[..] || m[..] == MAGIC_EXT[..])
+}
+
+impl ParallelsImage {
+    /// Open and validate. Read-write opens set the in-use field (durably) and cut off a tail
+    /// no cluster uses; `chunk` is the granularity of metadata writes (the file's direct-I/O
+    /// alignment, at least 512).
+    pub fn open(file: &dyn Storage, writable: bool, chunk: u64) -> Result<Self, ParallelsError> {
+        let chunk = chunk.max(512);
+        let file_size = file.size().map_err(ParallelsError::Io)?;
+        let h = read_aligned(file, 0, HEADER_LEN as usize).map_err(ParallelsError::Io)?;
+        if file_size < HEADER_LEN {
+            return Err(ParallelsError::Header("shorter than its header".into()));
+        }
+        let old = if h[..16] == MAGIC_OLD[..] {
+            true
+        } else if h[..16] == MAGIC_EXT[..] {
+            false
+        } else {
+            return Err(ParallelsError::Header("no parallels magic".into()));
+        };
+        let version = le32(&h, 16);
+        if version != VERSION {
+            return Err(ParallelsError::Unsupported(format!(
+                "parallels version {version} (only 2 exists)"
+            )));
+        }
+        let tracks = u64::from(le32(&h, 28));
+        let cluster = tracks * 512;
+        if tracks == 0 || cluster > MAX_CLUSTER {
+            return Err(ParallelsError::Header(format!(
+                "cluster of {tracks} sectors"
+            )));
+        }
+        let nb_bat = le32(&h, 32) as usize;
+        let nb_sectors = if old {
+            u64::from(le32(&h, 36))
+        } else {
+            le64(&h, 36)
+        };
+        let size_bytes = nb_sectors
+            .checked_mul(512)
+            .ok_or_else(|| ParallelsError::Header("size overflows".into()))?;
+        if (nb_bat as u64).saturating_mul(cluster) < size_bytes {
+            return Err(ParallelsError::Header(format!(
+                "{nb_bat} BAT entries do not cover {size_bytes} bytes"
+            )));
+        }
+        let bat_end = HEADER_LEN + nb_bat as u64 * 4;
+        // The BAT must be in the file: this also bounds the memory it takes.
+        if bat_end > file_size {
+            return Err(ParallelsError::Header(format!(
+                "a BAT of {nb_bat} entries does not fit in a {file_size}-byte file"
+            )));
+        }
+        let mut data_off = u64::from(le32(&h, 48)) * 512;
+        if data_off == 0 && old {
+            data_off = bat_end.next_multiple_of(512);
+        }
+        if data_off < bat_end || data_off > file_size {
+            return Err(ParallelsError::NeedsRepair(format!(
+                "data offset {data_off} is not between the end of the BAT ({bat_end}) and the \
+                 end of the file ({file_size})"
+            )));
+        }
+        if !old && data_off % cluster != 0 {
+            return Err(ParallelsError::NeedsRepair(format!(
+                "data offset {data_off} is not a multiple of the cluster size {cluster}"
+            )));
+        }
+        if writable && data_off % chunk != 0 {
+            return Err(ParallelsError::Unsupported(format!(
+                "the BAT ends inside a {chunk}-byte block shared with data (data offset \
+                 {data_off}); serve it read-only or with --cache writeback"
+            )));
+        }
+        let unit = if old { 512 } else { cluster };
+        let meta = read_aligned(file, 0, data_off as usize).map_err(ParallelsError::Io)?;
+        let in_use = le32(&meta, 44);
+        let was_in_use = in_use == INUSE_OPEN;
+
+        // Every used cluster inside the file, once, cluster-aligned in the data area.
+        let slots = ((file_size - data_off) / cluster) as usize;
+        let mut used = vec![false; slots];
+        let mut data_end = data_off;
+        let mut mark = |host: u64, what: &str| -> Result<(), ParallelsError> {
+            if host < data_off || (host - data_off) % cluster != 0 {
+                return Err(ParallelsError::NeedsRepair(format!(
+                    "{what} at {host} is not a cluster of the data area"
+                )));
+            }
+            let i = ((host - data_off) / cluster) as usize;
+            if i >= slots {
+                return Err(ParallelsError::NeedsRepair(format!(
+                    "{what} at {host} lies beyond the end of the file ({file_size} bytes)"
+                )));
+            }
+            if used[i] {
+                return Err(ParallelsError::NeedsRepair(format!(
+                    "{what} at {host} is used twice"
+                )));
+            }
+            used[i] = true;
+            data_end = data_end.max(host + cluster);
+            Ok(())
+        };
+        let ext_off = le64(&meta, 56);
+        let ext_cluster = if ext_off != 0 {
+            let host = ext_off
+                .checked_mul(512)
+                .ok_or_else(|| ParallelsError::NeedsRepair("format extension offset".into()))?;
+            mark(host, "the format extension cluster")?;
+            Some(host)
+        } else {
+            None
+        };
+        for g in 0..nb_bat {
+            let e = u64::from(le32(&meta, HEADER_LEN as usize + g * 4));
+            if e != 0 {
+                mark(e * unit, &format!("BAT entry {g}"))?;
+            }
+        }
+        let mut img = ParallelsImage {
+            size_bytes,
+            cluster_size: cluster,
+            unit,
+            data_off,
+            ext_cluster,
+            nb_bat,
+            writable,
+            chunk,
+            state: Mutex::new(State {
+                meta,
+                dirty: BTreeSet::new(),
+                used,
+                free_hint: 0,
+                data_end,
+                file_end: file_size,
+                pending_free: Vec::new(),
+                prealloc: None,
+                falloc_unsupported: false,
+            }),
+            stats: ParallelsStats::default(),
+            was_in_use,
+            trimmed_at_open: 0,
+        };
+        if writable {
+            let st = img.state.get_mut().unwrap_or_else(|e| e.into_inner());
+            // Nothing past the last used cluster is referenced: a tail a crash left behind
+            // (or an old preallocation) goes.
+            if file_size > st.data_end {
+                file.set_len(st.data_end).map_err(ParallelsError::Io)?;
+                img.trimmed_at_open = file_size - st.data_end;
+                st.file_end = st.data_end;
+                let slots = ((st.data_end - data_off) / cluster) as usize;
+                st.used.truncate(slots);
+            }
+            st.meta[44..48].copy_from_slice(&INUSE_OPEN.to_le_bytes());
+            let chunk0 = st.meta[..chunk.min(data_off) as usize].to_vec();
+            write_all_aligned(file, 0, &chunk0).map_err(ParallelsError::Io)?;
+            file.sync_data().map_err(ParallelsError::Io)?;
+        }
+        Ok(img)
+    }
+
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `--prealloc`: None grows the file cluster by cluster.
+    pub fn set_prealloc(&self, prealloc: Option<(PreallocMode, u64)>) {
+        // At least one cluster ahead (QEMU: MAX(tracks, prealloc-size)).
+        self.lock().prealloc = prealloc.map(|(m, n)| (m, n.max(self.cluster_size)));
+    }
+
+    /// The preallocation mode in use (`Falloc` once truncate turned out unsupported).
+    pub fn prealloc_mode(&self) -> Option<PreallocMode> {
+        self.lock().prealloc.map(|p| p.0)
+    }
+
+    fn entry(st: &State, g: usize) -> u32 {
+        le32(&st.meta, HEADER_LEN as usize + g * 4)
+    }
+
+    fn set_entry(&self, st: &mut State, g: usize, v: u32) {
+        let at = HEADER_LEN as usize + g * 4;
+        st.meta[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        st.dirty.insert(at as u64 / self.chunk * self.chunk);
+    }
+
+    /// The host offset of guest cluster `g`, if allocated.
+    fn host_of(&self, st: &State, g: usize) -> Option<u64> {
+        let e = Self::entry(st, g);
+        (e != 0).then(|| u64::from(e) * self.unit)
+    }
+
+    /// Map `[offset, offset + len)` to pieces of the image file (layer 0) and zeroes, merging
+    /// neighbours that are contiguous.
+    pub fn map(&self, offset: u64, len: u64, out: &mut Vec<Piece>) {
+        out.clear();
+        let st = self.lock();
+        let c = self.cluster_size;
+        let end = (offset + len).min(self.size_bytes.max(offset));
+        let mut pos = offset;
+        while pos < offset + len {
+            let g = (pos / c) as usize;
+            let in_cl = pos % c;
+            let n = (c - in_cl).min(offset + len - pos);
+            let host = if pos < end && g < self.nb_bat {
+                self.host_of(&st, g)
+            } else {
+                None
+            };
+            match (host, out.last_mut()) {
+                (
+                    Some(h),
+                    Some(Piece::Data {
+                        host_offset, len, ..
+                    }),
+                ) if *host_offset + *len == h + in_cl => *len += n,
+                (Some(h), _) => out.push(Piece::Data {
+                    layer: 0,
+                    host_offset: h + in_cl,
+                    len: n,
+                }),
+                (None, Some(Piece::Zero { len })) => *len += n,
+                (None, _) => out.push(Piece::Zero { len: n }),
+            }
+            pos += n;
+        }
+    }
+
+    /// Where `[offset, offset + len)` is, when every cluster of it is allocated and they are
+    /// contiguous in the file.
+    pub fn owned_extent(&self, offset: u64, len: u64) -> Option<u64> {
+        let st = self.lock();
+        self.contiguous(&st, offset, len)
+    }
+
+    fn contiguous(&self, st: &State, offset: u64, len: u64) -> Option<u64> {
+        let c = self.cluster_size;
+        if len == 0 || offset + len > self.size_bytes {
+            return None;
+        }
+        let first = (offset / c) as usize;
+        let last = ((offset + len - 1) / c) as usize;
+        let base = self.host_of(st, first)?;
+        for g in first + 1..=last {
+            if self.host_of(st, g)? != base + (g - first) as u64 * c {
+                return None;
+            }
+        }
+        Some(base + offset % c)
+    }
+
+    /// Allocate the clusters of `[offset, offset + len)` that have none; then where the range
+    /// is, if contiguous. New clusters read as zeroes (preallocated or grown space, or reused
+    /// free space zeroed first), so a partial write needs no fill.
+    pub fn allocate(
+        &self,
+        file: &dyn Storage,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<u64>, ParallelsIoError> {
+        if !self.writable {
+            return Err(ParallelsIoError::ReadOnly);
+        }
+        let c = self.cluster_size;
+        if len == 0 || offset + len > self.size_bytes {
+            return Err(ParallelsIoError::Broken("write past the end of the image"));
+        }
+        let mut st = self.lock();
+        let first = (offset / c) as usize;
+        let last = ((offset + len - 1) / c) as usize;
+        for g in first..=last {
+            if self.host_of(&st, g).is_none() {
+                let host = self.alloc_cluster(&mut st, file)?;
+                let v = host / self.unit;
+                let v = u32::try_from(v).map_err(|_| ParallelsIoError::Full)?;
+                self.set_entry(&mut st, g, v);
+            }
+        }
+        Ok(self.contiguous(&st, offset, len))
+    }
+
+    /// A free host cluster, marked used: free space inside the file first, then the tail,
+    /// then the file grows.
+    fn alloc_cluster(&self, st: &mut State, file: &dyn Storage) -> Result<u64, ParallelsIoError> {
+        let c = self.cluster_size;
+        let find = |st: &State| {
+            st.used
+                .get(st.free_hint..)?
+                .iter()
+                .position(|&u| !u)
+                .map(|i| i + st.free_hint)
+        };
+        let i = match find(st) {
+            Some(i) => i,
+            None => {
+                self.grow(st, file)?;
+                find(st).ok_or(ParallelsIoError::Broken(
+                    "growing the file added no cluster",
+                ))?
+            }
+        };
+        let host = self.data_off + i as u64 * c;
+        if host < st.data_end {
+            // A hole inside the data area (a discarded cluster): make sure it reads as zeroes.
+            self.stats.reused.fetch_add(1, Ordering::Relaxed);
+            if file.punch_hole(host, c).is_err() {
+                write_all_aligned(file, host, &vec![0u8; c as usize])?;
+            } else if matches!(st.prealloc, Some((PreallocMode::Falloc, _))) {
+                let _ = file.allocate(host, c);
+            }
+        }
+        st.used[i] = true;
+        st.free_hint = i + 1;
+        st.data_end = st.data_end.max(host + c);
+        self.stats.allocated.fetch_add(1, Ordering::Relaxed);
+        Ok(host)
+    }
+
+    /// Grow the file by one cluster plus the preallocation (or by one cluster).
+    fn grow(&self, st: &mut State, file: &dyn Storage) -> Result<(), ParallelsIoError> {
+        let c = self.cluster_size;
+        // The next cluster starts at the end of the last whole cluster in the file.
+        let next = self.data_off + st.used.len() as u64 * c;
+        let extra = st.prealloc.map_or(0, |(_, n)| n);
+        let new_end = (next + c + extra).next_multiple_of(GROW_ALIGN);
+        let old_end = st.file_end.max(next);
+        if new_end > old_end {
+            let mode = st.prealloc.map(|p| p.0);
+            let r = match mode {
+                Some(PreallocMode::Falloc) if !st.falloc_unsupported => {
+                    match file.allocate(old_end, new_end - old_end) {
+                        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                            log::warn!(
+                                "parallels: fallocate is not supported here; growing the file \
+                                 by its size only"
+                            );
+                            st.falloc_unsupported = true;
+                            file.set_len(new_end)
+                        }
+                        r => r,
+                    }
+                }
+                Some(PreallocMode::Truncate) => match file.set_len(new_end) {
+                    Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                        log::warn!(
+                            "parallels: extending by truncate is not supported here; \
+                             preallocating with fallocate from now on"
+                        );
+                        if let Some(p) = st.prealloc.as_mut() {
+                            p.0 = PreallocMode::Falloc;
+                        }
+                        file.allocate(old_end, new_end - old_end)
+                    }
+                    r => r,
+                },
+                _ => file.set_len(new_end),
+            };
+            r?;
+            self.stats.grows.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .grown_bytes
+                .fetch_add(new_end - old_end, Ordering::Relaxed);
+            st.file_end = new_end;
+        }
+        let slots = ((st.file_end - self.data_off) / c) as usize;
+        if slots > st.used.len() {
+            st.used.resize(slots, false);
+        }
+        Ok(())
+    }
+
+    /// Write `data` at guest `offset` through the format (allocating), synchronously.
+    pub fn write(
+        &self,
+        file: &dyn Storage,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), ParallelsIoError> {
+        self.allocate(file, offset, data.len() as u64)?;
+        let mut pieces = Vec::new();
+        self.map(offset, data.len() as u64, &mut pieces);
+        let mut pos = 0usize;
+        for p in &pieces {
+            let n = p.len() as usize;
+            match *p {
+                Piece::Data { host_offset, .. } => {
+                    let a = self.chunk;
+                    if host_offset % a == 0 && n as u64 % a == 0 {
+                        write_all_aligned(file, host_offset, &data[pos..pos + n])?;
+                    } else {
+                        // Not aligned to the file's direct-I/O block: read-modify-write the
+                        // blocks around it, one writer at a time.
+                        let _one = self.lock();
+                        let start = host_offset / a * a;
+                        let end = (host_offset + n as u64).next_multiple_of(a);
+                        let mut span = read_aligned(file, start, (end - start) as usize)?;
+                        let at = (host_offset - start) as usize;
+                        span[at..at + n].copy_from_slice(&data[pos..pos + n]);
+                        write_all_aligned(file, start, &span)?;
+                    }
+                }
+                _ => return Err(ParallelsIoError::Broken("allocated cluster reads as zero")),
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Zero `[offset, offset + len)`. With `unmap`, whole allocated clusters are freed (BAT
+    /// entry 0, the host cluster punched; it becomes reusable once the BAT is durable); other
+    /// allocated parts get zeroes written. Unallocated parts already read as zeroes.
+    /// `hint_only` (DISCARD): partial clusters are left as they are.
+    pub fn zero_range(
+        &self,
+        file: &dyn Storage,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+        hint_only: bool,
+    ) -> Result<(), ParallelsIoError> {
+        if !self.writable {
+            return Err(ParallelsIoError::ReadOnly);
+        }
+        let c = self.cluster_size;
+        let end = (offset + len).min(self.size_bytes);
+        let mut st = self.lock();
+        let mut pos = offset;
+        while pos < end {
+            let g = (pos / c) as usize;
+            let in_cl = pos % c;
+            let n = (c - in_cl).min(end - pos);
+            if let Some(host) = self.host_of(&st, g) {
+                if unmap && n == c {
+                    self.set_entry(&mut st, g, 0);
+                    let i = ((host - self.data_off) / c) as usize;
+                    st.pending_free.push(i);
+                    // Best effort: the space goes back to the file system now; reads of the
+                    // guest cluster are zeroes from the BAT already.
+                    let _ = file.punch_hole(host, c);
+                    self.stats.freed.fetch_add(1, Ordering::Relaxed);
+                } else if !hint_only {
+                    write_all_aligned(file, host + in_cl, &vec![0u8; n as usize])?;
+                }
+            }
+            pos += n;
+        }
+        Ok(())
+    }
+
+    /// Write the changed BAT chunks (the caller syncs for durability); clusters freed before
+    /// become reusable after a sync here.
+    pub fn flush(&self, file: &dyn Storage) -> Result<(), ParallelsIoError> {
+        if !self.writable {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        self.write_dirty(&mut st, file)?;
+        if !st.pending_free.is_empty() {
+            file.sync_data()?;
+            for i in std::mem::take(&mut st.pending_free) {
+                if let Some(u) = st.used.get_mut(i) {
+                    *u = false;
+                }
+                st.free_hint = st.free_hint.min(i);
+            }
+        }
+        Ok(())
+    }
+
+    fn write_dirty(&self, st: &mut State, file: &dyn Storage) -> Result<(), ParallelsIoError> {
+        for at in std::mem::take(&mut st.dirty) {
+            let end = (at + self.chunk).min(st.meta.len() as u64);
+            let bytes = st.meta[at as usize..end as usize].to_vec();
+            if let Err(e) = write_all_aligned(file, at, &bytes) {
+                st.dirty.insert(at);
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Clean close: the BAT, the in-use field cleared, synced, and the file cut to the end
+    /// of the last used cluster.
+    pub fn close(&self, file: &dyn Storage) -> Result<(), ParallelsIoError> {
+        if !self.writable {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        self.write_dirty(&mut st, file)?;
+        file.sync_data()?;
+        for i in std::mem::take(&mut st.pending_free) {
+            if let Some(u) = st.used.get_mut(i) {
+                *u = false;
+            }
+        }
+        // The end of the last used cluster (freed clusters at the end give space back too).
+        let last = st.used.iter().rposition(|&u| u);
+        st.data_end = last.map_or(self.data_off, |i| {
+            self.data_off + (i as u64 + 1) * self.cluster_size
+        });
+        if let Some(e) = self.ext_cluster {
+            st.data_end = st.data_end.max(e + self.cluster_size);
+        }
+        st.meta[44..48].copy_from_slice(&INUSE_CLOSED.to_le_bytes());
+        let chunk0 = st.meta[..self.chunk.min(self.data_off) as usize].to_vec();
+        write_all_aligned(file, 0, &chunk0)?;
+        file.sync_data()?;
+        if file.size()? != st.data_end {
+            file.set_len(st.data_end)?;
+            st.file_end = st.data_end;
+        }
+        Ok(())
+    }
+
+    /// Allocated clusters (for logs and tests).
+    pub fn allocated_clusters(&self) -> u64 {
+        let st = self.lock();
+        (0..self.nb_bat)
+            .filter(|&g| Self::entry(&st, g) != 0)
+            .count() as u64
+    }
+}
+
+/// A new, empty parallels image's bytes (new magic, as `qemu-img create -f parallels` makes
+/// them): header, zeroed BAT, data offset rounded up to a cluster.
+pub fn new_image(size_bytes: u64, cluster: u64) -> Result<Vec<u8>, String> {
+    if cluster == 0 || cluster % 512 != 0 || cluster > MAX_CLUSTER {
+        return Err(format!(
+            "cluster size {cluster}: must be a multiple of 512 up to 1G"
+        ));
+    }
+    if size_bytes == 0 || size_bytes % 512 != 0 {
+        return Err("size must be a positive multiple of 512 bytes".into());
+    }
+    let tracks = cluster / 512;
+    let nb_bat = size_bytes.div_ceil(cluster);
+    let nb_bat32 = u32::try_from(nb_bat).map_err(|_| "too many clusters: use larger clusters")?;
+    let bat_sectors = (HEADER_LEN + nb_bat * 4).div_ceil(512);
+    let data_sectors = bat_sectors.next_multiple_of(tracks);
+    let data_off = u32::try_from(data_sectors).map_err(|_| "the BAT is too large")?;
+    let nb_sectors = size_bytes / 512;
+    let mut b = vec![0u8; (data_sectors * 512) as usize];
+    b[..16].copy_from_slice(MAGIC_EXT);
+    b[16..20].copy_from_slice(&VERSION.to_le_bytes());
+    b[20..24].copy_from_slice(&16u32.to_le_bytes());
+    let cylinders = u32::try_from(nb_sectors / (16 * 32)).unwrap_or(u32::MAX);
+    b[24..28].copy_from_slice(&cylinders.to_le_bytes());
+    b[28..32].copy_from_slice(&(tracks as u32).to_le_bytes());
+    b[32..36].copy_from_slice(&nb_bat32.to_le_bytes());
+    b[36..44].copy_from_slice(&nb_sectors.to_le_bytes());
+    b[48..52].copy_from_slice(&data_off.to_le_bytes());
+    Ok(b)
+}
