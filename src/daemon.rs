@@ -108,7 +108,8 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
                 })?;
             if p.was_in_use && p.writable() {
                 warn!(
-                    "parallels: {} was not closed cleanly (in-use set): checked it: every BAT                      entry inside the file and used once, {} bytes of leaked tail cut off",
+                    "parallels: {} was not closed cleanly (in-use set): checked it: every BAT \
+                     entry inside the file and used once, {} bytes of leaked tail cut off",
                     cfg.blk_file.display(),
                     p.trimmed_at_open
                 );

@@ -999,6 +999,21 @@ mod parallels_tests {
         }
     }
 
+    /// One growth covers every cluster the request needs plus the preallocation (QEMU's
+    /// `to_allocate * cluster + prealloc_size`).
+    #[test]
+    fn growth_covers_the_whole_request() {
+        let disk = MemStorage::new(new_image(8 << 20, C).unwrap());
+        let p = ParallelsImage::open(&disk, true, 512).unwrap();
+        p.set_prealloc(Some((PreallocMode::Truncate, 1 << 20)));
+        let base = disk.size().unwrap();
+        p.write(&disk, 0, &vec![3u8; 1 << 20]).unwrap();
+        assert_eq!(p.stats.grows.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(disk.size().unwrap(), base + (1 << 20) + (1 << 20));
+        p.close(&disk).unwrap();
+        assert_eq!(disk.size().unwrap(), base + (1 << 20));
+    }
+
     /// Entries outside the file, or two entries naming one cluster, are never served.
     #[test]
     fn broken_bats_are_refused() {

@@ -438,9 +438,14 @@ impl ParallelsImage {
         let mut st = self.lock();
         let first = (offset / c) as usize;
         let last = ((offset + len - 1) / c) as usize;
+        // Growth covers every cluster this request still needs, plus the preallocation.
+        let mut missing = (first..=last)
+            .filter(|&g| self.host_of(&st, g).is_none())
+            .count() as u64;
         for g in first..=last {
             if self.host_of(&st, g).is_none() {
-                let host = self.alloc_cluster(&mut st, file)?;
+                let host = self.alloc_cluster(&mut st, file, missing)?;
+                missing -= 1;
                 let v = host / self.unit;
                 let v = u32::try_from(v).map_err(|_| ParallelsIoError::Full)?;
                 self.set_entry(&mut st, g, v);
@@ -451,7 +456,12 @@ impl ParallelsImage {
 
     /// A free host cluster, marked used: free space inside the file first, then the tail,
     /// then the file grows.
-    fn alloc_cluster(&self, st: &mut State, file: &dyn Storage) -> Result<u64, ParallelsIoError> {
+    fn alloc_cluster(
+        &self,
+        st: &mut State,
+        file: &dyn Storage,
+        need: u64,
+    ) -> Result<u64, ParallelsIoError> {
         let c = self.cluster_size;
         let find = |st: &State| {
             st.used
@@ -463,7 +473,7 @@ impl ParallelsImage {
         let i = match find(st) {
             Some(i) => i,
             None => {
-                self.grow(st, file)?;
+                self.grow(st, file, need.max(1))?;
                 find(st).ok_or(ParallelsIoError::Broken(
                     "growing the file added no cluster",
                 ))?
@@ -486,13 +496,18 @@ impl ParallelsImage {
         Ok(host)
     }
 
-    /// Grow the file by one cluster plus the preallocation (or by one cluster).
-    fn grow(&self, st: &mut State, file: &dyn Storage) -> Result<(), ParallelsIoError> {
+    /// Grow the file by `clusters` plus the preallocation (or by `clusters` without).
+    fn grow(
+        &self,
+        st: &mut State,
+        file: &dyn Storage,
+        clusters: u64,
+    ) -> Result<(), ParallelsIoError> {
         let c = self.cluster_size;
         // The next cluster starts at the end of the last whole cluster in the file.
         let next = self.data_off + st.used.len() as u64 * c;
         let extra = st.prealloc.map_or(0, |(_, n)| n);
-        let new_end = (next + c + extra).next_multiple_of(GROW_ALIGN);
+        let new_end = (next + clusters * c + extra).next_multiple_of(GROW_ALIGN);
         let old_end = st.file_end.max(next);
         if new_end > old_end {
             let mode = st.prealloc.map(|p| p.0);
