@@ -1014,6 +1014,78 @@ mod parallels_tests {
         assert_eq!(disk.size().unwrap(), base + (1 << 20));
     }
 
+    /// A disk whose fallocate or size-only extension is refused (EOPNOTSUPP).
+    struct Refusing {
+        inner: MemStorage,
+        no_falloc: bool,
+        no_truncate_growth: bool,
+    }
+
+    impl Storage for Refusing {
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+            self.inner.read_at(buf, offset)
+        }
+        fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+            self.inner.write_all_at(buf, offset)
+        }
+        fn set_len(&self, len: u64) -> io::Result<()> {
+            if self.no_truncate_growth && len > self.inner.size()? {
+                return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+            }
+            self.inner.set_len(len)
+        }
+        fn size(&self) -> io::Result<u64> {
+            self.inner.size()
+        }
+        fn sync_data(&self) -> io::Result<()> {
+            Ok(())
+        }
+        fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+            if self.no_falloc {
+                return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+            }
+            self.inner.allocate(offset, len)
+        }
+        fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+            self.inner.punch_hole(offset, len)
+        }
+    }
+
+    /// truncate mode falls back to falloc for good when extending by size is refused;
+    /// falloc extends by size where fallocate is unsupported; writes never fail for it.
+    #[test]
+    fn preallocation_falls_back() {
+        for (mode, no_falloc, no_trunc) in [
+            (PreallocMode::Truncate, false, true),
+            (PreallocMode::Falloc, true, false),
+        ] {
+            let disk = Refusing {
+                inner: MemStorage::new(new_image(8 << 20, C).unwrap()),
+                no_falloc,
+                no_truncate_growth: no_trunc,
+            };
+            let p = ParallelsImage::open(&disk, true, 512).unwrap();
+            p.set_prealloc(Some((mode, 1 << 20)));
+            let base = disk.size().unwrap();
+            for k in 0..40 {
+                p.write(&disk, k * C, &vec![9u8; C as usize]).unwrap();
+            }
+            assert!(
+                disk.size().unwrap() >= base + 40 * C,
+                "{mode:?}: did not grow"
+            );
+            if no_trunc {
+                assert_eq!(p.prealloc_mode(), Some(PreallocMode::Falloc), "no fallback");
+            }
+            assert_eq!(
+                p.stats.grows.load(std::sync::atomic::Ordering::Relaxed),
+                3,
+                "{mode:?}: growth steps (1 MiB ahead, 64 KiB clusters)"
+            );
+            p.close(&disk).unwrap();
+        }
+    }
+
     /// Entries outside the file, or two entries naming one cluster, are never served.
     #[test]
     fn broken_bats_are_refused() {
