@@ -356,11 +356,25 @@ fn run_guest(variant: &Variant) {
         }
         Backend::Qsd => {
             cmd = Command::new(qsd.as_ref().unwrap());
-            cmd.arg("--blockdev")
-                .arg(format!(
+            // Image formats through QEMU's own drivers (raw files as the file itself).
+            let blockdev = match image.extension().and_then(|e| e.to_str()) {
+                Some(f @ ("qcow2" | "parallels")) => format!(
+                    "driver={f},node-name=file0,read-only={},file.driver=file,\
+                     file.filename={},file.cache.direct=on,file.aio=io_uring",
+                    if variant.vublk_args.contains(&"--read-only") {
+                        "on"
+                    } else {
+                        "off"
+                    },
+                    image.display()
+                ),
+                _ => format!(
                     "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring",
                     image.display()
-                ))
+                ),
+            };
+            cmd.arg("--blockdev")
+                .arg(blockdev)
                 .arg("--export")
                 .arg(format!(
                     "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},\
@@ -577,16 +591,21 @@ fn run_guest(variant: &Variant) {
     }
 
     // ---- host-side checks on the image the guest wrote
-    // A qcow2 image: qemu-img check it, then compare through a raw conversion.
-    let image = if image.extension().is_some_and(|e| e == "qcow2") {
+    // A qcow2 or parallels image: qemu-img check it, then compare through a raw conversion.
+    let format = match image.extension().and_then(|e| e.to_str()) {
+        Some("qcow2") => Some("qcow2"),
+        Some("parallels") => Some("parallels"),
+        _ => None,
+    };
+    let image = if let Some(format) = format {
         let o = Command::new("qemu-img")
-            .args(["check", "-f", "qcow2"])
+            .args(["check", "-f", format])
             .arg(&image)
             .output()
             .expect("running qemu-img check");
         assert!(
             o.status.success(),
-            "qemu-img check of the guest's qcow2 image failed:\n{}",
+            "qemu-img check of the guest's {format} image failed:\n{}",
             String::from_utf8_lossy(&o.stdout)
         );
         println!("[vm] qemu-img check: clean");
@@ -603,7 +622,7 @@ fn run_guest(variant: &Variant) {
         }
         let raw = run.path.join("converted.raw");
         let st = Command::new("qemu-img")
-            .args(["convert", "-f", "qcow2", "-O", "raw"])
+            .args(["convert", "-f", format, "-O", "raw"])
             .arg(&image)
             .arg(&raw)
             .status()
@@ -812,5 +831,47 @@ fn guest_mkfs_and_files_on_a_compressing_qcow2() {
         mode: None,
         device_props: "",
         prepare: Some(prepare_qcow2_fresh),
+    });
+}
+
+fn prepare_parallels_fresh(dir: &Path, size: u64) -> PathBuf {
+    let img = dir.join("disk.parallels");
+    let st = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .args([
+            "create",
+            "--format",
+            "parallels",
+            "--cluster-size",
+            "64K",
+            "--size",
+        ])
+        .arg(size.to_string())
+        .arg(&img)
+        .status()
+        .unwrap();
+    assert!(st.success(), "vublk create --format parallels failed");
+    img
+}
+
+/// The full guest workload on a fresh parallels image (64 KiB clusters, preallocated in
+/// 16 MiB steps, discards freeing clusters), then `qemu-img check` and the host-side
+/// comparisons on its raw conversion.
+#[test]
+fn guest_mkfs_and_files_on_a_fresh_parallels_image() {
+    run_guest(&Variant {
+        name: "parallels-rw",
+        vublk_args: &[
+            "--format",
+            "parallels",
+            "--prealloc-size",
+            "16M",
+            "--discard",
+            "unmap",
+        ],
+        serial: None,
+        logical_block: 512,
+        mode: None,
+        device_props: "",
+        prepare: Some(prepare_parallels_fresh),
     });
 }

@@ -910,11 +910,23 @@ mod parallels_tests {
     }
 
     /// Writes, discards that free clusters, reuse of freed clusters only after the BAT is
-    /// written, growth by cluster + preallocation, and a clean close that trims the file.
+    /// written, growth by cluster + preallocation, and a clean close that trims the file;
+    /// with 64 KiB clusters, 63-sector clusters (not a power of two), and the old magic
+    /// (BAT entries in sectors).
     #[test]
     fn a_model_of_writes_discards_and_reuse() {
+        for (cluster, old) in [(C, false), (63 * 512, false), (4096, true)] {
+            model_run(cluster, old);
+        }
+    }
+
+    fn model_run(c: u64, old: bool) {
         let size = 8 << 20;
-        let disk = MemStorage::new(new_image(size, C).unwrap());
+        let mut img = new_image(size, c).unwrap();
+        if old {
+            img[..16].copy_from_slice(crate::image::parallels::MAGIC_OLD);
+        }
+        let disk = MemStorage::new(img);
         let p = ParallelsImage::open(&disk, true, 512).unwrap();
         p.set_prealloc(Some((PreallocMode::Falloc, 1 << 20)));
         let mut model = vec![0u8; size as usize];
@@ -941,7 +953,10 @@ mod parallels_tests {
                 }
             }
             if round % 50 == 49 {
-                assert!(read_guest(&p, &disk, 0, size) == model, "round {round}");
+                assert!(
+                    read_guest(&p, &disk, 0, size) == model,
+                    "{c} old {old}: round {round}"
+                );
             }
         }
         assert!(p.stats.freed.load(std::sync::atomic::Ordering::Relaxed) > 0);
@@ -959,7 +974,8 @@ mod parallels_tests {
         let p = ParallelsImage::open(&disk, false, 512).unwrap();
         assert!(read_guest(&p, &disk, 0, size) == model, "after reopen");
         let data_off = p.data_off;
-        let bat: Vec<u64> = (0..size / C)
+        let unit = if old { 512 } else { c };
+        let bat: Vec<u64> = (0..size.div_ceil(c))
             .map(|g| {
                 u64::from(u32::from_le_bytes(
                     b[64 + g as usize * 4..][..4].try_into().unwrap(),
@@ -969,10 +985,14 @@ mod parallels_tests {
         let end = bat
             .iter()
             .filter(|&&e| e != 0)
-            .map(|e| e * C + C)
+            .map(|e| e * unit + c)
             .max()
             .unwrap_or(data_off);
-        assert_eq!(b.len() as u64, end, "not trimmed to the last used cluster");
+        assert_eq!(
+            b.len() as u64,
+            end,
+            "{c} old {old}: not trimmed to the last used cluster"
+        );
     }
 
     /// Growth: with preallocation the file grows by the cluster plus the preallocation, not
