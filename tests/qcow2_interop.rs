@@ -1002,6 +1002,59 @@ fn writes_into_clusters_overlapping_metadata_are_refused() {
     );
 }
 
+/// A snapshot's L1 table is metadata too: an active L2 entry pointing at it (as owned data)
+/// gets an I/O error, never a write over the snapshot.
+#[test]
+fn writes_over_a_snapshot_l1_table_are_refused() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-snap-overlap");
+    let img = dir.join("hostile.qcow2");
+    run(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("4M"));
+    qemu_io(&img, "qcow2", &["write -P 0x42 0 128k"]);
+    run(Command::new("qemu-img")
+        .args(["snapshot", "-c", "snap1"])
+        .arg(&img));
+    // The active image gets its own L2 table (the snapshot keeps the old one).
+    qemu_io(&img, "qcow2", &["write -P 0x43 64k 64k"]);
+    let mut bytes = std::fs::read(&img).unwrap();
+    let be64 = |b: &[u8], o: usize| u64::from_be_bytes(b[o..o + 8].try_into().unwrap());
+    let snap_table = be64(&bytes, 64) as usize;
+    let snap_l1 = be64(&bytes, snap_table) as usize;
+    let l1_offset = be64(&bytes, 40) as usize;
+    let l2_offset = (be64(&bytes, l1_offset) & 0x00ff_ffff_ffff_fe00) as usize;
+    // Guest cluster 1 -> the snapshot's L1 table, "copied" (owned): a write would go in place.
+    let hostile = (snap_l1 as u64) | (1 << 63);
+    bytes[l2_offset + 8..l2_offset + 16].copy_from_slice(&hostile.to_be_bytes());
+    std::fs::write(&img, &bytes).unwrap();
+    let before = bytes[snap_l1..snap_l1 + 512].to_vec();
+
+    let backend = Backend::start(&dir, &img, &BackendOpts::default());
+    let mut c = connect_queues(&backend.socket, 1);
+    assert_eq!(
+        c.write_at(0, 65536, &[0xffu8; 4096]),
+        EIO,
+        "a write over a snapshot's L1 table must fail"
+    );
+    assert_eq!(
+        c.write_at(0, 2 << 20, &[0x33u8; 4096]),
+        0,
+        "other writes work"
+    );
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    let after = std::fs::read(&img).unwrap();
+    assert_eq!(
+        &after[snap_l1..snap_l1 + 512],
+        &before[..],
+        "the snapshot's L1 table was overwritten"
+    );
+}
+
 /// Internal snapshots are preserved: after `qemu-img snapshot -c`, vublk's writes copy the
 /// shared L2 tables and data clusters; `qemu-img check` stays clean, the active image has the
 /// new data and the snapshot still has the old.

@@ -31,6 +31,8 @@ const L1_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 /// Refuse L1 tables larger than this: 32 MiB of L1 maps 2^22 L2 tables, petabytes of guest
 /// space at any cluster size; an image claiming more is hostile or broken.
 const MAX_L1_BYTES: u64 = 32 << 20;
+/// Most internal snapshots an image may have (QEMU's limit).
+const MAX_SNAPSHOTS: u32 = 65536;
 /// Default L2 cache: 32 MiB, or what covers 64 GiB of guest data when that is more (small
 /// clusters), never more than the image's own L2 tables.
 pub const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
@@ -595,6 +597,47 @@ impl Qcow2Image {
             if !inside && writable {
                 return Err(Qcow2Error::Metadata(
                     "an L2 table is unaligned or outside the file",
+                ));
+            }
+        }
+        if writable {
+            // Internal snapshots: their table and their L1 tables are metadata too (QEMU's
+            // default overlap checks); a data write must never land on them.
+            let nb = be32(&hdr, 60);
+            let table = be64(&hdr, 64);
+            if nb > MAX_SNAPSHOTS {
+                return Err(Qcow2Error::Metadata("more than 65536 internal snapshots"));
+            }
+            let mut pos = table;
+            for _ in 0..nb {
+                if pos % 8 != 0 || pos.saturating_add(40) > file_size {
+                    return Err(Qcow2Error::Metadata(
+                        "the snapshot table is unaligned or outside the file",
+                    ));
+                }
+                let e = read_aligned(file, pos, 40).map_err(Qcow2Error::ReadL1)?;
+                let (l1, l1_len) = (be64(&e, 0), u64::from(be32(&e, 8)) * 8);
+                if l1 % cluster_size != 0
+                    || l1_len > MAX_L1_BYTES
+                    || l1.saturating_add(l1_len) > file_end
+                {
+                    return Err(Qcow2Error::Metadata(
+                        "a snapshot's L1 table is unaligned or outside the file",
+                    ));
+                }
+                if add_range(l1, l1_len) {
+                    return Err(Qcow2Error::Metadata(
+                        "a snapshot's L1 table overlaps other metadata",
+                    ));
+                }
+                let extra = u64::from(be32(&e, 36));
+                let names = u64::from(u16::from_be_bytes([e[12], e[13]]))
+                    + u64::from(u16::from_be_bytes([e[14], e[15]]));
+                pos = (pos + 40 + extra + names).next_multiple_of(8);
+            }
+            if nb > 0 && add_range(table, pos - table) {
+                return Err(Qcow2Error::Metadata(
+                    "the snapshot table overlaps other metadata",
                 ));
             }
         }
