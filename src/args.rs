@@ -127,6 +127,12 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub compress_threads: Option<usize>,
 
+    /// qcow2: threads for writes that allocate through the format (copy-on-write of backing
+    /// file, zero or shared clusters, sub-block writes), so that their reads and writes
+    /// overlap instead of running one at a time on the queue thread (0: on the queue thread).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub cow_threads: usize,
+
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL", default_value = "info")]
     pub log_level: String,

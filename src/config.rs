@@ -50,6 +50,7 @@ pub struct Config {
     /// `--compressed-cache-size` in bytes (None: 16 host clusters).
     pub compressed_cache_bytes: Option<u64>,
     pub compress_threads: usize,
+    pub cow_threads: usize,
     pub prealloc_size: u64,
     pub prealloc_align: u64,
     /// qcow2 L2 cache bytes (None: the default for the image).
@@ -177,6 +178,12 @@ impl Config {
                 .unwrap_or(1)
                 .min(8),
         };
+        if args.cow_threads > MAX_COMPRESS_THREADS {
+            return Err(bad(format!(
+                "--cow-threads {}: at most {MAX_COMPRESS_THREADS}",
+                args.cow_threads
+            )));
+        }
         let prealloc_size = crate::args::parse_size(&args.prealloc_size)
             .filter(|&n| n <= MAX_PREALLOC)
             .ok_or_else(|| {
@@ -221,6 +228,7 @@ impl Config {
             compressed_cache: args.compressed_cache == crate::args::OnOff::On,
             compressed_cache_bytes,
             compress_threads,
+            cow_threads: args.cow_threads,
             prealloc_size,
             prealloc_align,
             log_level,

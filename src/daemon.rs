@@ -231,6 +231,12 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
     }
     if let Some(q) = qcow2.as_ref().filter(|q| q.writable()) {
         q.set_punch_freed(cfg.discard == crate::args::DiscardMode::Unmap);
+        if cfg.cow_threads > 0 {
+            match crate::offload::Pool::new(cfg.cow_threads, "vublk-cow") {
+                Ok(p) => dev.cow_pool = Some(p),
+                Err(e) => warn!("copy-on-write on the queue threads (no thread pool: {e})"),
+            }
+        }
         if cfg.compress_writes {
             q.set_compress_writes(true);
             q.set_compressed_cache(cfg.compressed_cache);
@@ -469,6 +475,10 @@ fn log_device_stats(dev: &Device) {
     if let Some(q) = dev.qcow2.as_ref().filter(|q| q.writable()) {
         let (done, skipped) = q.prealloc_counts();
         info!("preallocation: {done} done, {skipped} skipped");
+        info!(
+            "qcow2: {} copy-on-writes done without the allocation lock",
+            q.cow_unlocked.load(std::sync::atomic::Ordering::Relaxed)
+        );
         if q.compress_writes() {
             info!(
                 "compressed writes: {} clusters compressed, {} stored normally (did not compress)",

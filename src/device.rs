@@ -92,6 +92,9 @@ pub struct Device {
     /// Threads that compress and place `--compress-writes on` writes (None: on the queue
     /// threads).
     pub compress_pool: Option<crate::offload::Pool>,
+    /// Threads for qcow2 writes that allocate through the format (copy-on-write over backing
+    /// files, zero or shared clusters; `--cow-threads`; None: on the queue threads).
+    pub cow_pool: Option<crate::offload::Pool>,
 }
 
 impl Device {
@@ -114,6 +117,7 @@ impl Device {
         Device {
             write_ranges: rmw_possible.then(RangeLocks::default),
             compress_pool: None,
+            cow_pool: None,
             parallels: None,
             zero_stats: ZeroStats::default(),
             qcow2: None,

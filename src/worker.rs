@@ -87,6 +87,8 @@ struct Slot {
     /// qcow2: the fill (whole-cluster first write of fresh clusters) this request does, or
     /// the shared range its in-place write holds while fills are in flight: (key, is_fill).
     fill_key: Option<(u64, bool)>,
+    /// qcow2: new clusters whose L2 entries are installed when this write completes.
+    cow_install: Option<crate::image::qcow2::CowInstall>,
     /// Write-through: make the request's zeroing durable (fdatasync) before completing it.
     sync_after: bool,
     pending: u32,
@@ -111,6 +113,7 @@ impl Slot {
             bounce_skip: 0,
             range_key: None,
             fill_key: None,
+            cow_install: None,
             sync_after: false,
             pending: 0,
             status: status::OK,
@@ -176,9 +179,10 @@ impl QueueWorker {
         let n = usize::from(dev.params.queue_size);
         let bounce = BouncePool::new(dev.params.align.bounce_align());
         engine.register_file(dev.file.as_raw_fd());
-        let inbox = match (dev.compress_pool.as_ref(), engine.event_fd()) {
-            (Some(_), Some(fd)) => Inbox::new(fd)
-                .map_err(|e| warn!("queue {index}: compressing on the queue thread ({e})"))
+        let pools = dev.compress_pool.is_some() || dev.cow_pool.is_some();
+        let inbox = match (pools, engine.event_fd()) {
+            (true, Some(fd)) => Inbox::new(fd)
+                .map_err(|e| warn!("queue {index}: format writes on the queue thread ({e})"))
                 .ok(),
             _ => None,
         };
@@ -389,6 +393,7 @@ impl QueueWorker {
         slot.bounce_skip = 0;
         slot.range_key = None;
         slot.fill_key = None;
+        slot.cow_install = None;
         slot.sync_after = false;
         slot.iov.clear();
         if let Err(e) = parse_request(&**mem, descs, &self.dev.limits, &mut slot.req) {
@@ -646,11 +651,7 @@ impl QueueWorker {
             if q.compress_writes() {
                 // Compressed clusters are built, packed and written by the format, on the
                 // compression pool when there is one.
-                if self.inbox.is_some() {
-                    return Ok(self.offload_qcow2_write(idx, &mem));
-                }
-                self.qcow2_write(idx, &mem);
-                return Ok(false);
+                return Ok(self.offload_qcow2_write(idx, &mem, true));
             }
             // Clusters owned alone and contiguous: write in place through the ring, like raw.
             // Anything else needs allocation: the synchronous metadata path.
@@ -665,6 +666,7 @@ impl QueueWorker {
                                 whole_clusters = Some((f.start, f.len));
                                 self.slots[usize::from(idx)].fill_key = Some((f.key, true));
                             }
+                            self.slots[usize::from(idx)].cow_install = fw.install;
                             fw.host
                         })
                     }),
@@ -676,10 +678,7 @@ impl QueueWorker {
             };
             match planned {
                 Ok(Some(host)) => write_offset = host,
-                Ok(None) => {
-                    self.qcow2_write(idx, &mem);
-                    return Ok(false);
-                }
+                Ok(None) => return Ok(self.offload_qcow2_write(idx, &mem, false)),
                 Err(e) => {
                     error!("queue {}: qcow2 write at {offset}: {e}", self.index);
                     self.slots[usize::from(idx)].status = status::IOERR;
@@ -722,9 +721,9 @@ impl QueueWorker {
         let sub_block = direct && (file_offset % block != 0 || len % block != 0);
         if sub_block && !is_read && whole_clusters.is_none() {
             if self.dev.qcow2.is_some() {
-                // The read-modify-write path works on raw offsets; qcow2 goes the
-                // synchronous way (it writes through aligned buffers).
-                self.qcow2_write(idx, &mem);
+                // The read-modify-write path works on raw offsets; qcow2 goes the format's
+                // way (it writes through aligned buffers).
+                return Ok(self.offload_qcow2_write(idx, &mem, false));
             } else if self.dev.parallels.is_some() {
                 self.parallels_write(idx, &mem);
             } else {
@@ -1079,12 +1078,19 @@ impl QueueWorker {
         write_qcow2(&self.dev, offset, data)
     }
 
-    /// `--compress-writes on` with a compression pool: copy the guest data here, compress
-    /// and place it on a pool thread; the result comes back through the inbox. Returns
-    /// whether the request now waits for it (false: it is finished, status set).
-    fn offload_qcow2_write(&mut self, idx: u16, mem: &Arc<Mem>) -> bool {
+    /// A qcow2 write through the format on a pool thread: compressed writes on the
+    /// compression pool (`compress`), copy-on-write and other allocating writes on the
+    /// copy-on-write pool. The guest data is copied here; the result comes back through the
+    /// inbox. Without the pool (or an engine eventfd) the write is done here. Returns whether
+    /// the request now waits for the pool (false: it is finished, status set).
+    fn offload_qcow2_write(&mut self, idx: u16, mem: &Arc<Mem>, compress: bool) -> bool {
         let dev = self.dev.clone();
-        let (Some(inbox), Some(pool)) = (self.inbox.clone(), dev.compress_pool.as_ref()) else {
+        let pool = if compress {
+            dev.compress_pool.as_ref()
+        } else {
+            dev.cow_pool.as_ref()
+        };
+        let (Some(inbox), Some(pool)) = (self.inbox.clone(), pool) else {
             self.qcow2_write(idx, mem);
             return false;
         };
@@ -1526,6 +1532,14 @@ impl QueueWorker {
         }
         if slot.status != status::OK && slot.req.kind == RequestType::In {
             slot.used_len = 1;
+        }
+        if let (Some(install), Some(q)) = (slot.cow_install.take(), self.dev.qcow2.as_ref()) {
+            // The data is in the file: now the new clusters may replace the backing data
+            // (before the guest sees the write complete).
+            if let Err(e) = q.finish_cow(&self.dev.file, install, slot.status == status::OK) {
+                error!("queue {}: installing new clusters: {e}", self.index);
+                slot.status = status::IOERR;
+            }
         }
         if let Some(mem) = &mem {
             let _ = mem.write_obj(slot.status, slot.req.status_addr);

@@ -410,8 +410,14 @@ fn random_writes_to_qcow2_match_model_and_check_clean() {
         let mut c = connect_queues(&backend.socket, 1);
         let mut rng = Rng::new(0x9c0c_0002 ^ name.len() as u64);
         for i in 0..200 {
-            let len = (rng.range(1, 512) * 512) as usize;
-            let off = rng.below((SIZE - len as u64) / 512 + 1) * 512;
+            let (len, off) = if rng.below(4) == 0 {
+                // Whole 64 KiB clusters (over the backing file: installed on completion).
+                let len = rng.range(1, 5) * 65536;
+                (len as usize, rng.below((SIZE - len) / 65536 + 1) * 65536)
+            } else {
+                let len = (rng.range(1, 512) * 512) as usize;
+                (len, rng.below((SIZE - len as u64) / 512 + 1) * 512)
+            };
             match rng.below(6) {
                 0..=2 => {
                     let mut data = vec![0u8; len];

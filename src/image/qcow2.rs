@@ -252,6 +252,22 @@ pub struct FreshWrite {
     /// Write the new clusters whole instead: zeroes around the data. The caller must call
     /// [`Qcow2Image::end_fill`] with `key` when that write has completed.
     pub fill: Option<Fill>,
+    /// The L2 entries are not installed yet (the old contents came from the backing file, so
+    /// they must stay visible until the data is in the file): the caller calls
+    /// [`Qcow2Image::finish_cow`] with this when the write has completed, before completing
+    /// the request.
+    pub install: Option<CowInstall>,
+}
+
+/// New clusters written whole over clusters without data of their own, installed on
+/// completion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CowInstall {
+    /// First guest cluster and how many.
+    pub guest: u64,
+    pub clusters: u64,
+    /// First new host cluster (the rest follow it).
+    pub host: u64,
 }
 
 /// A whole-cluster first write of fresh clusters.
@@ -372,6 +388,13 @@ pub struct Qcow2Image {
     pub fill_gate: std::sync::atomic::AtomicU64,
     /// Data clusters allocated from free space (refcount 0) instead of the end of the file.
     pub reused_clusters: std::sync::atomic::AtomicU64,
+    /// Guest clusters being copied on write without the allocation lock (their new cluster
+    /// is allocated, its L2 entry not yet installed); locked after the allocation state.
+    cow_in_flight: Mutex<std::collections::HashSet<u64>>,
+    /// Signalled when a guest cluster leaves `cow_in_flight`.
+    cow_done: std::sync::Condvar,
+    /// Copy-on-writes done without the allocation lock.
+    pub cow_unlocked: std::sync::atomic::AtomicU64,
     /// The compressed-write cache (`--compressed-cache on`): the host cluster being packed.
     /// Locked after the allocation state, never before it.
     comp_cache: Mutex<CompCache>,
@@ -679,6 +702,9 @@ impl Qcow2Image {
             }),
             compress_stats: Default::default(),
             reused_clusters: std::sync::atomic::AtomicU64::new(0),
+            cow_in_flight: Mutex::new(std::collections::HashSet::new()),
+            cow_done: std::sync::Condvar::new(),
+            cow_unlocked: std::sync::atomic::AtomicU64::new(0),
             fills: Default::default(),
             fills_in_flight: std::sync::atomic::AtomicU64::new(0),
             fill_gate: std::sync::atomic::AtomicU64::new(0),
@@ -1051,19 +1077,33 @@ impl Qcow2Image {
         let c = self.cluster_size();
         let first_cl = offset & !(c - 1);
         let n = ((offset + len - 1) & !(c - 1)).saturating_sub(first_cl) / c + 1;
-        let mut olds = Vec::with_capacity(n as usize);
-        for k in 0..n {
-            let e = self.l2_entry(file, first_cl + k * c)?;
-            let zero_flag = self.version >= 3 && e & L2_ZERO != 0;
-            let unallocated = e & L2_OFFSET_MASK == 0 && !zero_flag;
-            if e & L2_COMPRESSED != 0 || !(zero_flag || (unallocated && !has_backing)) {
-                return Ok(None);
-            }
-            olds.push(e);
+        if self.cow_busy(first_cl, n) {
+            // Being copied on write elsewhere: the synchronous path waits for it.
+            return Ok(None);
         }
         // A write of whole clusters does not care what they held: it may reuse free space.
         // Anything else gets holes at the end of the file.
         let whole = offset == first_cl && len == n * c;
+        let mut olds = Vec::with_capacity(n as usize);
+        // Whole clusters over the backing file: allocated now, installed on completion.
+        let mut defer = false;
+        for k in 0..n {
+            let e = self.l2_entry(file, first_cl + k * c)?;
+            let zero_flag = self.version >= 3 && e & L2_ZERO != 0;
+            let unallocated = e & L2_OFFSET_MASK == 0 && !zero_flag;
+            if e & L2_COMPRESSED != 0 {
+                return Ok(None);
+            }
+            if unallocated && has_backing {
+                if !whole || self.fill_gate.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                    return Ok(None);
+                }
+                defer = true;
+            } else if !(zero_flag || unallocated) {
+                return Ok(None);
+            }
+            olds.push(e);
+        }
         let reused = if whole {
             self.find_free_run(&mut ws, file, n)?
         } else {
@@ -1118,6 +1158,26 @@ impl Qcow2Image {
                 }
             }
         }
+        if defer {
+            // Counted as a fill so that synchronous writers drain it first; writers of these
+            // guest clusters wait for the install.
+            let mut busy = self.cow_in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            for k in 0..n {
+                busy.insert(first_cl + k * c);
+            }
+            drop(busy);
+            self.fills_in_flight
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            return Ok(Some(FreshWrite {
+                host: first,
+                fill: None,
+                install: Some(CowInstall {
+                    guest: first_cl,
+                    clusters: n,
+                    host: first,
+                }),
+            }));
+        }
         for (k, e) in olds.into_iter().enumerate() {
             let cl = first_cl + k as u64 * c;
             let l2 = self.ensure_l2(&mut ws, file, cl)?;
@@ -1129,7 +1189,49 @@ impl Qcow2Image {
         Ok(Some(FreshWrite {
             host: first + (offset - first_cl),
             fill,
+            install: None,
         }))
+    }
+
+    /// The write of a [`CowInstall`] completed (`ok`) or failed: install its L2 entries (what
+    /// the entries held by now is released once they are durable), or give the clusters
+    /// back; then let waiting writers of those guest clusters go on.
+    pub fn finish_cow(
+        &self,
+        file: &dyn Storage,
+        install: CowInstall,
+        ok: bool,
+    ) -> Result<(), MapError> {
+        let Some(ws) = self.write.as_ref() else {
+            return Err(MapError::Corrupt("image is read-only"));
+        };
+        let c = self.cluster_size();
+        let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
+        let r = (|| -> Result<(), MapError> {
+            for k in 0..install.clusters {
+                let (cl, host) = (install.guest + k * c, install.host + k * c);
+                if !ok {
+                    // Never referenced: safe to write back at any time.
+                    self.set_refcount(&mut ws, file, host, RefChange::Dec)?;
+                    continue;
+                }
+                let cur = self.l2_entry(file, cl)?;
+                let l2 = self.ensure_l2(&mut ws, file, cl)?;
+                self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl), host | L2_COPIED)?;
+                self.release_old(&mut ws, cur);
+            }
+            Ok(())
+        })();
+        let mut busy = self.cow_in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        for k in 0..install.clusters {
+            busy.remove(&(install.guest + k * c));
+        }
+        drop(busy);
+        self.cow_done.notify_all();
+        self.fills_in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        r?;
+        self.maybe_write_back(&mut ws, file)
     }
 
     /// Store clusters written whole compressed (`--compress-writes on`).
@@ -1438,7 +1540,25 @@ impl Qcow2Image {
                 pos += n;
             }
         }
-        let mut ws_guard = ws.lock().unwrap_or_else(|e| e.into_inner());
+        let first_cl = offset & !(c - 1);
+        let n_cl = (end - 1 - first_cl) / c + 1;
+        if n_cl == 1
+            && !self.compress_writes()
+            && self.write_cow_unlocked(file, offset, data, fill_old)?
+        {
+            return Ok(());
+        }
+        // Never allocate for a cluster another writer is copying without the lock.
+        let mut ws_guard = loop {
+            let guard = ws.lock().unwrap_or_else(|e| e.into_inner());
+            let busy = self.cow_in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            if !(0..n_cl).any(|k| busy.contains(&(first_cl + k * c))) {
+                drop(busy);
+                break guard;
+            }
+            drop(guard);
+            drop(self.cow_done.wait(busy).unwrap_or_else(|e| e.into_inner()));
+        };
         let mut runs = Vec::new();
         let r = self.write_locked(&mut ws_guard, file, offset, data, fill_old, pre, &mut runs);
         if runs.is_empty() {
@@ -1453,6 +1573,111 @@ impl Qcow2Image {
         written?;
         let mut ws = ws.lock().unwrap_or_else(|e| e.into_inner());
         self.maybe_write_back(&mut ws, file)
+    }
+
+    /// Is any of the `n` guest clusters from `first` being copied on write? (Called with the
+    /// allocation lock held.)
+    fn cow_busy(&self, first: u64, n: u64) -> bool {
+        let c = self.cluster_size();
+        let busy = self.cow_in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        !busy.is_empty() && (0..n).any(|k| busy.contains(&(first + k * c)))
+    }
+
+    /// A write inside one guest cluster that has no data cluster of its own (unallocated:
+    /// its old contents come from the backing file or are zeroes; or a zero cluster): the new
+    /// cluster is allocated under the allocation lock, the old contents are read and the
+    /// cluster written without it (so writers on other threads overlap their I/O), and the
+    /// L2 entry is installed under the lock once the data is in the file. Writers to the same
+    /// guest cluster wait meanwhile; readers see the old contents until the entry changes.
+    /// Ok(false): not such a write (the caller takes the locked path).
+    fn write_cow_unlocked(
+        &self,
+        file: &dyn Storage,
+        offset: u64,
+        data: &[u8],
+        fill_old: &mut FillOld<'_>,
+    ) -> Result<bool, MapError> {
+        let Some(ws_lock) = self.write.as_ref() else {
+            return Err(MapError::Corrupt("image is read-only"));
+        };
+        let c = self.cluster_size();
+        let cl_start = offset & !(c - 1);
+        let in_cl = (offset - cl_start) as usize;
+        let n = data.len();
+        let (new, reused) = loop {
+            let mut ws = ws_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let busy = self.cow_in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            if busy.contains(&cl_start) {
+                drop(ws);
+                drop(self.cow_done.wait(busy).unwrap_or_else(|e| e.into_inner()));
+                continue;
+            }
+            drop(busy);
+            let e = self.l2_entry(file, cl_start)?;
+            if e & L2_OFFSET_MASK != 0 || e & L2_COMPRESSED != 0 {
+                return Ok(false);
+            }
+            let got = match self.find_free_run(&mut ws, file, 1)? {
+                Some(h) => {
+                    self.reused_clusters
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    (h, true)
+                }
+                None => (self.alloc_cluster(&mut ws, file)?, false),
+            };
+            self.cow_in_flight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(cl_start);
+            break got;
+        };
+        // The I/O, without the allocation lock.
+        let io = (|| -> Result<(), MapError> {
+            let mut cluster =
+                crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
+            let buf = cluster.as_mut_slice();
+            let old_is_zero = if n < c as usize {
+                fill_old(cl_start, buf)?;
+                crate::zero::is_zero(&buf[..in_cl]) && crate::zero::is_zero(&buf[in_cl + n..])
+            } else {
+                true
+            };
+            buf[in_cl..in_cl + n].copy_from_slice(data);
+            if old_is_zero && n < c as usize && !reused {
+                // A fresh cluster past every earlier allocation is a hole: only the data,
+                // after allocating the cluster's blocks (reading as zeroes) in one go, so
+                // the write is not a hole-filling one that the file system serialises (like
+                // QEMU's zero copy-on-write); best effort.
+                let _ = file.allocate(new, c);
+                write_all_aligned(file, new + in_cl as u64, data).map_err(MapError::Io)
+            } else {
+                write_all_aligned(file, new, buf).map_err(MapError::Io)
+            }
+        })();
+        let mut ws = ws_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let installed = io.and_then(|()| {
+            let cur = self.l2_entry(file, cl_start)?;
+            let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
+            self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
+            // Whatever the entry held by now (a concurrent zeroing may have changed it) is
+            // released once the new entry is durable.
+            self.release_old(&mut ws, cur);
+            Ok(())
+        });
+        if installed.is_err() {
+            // Never referenced: give the cluster back (safe to write at any time).
+            let _ = self.set_refcount(&mut ws, file, new, RefChange::Dec);
+        }
+        self.cow_in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&cl_start);
+        self.cow_done.notify_all();
+        installed?;
+        self.cow_unlocked
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.maybe_write_back(&mut ws, file)?;
+        Ok(true)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1766,7 +1991,13 @@ impl Qcow2Image {
     fn maybe_write_back(&self, ws: &mut WriteState, file: &dyn Storage) -> Result<(), MapError> {
         let too_many_tables = {
             let cache = self.l2_cache.lock().unwrap_or_else(|e| e.into_inner());
-            cache.dirty_tables() * 2 >= cache.capacity
+            // Dirty tables are never evicted: write back early only when the cache could
+            // run out of clean ones, not when it holds every table the image can have
+            // (then a random write workload would sync every few writes).
+            let all_tables = self
+                .size_bytes
+                .div_ceil(1u64 << (self.cluster_bits + self.l2_bits));
+            (cache.capacity as u64) < all_tables && cache.dirty_tables() * 2 >= cache.capacity
         };
         if too_many_tables || ws.dirty_chunks.len() >= MAX_DIRTY_REFCOUNT_CHUNKS {
             self.write_back(ws, file)?;

@@ -114,6 +114,9 @@ struct Opts {
     /// run, to measure writes into a fresh qcow2.
     #[arg(long)]
     fresh_qcow2: bool,
+    /// With --fresh-qcow2: the fresh images are overlays over this backing file (its size).
+    #[arg(long)]
+    fresh_backing: Option<PathBuf>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -680,12 +683,15 @@ fn run_once(backend: &Backend, wl: &Workload, opts: &Opts, vublk: &Path, work: &
             unsafe { libc::sync() };
             std::thread::sleep(Duration::from_secs(1));
         }
-        let st = Command::new(vublk)
-            .args(["create", "--format", "qcow2", "--size"])
-            .arg(opts.size.to_string())
-            .arg(image)
-            .status()
-            .expect("vublk create");
+        let mut create = Command::new(vublk);
+        create.args(["create", "--format", "qcow2"]);
+        match &opts.fresh_backing {
+            Some(b) => create
+                .arg("--backing")
+                .arg(fs::canonicalize(b).expect("backing file")),
+            None => create.arg("--size").arg(opts.size.to_string()),
+        };
+        let st = create.arg(image).status().expect("vublk create");
         assert!(st.success(), "vublk create {} failed", image.display());
     }
     let server = start_server(backend, image, opts, vublk, work);
