@@ -1094,6 +1094,14 @@ impl QueueWorker {
             self.qcow2_write(idx, mem);
             return false;
         };
+        // No fill (a first write that writes its whole new cluster, zeroes around its data)
+        // may be in flight while the pool writes: it could land over bytes the pool wrote
+        // in place in the same cluster. The gate keeps new fills from starting until the
+        // job is done; the drain waits for those in flight.
+        let gate = dev.qcow2.as_ref().map(|q| {
+            q.fill_gate.fetch_add(1, Ordering::SeqCst);
+            FillGate(self.dev.clone())
+        });
         self.drain_fills();
         let slot = &mut self.slots[usize::from(idx)];
         let (offset, len) = (slot.req.offset_bytes(), slot.req.data_len as usize);
@@ -1114,12 +1122,14 @@ impl QueueWorker {
                     -libc::EIO
                 }
             };
+            drop(gate);
             inbox.post(Completion {
                 user_data: ud,
                 result,
             });
         });
         if pool.submit(job).is_err() {
+            // The job (and its gate) was dropped.
             self.qcow2_write(idx, mem);
             return false;
         }
@@ -1591,6 +1601,17 @@ impl Drop for QueueWorker {
             if self.engine.wait_one().is_err() {
                 break;
             }
+        }
+    }
+}
+
+/// A raised `fill_gate` of the device's qcow2 image, lowered when dropped.
+struct FillGate(Arc<Device>);
+
+impl Drop for FillGate {
+    fn drop(&mut self) {
+        if let Some(q) = self.0.qcow2.as_ref() {
+            q.fill_gate.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }

@@ -755,6 +755,38 @@ mod packing {
         (allocated, out)
     }
 
+    /// While a writer through the format holds the fill gate (a write on a pool thread may
+    /// write in place into any allocated cluster), no new fill starts: a fill writes its
+    /// whole cluster and could land over those bytes. Without the gate, fills start again.
+    #[test]
+    fn no_fill_starts_while_the_gate_is_raised() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let p = super::tests::fresh_image("fill-gate");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        let q = Qcow2Image::open(&file, true).unwrap();
+        q.fill_gate.fetch_add(1, SeqCst);
+        let fw = q
+            .plan_fresh_write(&file, 4096, 4096, false)
+            .unwrap()
+            .unwrap();
+        assert!(fw.fill.is_none(), "a fill started behind the gate");
+        assert_eq!(q.fills_in_flight.load(SeqCst), 0);
+        q.fill_gate.fetch_sub(1, SeqCst);
+        let fw = q
+            .plan_fresh_write(&file, 65536 + 4096, 4096, false)
+            .unwrap()
+            .unwrap();
+        let f = fw.fill.expect("no fill without the gate");
+        assert_eq!(q.fills_in_flight.load(SeqCst), 1);
+        q.end_fill(f.key);
+        q.close(&file).unwrap();
+        std::fs::remove_file(&p).unwrap();
+    }
+
     /// A disk whose writes fail while `fail` is set.
     struct FlakyDisk {
         inner: MemStorage,

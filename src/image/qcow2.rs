@@ -1133,18 +1133,20 @@ impl Qcow2Image {
         // A write that starts at a cluster's start is how a sequential stream enters it: the
         // stream's next writes fill the rest, and a fill would only make them wait.
         let mut fill = None;
-        if reused.is_none()
-            && !whole
-            && offset != first_cl
-            && self.fill_gate.load(std::sync::atomic::Ordering::SeqCst) == 0
-        {
+        if reused.is_none() && !whole && offset != first_cl {
+            // Counted before the gate is checked (both sequentially consistent): a writer
+            // that raises the gate and then waits for the count either sees this fill or
+            // stops it.
             self.fills_in_flight
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let (start, end) = (first, first + n * c);
-            match self
-                .fills
-                .try_acquire(start, end, crate::io::ranges::Holder::Rmw)
-            {
+            let key = if self.fill_gate.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                None
+            } else {
+                self.fills
+                    .try_acquire(start, end, crate::io::ranges::Holder::Rmw)
+            };
+            match key {
                 Some(key) => {
                     fill = Some(Fill {
                         key,
