@@ -773,6 +773,68 @@ fn two_queues_allocating_the_same_clusters() {
     qemu_compare(&raw, &img);
 }
 
+/// One queue, many requests in flight: a write spanning an allocated and a fresh cluster
+/// goes through the format (on the pool), while a later small write into the fresh cluster
+/// goes through the ring. Both must land whatever the order; a fill of the fresh cluster
+/// (written whole, zeroes around its data) must never run over the pool's bytes.
+#[test]
+fn writes_through_the_pool_and_the_ring_into_one_cluster() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-pool-ring");
+    const C: u64 = 65536;
+    const PAIRS: u64 = 60;
+    let img = dir.join("pr.qcow2");
+    run(Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .args(["create", "--format", "qcow2", "--size", "16M"])
+        .arg(&img));
+    let backend = Backend::start(&dir, &img, &BackendOpts::default());
+    let mut c = connect(
+        &backend.socket,
+        ClientOpts {
+            mem_size: 16 * MIB as usize,
+            ..Default::default()
+        },
+    );
+    let mut expected = vec![0u8; 16 * MIB as usize];
+    // Allocate every even cluster first.
+    for p in 0..PAIRS {
+        let data = pattern(C as usize, p * 2 * C, 41);
+        assert_eq!(c.write_at(0, p * 2 * C, &data), 0);
+        expected[(p * 2 * C) as usize..((p * 2 + 1) * C) as usize].copy_from_slice(&data);
+    }
+    // Then per pair, in one batch: A = the second half of the even cluster and the first
+    // quarter of the odd (fresh) one; B = 4 KiB near the end of the odd cluster.
+    let mut ops = Vec::new();
+    let mut at = 0usize;
+    for p in 0..PAIRS {
+        let a_off = p * 2 * C + C / 2;
+        let a = pattern((C / 2 + C / 4) as usize, a_off, 42);
+        let b_off = (p * 2 + 1) * C + 3 * C / 4 + 4096;
+        let b = pattern(4096, b_off, 43);
+        for (off, data) in [(a_off, a), (b_off, b)] {
+            c.mem_mut()[at..at + data.len()].copy_from_slice(&data);
+            expected[off as usize..off as usize + data.len()].copy_from_slice(&data);
+            ops.push(Op::Write {
+                offset: off,
+                buf: at,
+                len: data.len(),
+            });
+            at += data.len();
+        }
+    }
+    assert!(c.submit_batch(0, &ops).iter().all(|&r| r == 0));
+    assert_eq!(c.submit(0, Op::Flush), 0);
+    assert_same(&c.read_all(0), &expected, "both writes of every pair");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
+    let raw = dir.join("pr.expected");
+    std::fs::write(&raw, &expected).unwrap();
+    qemu_compare(&raw, &img);
+}
+
 /// Allocated clusters as `qemu-img check` counts them.
 fn allocated_clusters(img: &Path) -> u64 {
     let o = Command::new("qemu-img")
