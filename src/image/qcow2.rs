@@ -1577,6 +1577,44 @@ impl Qcow2Image {
         self.maybe_write_back(&mut ws, file)
     }
 
+    /// A data cluster for a copy-on-write: free space first (counted), else the end of the
+    /// file; whether it was reused.
+    fn alloc_data_cluster(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+    ) -> Result<(u64, bool), MapError> {
+        Ok(match self.find_free_run(ws, file, 1)? {
+            Some(h) => {
+                self.reused_clusters
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                (h, true)
+            }
+            None => (self.alloc_cluster(ws, file)?, false),
+        })
+    }
+
+    /// The new contents of the cluster at guest `cl_start` in `buf`: its old contents (when
+    /// `src` does not cover it) with `src` at `in_cl`; whether the old bytes around `src`
+    /// were all zero.
+    fn merge_cluster(
+        buf: &mut [u8],
+        cl_start: u64,
+        in_cl: usize,
+        src: &[u8],
+        fill_old: &mut FillOld<'_>,
+    ) -> Result<bool, MapError> {
+        let n = src.len();
+        let old_is_zero = if n < buf.len() {
+            fill_old(cl_start, buf)?;
+            crate::zero::is_zero(&buf[..in_cl]) && crate::zero::is_zero(&buf[in_cl + n..])
+        } else {
+            true
+        };
+        buf[in_cl..in_cl + n].copy_from_slice(src);
+        Ok(old_is_zero)
+    }
+
     /// Is any of the `n` guest clusters from `first` being copied on write? (Called with the
     /// allocation lock held.)
     fn cow_busy(&self, first: u64, n: u64) -> bool {
@@ -1619,14 +1657,7 @@ impl Qcow2Image {
             if e & L2_OFFSET_MASK != 0 || e & L2_COMPRESSED != 0 {
                 return Ok(false);
             }
-            let got = match self.find_free_run(&mut ws, file, 1)? {
-                Some(h) => {
-                    self.reused_clusters
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    (h, true)
-                }
-                None => (self.alloc_cluster(&mut ws, file)?, false),
-            };
+            let got = self.alloc_data_cluster(&mut ws, file)?;
             self.cow_in_flight
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -1638,13 +1669,7 @@ impl Qcow2Image {
             let mut cluster =
                 crate::io::bounce::AlignedBuf::new(c as usize, 4096).map_err(MapError::Io)?;
             let buf = cluster.as_mut_slice();
-            let old_is_zero = if n < c as usize {
-                fill_old(cl_start, buf)?;
-                crate::zero::is_zero(&buf[..in_cl]) && crate::zero::is_zero(&buf[in_cl + n..])
-            } else {
-                true
-            };
-            buf[in_cl..in_cl + n].copy_from_slice(data);
+            let old_is_zero = Self::merge_cluster(buf, cl_start, in_cl, data, fill_old)?;
             if old_is_zero && n < c as usize && !reused {
                 // A fresh cluster past every earlier allocation is a hole: only the data,
                 // after allocating the cluster's blocks (reading as zeroes) in one go, so
@@ -1762,21 +1787,8 @@ impl Qcow2Image {
                 write_all_aligned(file, host + in_cl as u64, src).map_err(MapError::Io)?;
             } else {
                 let buf = cluster.as_mut_slice();
-                let old_is_zero = if n < c as usize {
-                    fill_old(cl_start, buf)?;
-                    crate::zero::is_zero(&buf[..in_cl]) && crate::zero::is_zero(&buf[in_cl + n..])
-                } else {
-                    true
-                };
-                buf[in_cl..in_cl + n].copy_from_slice(src);
-                let (new, reused) = match self.find_free_run(ws, file, 1)? {
-                    Some(h) => {
-                        self.reused_clusters
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        (h, true)
-                    }
-                    None => (self.alloc_cluster(ws, file)?, false),
-                };
+                let old_is_zero = Self::merge_cluster(buf, cl_start, in_cl, src, fill_old)?;
+                let (new, reused) = self.alloc_data_cluster(ws, file)?;
                 if old_is_zero && n < c as usize && !reused {
                     // A fresh cluster past every earlier allocation is a hole: write only
                     // the new data (no copy of zeroes). A reused one is written whole.
