@@ -92,7 +92,7 @@ impl VhostUserBlkBackend {
             w.drain();
         }
         // The front end may be going away: leave the image's metadata complete on disk.
-        if let Err(e) = self.dev.write_back_metadata() {
+        if let Err(e) = self.dev.image.write_back() {
             error!("queue {i}: writing back image metadata: {e}");
         }
         abort.store(false, Ordering::Relaxed);

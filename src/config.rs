@@ -236,6 +236,48 @@ impl Config {
     }
 }
 
+impl Config {
+    /// How the image is opened and served.
+    pub fn image_options(&self) -> crate::image::ImageOptions {
+        use crate::image::parallels::PreallocMode;
+        use crate::image::{Format as F, ImageOptions, PreallocChoice};
+        let compress = self
+            .compress_writes
+            .then_some(crate::image::CompressChoice {
+                cache: self.compressed_cache,
+                cache_bytes: self.compressed_cache_bytes,
+                threads: self.compress_threads,
+            });
+        ImageOptions {
+            path: self.blk_file.clone(),
+            format: self.format.map(|f| match f {
+                Format::Raw => F::Raw,
+                Format::Qcow2 => F::Qcow2,
+                Format::Parallels => F::Parallels,
+            }),
+            read_only: self.read_only,
+            direct: self.cache == CacheMode::None,
+            logical_block_size: self.logical_block_size,
+            follow_backing: self.follow_backing,
+            l2_cache_bytes: self.l2_cache_bytes,
+            discard_unmap: self.discard == DiscardMode::Unmap,
+            prealloc: match self.prealloc {
+                crate::args::PreallocArg::On => PreallocChoice::On,
+                crate::args::PreallocArg::Off => PreallocChoice::Off,
+                crate::args::PreallocArg::Auto => PreallocChoice::Auto,
+            },
+            prealloc_size: self.prealloc_size,
+            prealloc_align: self.prealloc_align,
+            prealloc_mode: match self.prealloc_mode {
+                crate::args::PreallocModeArg::Falloc => PreallocMode::Falloc,
+                crate::args::PreallocModeArg::Truncate => PreallocMode::Truncate,
+            },
+            compress,
+            cow_threads: self.cow_threads,
+        }
+    }
+}
+
 /// The JSON printed by `--print-capabilities` (QEMU vhost-user backend program conventions).
 pub fn capabilities_json() -> &'static str {
     "{\n  \"type\": \"block\",\n  \"features\": [\n    \"read-only\",\n    \"blk-file\"\n  ]\n}"

@@ -1,10 +1,10 @@
 //! The virtio-blk device model shared by all queues: limits, config space, the guest-visible
 //! write cache state, and the open image. No vhost-user here.
 
-use std::fs::File;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::args::CacheMode;
+use crate::image::{Image, ImageError};
 use crate::io::align::DioAlign;
 use crate::io::ranges::RangeLocks;
 use crate::virtio_blk::{DeviceLimits, ID_BYTES, SECTOR_SHIFT};
@@ -26,7 +26,6 @@ pub const CONFIG_WRITEBACK_OFFSET: usize = 32;
 /// Device parameters fixed at start-up.
 #[derive(Debug, Clone)]
 pub struct DeviceParams {
-    pub size_bytes: u64,
     pub logical_block_size: u32,
     pub read_only: bool,
     pub num_queues: u16,
@@ -40,9 +39,6 @@ pub struct DeviceParams {
     pub discard_unmap: bool,
     /// The image is a block device: DISCARD uses BLKDISCARD.
     pub is_block_device: bool,
-    /// The format was probed as raw: refuse guest writes that would make the image probe as
-    /// another format next time (a guest planting a qcow2 header naming a host file).
-    pub probed_raw: bool,
 }
 
 /// Zero-write statistics, shared by all queues and readable at any time.
@@ -71,7 +67,8 @@ impl ZeroStats {
 /// The block device as the guest sees it.
 #[derive(Debug)]
 pub struct Device {
-    pub file: File,
+    /// The disk image behind it.
+    pub image: Image,
     pub params: DeviceParams,
     pub limits: DeviceLimits,
     /// Guest-visible volatile write cache (WCE). Off means every write is durable on completion.
@@ -80,27 +77,16 @@ pub struct Device {
     pub no_zero_range: AtomicBool,
     /// Zero-write and deallocation counters.
     pub zero_stats: ZeroStats,
-    /// The qcow2 mapping, for qcow2 images (None: raw).
-    pub qcow2: Option<crate::image::qcow2::Qcow2Image>,
-    /// The backing chain below a qcow2 image, nearest first.
-    pub backing: Vec<crate::image::chain::Layer>,
     /// Present when a guest block is smaller than the file's direct-I/O block, so sub-block
     /// writes are read-modify-written and must be serialised against overlapping writes.
     pub write_ranges: Option<RangeLocks>,
-    /// The parallels mapping, for parallels images.
-    pub parallels: Option<crate::image::parallels::ParallelsImage>,
-    /// Threads that compress and place `--compress-writes on` writes (None: on the queue
-    /// threads).
-    pub compress_pool: Option<crate::offload::Pool>,
-    /// Threads for qcow2 writes that allocate through the format (copy-on-write over backing
-    /// files, zero or shared clusters; `--cow-threads`; None: on the queue threads).
-    pub cow_pool: Option<crate::offload::Pool>,
 }
 
 impl Device {
-    pub fn new(file: File, params: DeviceParams) -> Self {
+    /// The device over `image`; its capacity is the image's size.
+    pub fn new(image: Image, params: DeviceParams) -> Self {
         let lbs = u64::from(params.logical_block_size);
-        let capacity_sectors = (params.size_bytes / lbs * lbs) >> SECTOR_SHIFT;
+        let capacity_sectors = (image.size_bytes() / lbs * lbs) >> SECTOR_SHIFT;
         let limits = DeviceLimits {
             capacity_sectors,
             logical_block_size: params.logical_block_size,
@@ -116,13 +102,8 @@ impl Device {
             && params.align.offset > params.logical_block_size as usize;
         Device {
             write_ranges: rmw_possible.then(RangeLocks::default),
-            compress_pool: None,
-            cow_pool: None,
-            parallels: None,
             zero_stats: ZeroStats::default(),
-            qcow2: None,
-            backing: Vec::new(),
-            file,
+            image,
             params,
             limits,
             writeback: AtomicBool::new(writeback),
@@ -130,38 +111,9 @@ impl Device {
         }
     }
 
-    /// Write back format metadata (qcow2 caches) without syncing.
-    pub fn write_back_metadata(&self) -> std::io::Result<()> {
-        if let Some(p) = &self.parallels {
-            p.flush(&self.file)
-                .map_err(|e| std::io::Error::other(e.to_string()))?;
-        }
-        match &self.qcow2 {
-            Some(q) => q
-                .flush(&self.file)
-                .map_err(|e| std::io::Error::other(e.to_string())),
-            None => Ok(()),
-        }
-    }
-
     /// Everything completed so far durable: format metadata, then the file.
-    pub fn sync(&self) -> std::io::Result<()> {
-        self.write_back_metadata()?;
-        self.file.sync_data()
-    }
-
-    /// Clean shutdown: metadata written back, the file trimmed to its data (qcow2 keeps its
-    /// size ahead of allocations while serving), everything synced.
-    pub fn close(&self) -> std::io::Result<()> {
-        if let Some(q) = &self.qcow2 {
-            q.close(&self.file)
-                .map_err(|e| std::io::Error::other(e.to_string()))?;
-        }
-        if let Some(p) = &self.parallels {
-            p.close(&self.file)
-                .map_err(|e| std::io::Error::other(e.to_string()))?;
-        }
-        self.file.sync_data()
+    pub fn sync(&self) -> Result<(), ImageError> {
+        self.image.sync()
     }
 
     /// Direct I/O: the file is opened O_DIRECT.
@@ -183,17 +135,6 @@ impl Device {
 
     pub fn set_writeback(&self, on: bool) {
         self.writeback.store(on, Ordering::Relaxed);
-    }
-
-    /// The file and qcow2 mapping of chain layer `layer` (0 = the image itself).
-    pub fn layer(&self, layer: usize) -> Option<(&File, Option<&crate::image::qcow2::Qcow2Image>)> {
-        if layer == 0 {
-            Some((&self.file, self.qcow2.as_ref()))
-        } else {
-            self.backing
-                .get(layer - 1)
-                .map(|l| (&l.file, l.qcow2.as_ref()))
-        }
     }
 
     /// Serial for GET_ID, padded with zeros to 20 bytes.
@@ -274,31 +215,15 @@ impl Device {
     }
 }
 
-impl Drop for Device {
-    /// Never leave qcow2 metadata only in memory: whatever path ends the daemon, the image
-    /// on disk describes every completed write (made durable only by FLUSH or a sync).
-    fn drop(&mut self) {
-        let closed = match &self.qcow2 {
-            Some(q) => q
-                .close(&self.file)
-                .map_err(|e| std::io::Error::other(e.to_string())),
-            None => Ok(()),
-        };
-        if let Err(e) = closed {
-            log::error!("writing back image metadata: {e}");
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn dev(cache: CacheMode, lbs: u32) -> Device {
+        let file = std::fs::File::open("/dev/null").unwrap();
         Device::new(
-            File::open("/dev/null").unwrap(),
+            Image::raw(file, (1 << 30) + 1000, false),
             DeviceParams {
-                size_bytes: (1 << 30) + 1000,
                 logical_block_size: lbs,
                 read_only: false,
                 num_queues: 4,
@@ -312,7 +237,6 @@ mod tests {
                 detect_zeroes: DetectZeroes::Off,
                 discard_unmap: false,
                 is_block_device: false,
-                probed_raw: false,
             },
         )
     }

@@ -21,6 +21,9 @@ pub mod device;
 pub mod image;
 pub mod io;
 pub mod offload;
+pub mod ratelimit;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod virtio_blk;
 pub mod worker;
 pub mod zero;

@@ -5,7 +5,8 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use super::qcow2::{self, Extent, MapError, Qcow2Error, Qcow2Image};
+use super::qcow2::{self, Extent, Qcow2Error, Qcow2Image};
+use super::ImageError;
 
 /// Longest chain we follow: deeper chains are refused (a loop or a hostile image).
 pub const MAX_BACKING_DEPTH: usize = 16;
@@ -66,8 +67,8 @@ pub fn open_chain(
             .open(&path)
             .map_err(|e| ChainError::Open(path.clone(), e))?;
         let (q, size_bytes) = if qcow2::probe(&file) {
-            let q =
-                Qcow2Image::open(&file, false).map_err(|e| ChainError::Qcow2(path.clone(), e))?;
+            let q = Qcow2Image::open_read_only(&file)
+                .map_err(|e| ChainError::Qcow2(path.clone(), e))?;
             next = q.backing_file.as_deref().map(|b| resolve(&path, b));
             let size = q.size_bytes;
             (Some(q), size)
@@ -139,7 +140,7 @@ pub fn resolve_read(
     len: u64,
     scratch: &mut Vec<Extent>,
     out: &mut Vec<Piece>,
-) -> Result<(), MapError> {
+) -> Result<(), ImageError> {
     out.clear();
     resolve_in(Some(top), top_file, 0, chain, offset, len, scratch, out)
 }
@@ -154,7 +155,7 @@ fn resolve_in(
     len: u64,
     scratch: &mut Vec<Extent>,
     out: &mut Vec<Piece>,
-) -> Result<(), MapError> {
+) -> Result<(), ImageError> {
     let Some(q) = q else {
         // Raw layer: identity.
         out.push(Piece::Data {

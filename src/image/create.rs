@@ -9,7 +9,8 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::qcow2::{Compression, MAGIC};
+use super::qcow2::header::{put32, put64, Header, EXT_BACKING_FORMAT, MAX_BACKING_NAME};
+use super::qcow2::Compression;
 
 /// What to create.
 #[derive(Debug, Clone)]
@@ -38,13 +39,6 @@ pub enum CreateError {
     #[error("{0}")]
     Parallels(String),
 }
-
-/// Extension type: backing file format name.
-const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
-/// Incompatible feature: a compression type other than zlib is stored in the header.
-const INCOMPAT_COMPRESSION: u64 = 1 << 3;
-/// v3 header length: 104 bytes of fields plus the compression type byte, padded to 8.
-const HEADER_LEN: u32 = 112;
 
 /// Create `path` as described. Never overwrites.
 pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
@@ -83,14 +77,6 @@ pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
     f.sync_all().map_err(|e| CreateError::Io(name, e))
 }
 
-fn put32(b: &mut [u8], off: usize, v: u32) {
-    b[off..off + 4].copy_from_slice(&v.to_be_bytes());
-}
-
-fn put64(b: &mut [u8], off: usize, v: u64) {
-    b[off..off + 8].copy_from_slice(&v.to_be_bytes());
-}
-
 fn write_qcow2(f: &mut File, p: &CreateParams) -> Result<(), CreateError> {
     let io = |e| CreateError::Io("the qcow2 image".into(), e);
     let c = 1u64 << p.cluster_bits;
@@ -111,27 +97,13 @@ fn write_qcow2(f: &mut File, p: &CreateParams) -> Result<(), CreateError> {
     }
 
     let mut hdr = vec![0u8; c as usize];
-    hdr[0..4].copy_from_slice(&MAGIC);
-    put32(&mut hdr, 4, 3);
-    put32(&mut hdr, 20, p.cluster_bits);
-    put64(&mut hdr, 24, p.size_bytes);
-    put32(&mut hdr, 36, l1_size as u32);
-    put64(&mut hdr, 40, l1_offset);
-    put64(&mut hdr, 48, refcount_table);
-    put32(&mut hdr, 56, 1);
-    let incompat = match p.compression {
-        Compression::Zlib => 0,
-        Compression::Zstd => INCOMPAT_COMPRESSION,
-    };
-    put64(&mut hdr, 72, incompat);
-    put32(&mut hdr, 96, 4); // refcount_order: 16-bit refcounts
-    put32(&mut hdr, 100, HEADER_LEN);
-    hdr[104] = match p.compression {
-        Compression::Zlib => 0,
-        Compression::Zstd => 1,
-    };
+    let mut h = Header::new_v3(p.cluster_bits, p.size_bytes, p.compression);
+    h.l1_size = l1_size as u32;
+    h.l1_table_offset = l1_offset;
+    h.refcount_table_offset = refcount_table;
+    h.refcount_table_clusters = 1;
     // Header extensions, then the end marker, then the backing file name.
-    let mut pos = HEADER_LEN as usize;
+    let mut pos = h.header_length as usize;
     if let Some((_, fmt)) = &p.backing {
         put32(&mut hdr, pos, EXT_BACKING_FORMAT);
         put32(&mut hdr, pos + 4, fmt.len() as u32);
@@ -140,7 +112,7 @@ fn write_qcow2(f: &mut File, p: &CreateParams) -> Result<(), CreateError> {
     }
     pos += 8; // end of extensions: type 0, length 0
     if let Some((name, _)) = &p.backing {
-        if name.is_empty() || name.len() > 1023 || pos + name.len() > hdr.len() {
+        if name.is_empty() || name.len() > MAX_BACKING_NAME || pos + name.len() > hdr.len() {
             return Err(CreateError::Io(
                 "the qcow2 image".into(),
                 std::io::Error::new(
@@ -149,10 +121,11 @@ fn write_qcow2(f: &mut File, p: &CreateParams) -> Result<(), CreateError> {
                 ),
             ));
         }
-        put64(&mut hdr, 8, pos as u64);
-        put32(&mut hdr, 16, name.len() as u32);
+        h.backing_file_offset = pos as u64;
+        h.backing_file_size = name.len() as u32;
         hdr[pos..pos + name.len()].copy_from_slice(name.as_bytes());
     }
+    h.write_to(&mut hdr);
     f.write_all(&hdr).map_err(io)?;
 
     let mut rt = vec![0u8; c as usize];
@@ -230,7 +203,7 @@ pub fn params_from_args(a: &crate::args::CreateArgs) -> Result<CreateParams, Str
         }
         None => match &backing {
             Some((_, "qcow2", f)) => {
-                super::qcow2::Qcow2Image::open(f, false)
+                super::qcow2::Qcow2Image::open_read_only(f)
                     .map_err(|e| format!("--backing: {e}"))?
                     .size_bytes
             }
@@ -283,7 +256,7 @@ mod tests {
         };
         create(&p, &params).unwrap();
         let f = File::open(&p).unwrap();
-        let q = Qcow2Image::open(&f, false).unwrap();
+        let q = Qcow2Image::open_read_only(&f).unwrap();
         assert_eq!(q.size_bytes, 10 << 30);
         assert_eq!(q.compression, Compression::Zstd);
         let mut out = Vec::new();
@@ -312,7 +285,7 @@ mod tests {
         )
         .unwrap();
         let f = File::open(&p).unwrap();
-        let q = Qcow2Image::open(&f, false).unwrap();
+        let q = Qcow2Image::open_read_only(&f).unwrap();
         assert_eq!(q.backing_file.as_deref(), Some("base.raw"));
         std::fs::remove_file(p).unwrap();
     }

@@ -9,6 +9,14 @@
 //! zeroes), `file_end` (the file's real length). This module only decides; the caller does
 //! the fallocate and reports back, so it is testable without a file.
 
+use std::fs::File;
+use std::io;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::io::Storage;
+
 /// What a write needs before it is issued.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
@@ -130,6 +138,110 @@ impl Prealloc {
         (self.file_end > self.data_end).then_some(self.data_end)
     }
 }
+
+/// `--prealloc-size`, `--prealloc-align` and the file's alignment, as a format takes them
+/// at open.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PreallocParams {
+    /// Bytes to preallocate past the end of a write.
+    pub size: u64,
+    /// File lengths are rounded up to this.
+    pub align: u64,
+    /// The file's direct-I/O block.
+    pub file_align: u64,
+}
+
+/// How the file is grown (`--prealloc-mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreallocMode {
+    /// Allocate the blocks (fallocate): the tail reads as zeroes and writes into it do not
+    /// allocate.
+    Falloc,
+    /// Only extend the size (sparse).
+    Truncate,
+}
+
+/// Grow `file` over [start, end): allocate the blocks (`Falloc`, extending the file) or
+/// only set its size to `end` (`Truncate`). EOPNOTSUPP where the file system cannot do it:
+/// the caller decides what then.
+pub fn preallocate(file: &dyn Storage, mode: PreallocMode, start: u64, end: u64) -> io::Result<()> {
+    match mode {
+        PreallocMode::Falloc => file.allocate(start, end.saturating_sub(start)),
+        PreallocMode::Truncate => file.set_len(end),
+    }
+}
+
+/// The errno of a failed preallocation, as [`Prealloc::extended`] takes it.
+pub fn errno(e: &io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
+
+/// A finished background extension: its end, and Ok or the errno.
+pub type ExtensionDone = (u64, Result<(), i32>);
+
+/// A thread that does one image's preallocations (fallocate), so that the threads that
+/// allocate never wait for one; a result waits in a mailbox for the next allocation to take
+/// it. The thread ends when this goes away.
+#[derive(Debug, Default)]
+pub struct Background {
+    tx: Mutex<Option<Sender<(u64, u64)>>>,
+    done: Arc<Mutex<Option<ExtensionDone>>>,
+}
+
+impl Background {
+    /// Start the thread on its own handle of the file (without one, [`Self::start`] says no
+    /// and the caller preallocates itself).
+    pub fn spawn(&self, file: File) {
+        let (tx, rx) = channel::<(u64, u64)>();
+        let done = self.done.clone();
+        let spawned = std::thread::Builder::new()
+            .name("vublk-prealloc".into())
+            .spawn(move || {
+                for (start, end) in rx {
+                    let r =
+                        preallocate(&file, PreallocMode::Falloc, start, end).map_err(|e| errno(&e));
+                    *done.lock().unwrap_or_else(|e| e.into_inner()) = Some((end, r));
+                }
+            });
+        if spawned.is_ok() {
+            *self.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+        }
+    }
+
+    pub fn active(&self) -> bool {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// Hand an extension to the thread; false without one.
+    pub fn start(&self, start: u64, end: u64) -> bool {
+        self.tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|tx| tx.send((start, end)).is_ok())
+    }
+
+    pub fn take_done(&self) -> Option<ExtensionDone> {
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Wait (at most [`BACKGROUND_WAIT`]) for the extension in flight (a clean close).
+    pub fn wait_done(&self) -> Option<ExtensionDone> {
+        let t0 = Instant::now();
+        while t0.elapsed() < BACKGROUND_WAIT {
+            if let Some(d) = self.take_done() {
+                return Some(d);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        None
+    }
+}
+
+/// How long a clean close waits for a background extension: a fallocate of
+/// `--prealloc-size` takes milliseconds; one stuck longer is left behind (its tail is
+/// trimmed on the next open).
+const BACKGROUND_WAIT: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {

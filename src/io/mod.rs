@@ -3,14 +3,18 @@
 //! path. Knows files and iovecs, nothing of image formats or virtio.
 
 pub mod align;
+pub mod aligned;
 pub mod bounce;
 pub mod ranges;
+pub mod storage;
 mod sync;
+pub mod sys;
 mod uring;
 
 use std::io;
 use std::os::fd::RawFd;
 
+pub use storage::Storage;
 pub use sync::SyncEngine;
 pub use uring::UringEngine;
 

@@ -65,6 +65,12 @@ impl RangeLocks {
         let _ = self.changed.wait_timeout(g, Duration::from_millis(1));
     }
 
+    /// Wait at most `timeout` for a release.
+    pub fn wait_change_for(&self, timeout: Duration) {
+        let g = self.lock();
+        let _ = self.changed.wait_timeout(g, timeout);
+    }
+
     pub fn release(&self, key: u64) {
         let mut g = self.lock();
         g.1.retain(|e| e.key != key);

@@ -3,130 +3,15 @@
 //! every crash the image must pass `qemu-img check` (leaks allowed) and hold everything
 //! written before the last FLUSH; then serving goes on from the crashed image.
 
-use std::io;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Mutex;
 
-use super::qcow2::{Extent, MapError, Qcow2Image, ZeroMode};
-use super::storage::Storage;
-
-/// A disk with a volatile write cache.
-struct SimDisk {
-    state: Mutex<SimState>,
-}
-
-struct SimState {
-    /// What survives a crash for certain.
-    durable: Vec<u8>,
-    /// What reads see.
-    current: Vec<u8>,
-    /// Writes and size changes since the last sync, in order.
-    pending: Vec<Pending>,
-}
-
-enum Pending {
-    Write(u64, Vec<u8>),
-    SetLen(u64),
-}
-
-fn apply(img: &mut Vec<u8>, p: &Pending) {
-    match p {
-        Pending::Write(off, data) => {
-            let end = *off as usize + data.len();
-            if img.len() < end {
-                img.resize(end, 0);
-            }
-            img[*off as usize..end].copy_from_slice(data);
-        }
-        Pending::SetLen(len) => img.resize(*len as usize, 0),
-    }
-}
-
-impl SimDisk {
-    fn new(bytes: Vec<u8>) -> Self {
-        SimDisk {
-            state: Mutex::new(SimState {
-                durable: bytes.clone(),
-                current: bytes,
-                pending: Vec::new(),
-            }),
-        }
-    }
-
-    /// The disk after a power failure: the durable image plus some of the pending writes.
-    fn crash(&self, rng: &mut Rng) -> Vec<u8> {
-        let st = self.state.lock().unwrap();
-        let mut img = st.durable.clone();
-        for p in &st.pending {
-            if rng.below(2) == 0 {
-                apply(&mut img, p);
-            }
-        }
-        img
-    }
-}
-
-impl Storage for SimDisk {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let st = self.state.lock().unwrap();
-        let start = (offset as usize).min(st.current.len());
-        let n = buf.len().min(st.current.len() - start);
-        buf[..n].copy_from_slice(&st.current[start..start + n]);
-        Ok(n)
-    }
-
-    fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap();
-        let p = Pending::Write(offset, buf.to_vec());
-        apply(&mut st.current, &p);
-        st.pending.push(p);
-        Ok(())
-    }
-
-    fn set_len(&self, len: u64) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap();
-        let p = Pending::SetLen(len);
-        apply(&mut st.current, &p);
-        st.pending.push(p);
-        Ok(())
-    }
-
-    fn size(&self) -> io::Result<u64> {
-        Ok(self.state.lock().unwrap().current.len() as u64)
-    }
-
-    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap();
-        let end = offset + len;
-        if end > st.current.len() as u64 {
-            let p = Pending::SetLen(end);
-            apply(&mut st.current, &p);
-            st.pending.push(p);
-        }
-        Ok(())
-    }
-
-    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap();
-        let end = (offset + len).min(st.current.len() as u64);
-        if offset < end {
-            let p = Pending::Write(offset, vec![0; (end - offset) as usize]);
-            apply(&mut st.current, &p);
-            st.pending.push(p);
-        }
-        Ok(())
-    }
-
-    fn sync_data(&self) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap();
-        let pending = std::mem::take(&mut st.pending);
-        for p in &pending {
-            apply(&mut st.durable, p);
-        }
-        Ok(())
-    }
-}
+use super::{CompressOptions, Extent, Qcow2Image, Qcow2Options, DEFAULT_COMPRESSED_CACHE_CLUSTERS};
+use crate::image::prealloc::PreallocParams;
+use crate::image::{ImageError, ZeroMode};
+use crate::io::aligned::read_aligned;
+use crate::io::Storage;
+use crate::testing::SimDisk;
 
 struct Rng(u64);
 
@@ -173,15 +58,15 @@ fn fresh_image(tag: &str, size: u64, cluster: u64, refcount_bits: u32) -> Vec<u8
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     } else {
-        let params = super::create::CreateParams {
+        let params = crate::image::create::CreateParams {
             parallels_cluster: None,
             qcow2: true,
             size_bytes: size,
             cluster_bits: cluster.trailing_zeros(),
-            compression: super::qcow2::Compression::Zlib,
+            compression: super::Compression::Zlib,
             backing: None,
         };
-        super::create::create(&p, &params).unwrap();
+        crate::image::create::create(&p, &params).unwrap();
     }
     let b = std::fs::read(&p).unwrap();
     std::fs::remove_file(&p).unwrap();
@@ -217,7 +102,7 @@ fn read_guest(
     disk: &dyn Storage,
     off: u64,
     buf: &mut [u8],
-) -> Result<(), MapError> {
+) -> Result<(), ImageError> {
     let mut ext = Vec::new();
     q.map(disk, off, buf.len() as u64, &mut ext)?;
     let mut pos = 0usize;
@@ -226,7 +111,7 @@ fn read_guest(
         let n = e.len() as usize;
         match e {
             Extent::Data { host_offset, .. } => {
-                let d = super::qcow2::read_aligned(disk, host_offset, n).map_err(MapError::Io)?;
+                let d = read_aligned(disk, host_offset, n).map_err(ImageError::Io)?;
                 buf[pos..pos + n].copy_from_slice(&d);
             }
             Extent::Zero { .. } | Extent::Unallocated { .. } => buf[pos..pos + n].fill(0),
@@ -303,13 +188,24 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) -> u64 {
         // Every third round with the smallest L2 cache (4 tables): dirty tables get written
         // back under pressure, not only on FLUSH.
         let cache = (round % 3 == 0).then_some(0);
-        let q = Qcow2Image::open_with_cache(&disk, true, cache).unwrap();
-        q.set_punch_freed(round % 2 == 1);
-        // Rounds 2 and 6 store what they write compressed (round 2 through the cache).
-        q.set_compress_writes(round % 4 == 2);
-        q.set_compressed_cache(round == 2);
-        // Odd rounds preallocate (small steps: big ones only cost copies here).
-        q.set_prealloc((round % 2 == 1).then_some((64 << 10, 4096, 512)));
+        let opts = Qcow2Options {
+            writable: true,
+            l2_cache_bytes: cache,
+            punch_freed: round % 2 == 1,
+            // Rounds 2 and 6 store what they write compressed (round 2 through the cache).
+            compress: (round % 4 == 2).then_some(CompressOptions {
+                cache: round == 2,
+                cache_clusters: DEFAULT_COMPRESSED_CACHE_CLUSTERS,
+            }),
+            // Odd rounds preallocate (small steps: big ones only cost copies here).
+            prealloc: (round % 2 == 1).then_some(PreallocParams {
+                size: 64 << 10,
+                align: 4096,
+                file_align: 512,
+            }),
+            prealloc_file: None,
+        };
+        let q = Qcow2Image::open(&disk, opts).unwrap();
         let mut now = flushed.clone();
         let mut touched = vec![false; SIZE as usize / SECTOR];
         let ops = 20 + rng.below(60);
@@ -352,12 +248,15 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) -> u64 {
         let mut got = vec![0u8; SIZE as usize];
         read_guest(&q, &disk, 0, &mut got).unwrap();
         assert!(got == now, "{tag} round {round}: reads before the crash");
-        let crashed = disk.crash(&mut rng);
-        reused += q.reused_clusters.load(std::sync::atomic::Ordering::Relaxed);
+        let crashed = disk.crash(|| rng.below(2) == 0);
+        reused += q
+            .stats
+            .reused_clusters
+            .load(std::sync::atomic::Ordering::Relaxed);
         if q.compress_writes() {
             let n = q
-                .compress_stats
-                .0
+                .stats
+                .compressed_clusters
                 .load(std::sync::atomic::Ordering::Relaxed);
             assert!(n > 0, "{tag} round {round}: nothing was stored compressed");
         }
@@ -366,7 +265,7 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32) -> u64 {
             panic!("{tag} round {round}: {e}");
         }
         let disk = SimDisk::new(crashed.clone());
-        let q = Qcow2Image::open(&disk, false).unwrap();
+        let q = Qcow2Image::open_read_only(&disk).unwrap();
         read_guest(&q, &disk, 0, &mut got).unwrap();
         for (s, &t) in touched.iter().enumerate() {
             let r = s * SECTOR..(s + 1) * SECTOR;

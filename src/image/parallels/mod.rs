@@ -15,14 +15,17 @@
 //! then the file grows. A discarded cluster becomes reusable only once the BAT that no longer
 //! names it is durable, so a crash can never leave two entries naming one cluster.
 
-use std::collections::BTreeSet;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use super::chain::Piece;
-use super::qcow2::{read_aligned, write_all_aligned};
-use super::storage::Storage;
+use super::durable::{AfterDurable, DirtyChunks};
+use super::prealloc::preallocate;
+pub use super::prealloc::PreallocMode;
+use super::{ImageError, ZeroMode};
+use crate::io::aligned::{read_aligned, write_all_aligned, write_unaligned};
+use crate::io::Storage;
 
 pub const MAGIC_OLD: &[u8; 16] = b"WithoutFreeSpace";
 pub const MAGIC_EXT: &[u8; 16] = b"WithouFreSpacExt";
@@ -39,17 +42,6 @@ const MAX_CLUSTER: u64 = 1 << 30;
 /// fails with EIO on some file systems.
 const GROW_ALIGN: u64 = 4096;
 
-/// How the tail is preallocated (`--prealloc-mode`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PreallocMode {
-    /// Allocate the blocks (fallocate): the tail reads as zeroes and writes into it do not
-    /// allocate.
-    Falloc,
-    /// Only extend the size (sparse); falls back to `Falloc` for good if the file system
-    /// cannot extend a file that way.
-    Truncate,
-}
-
 /// Why an image cannot be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum ParallelsError {
@@ -64,19 +56,6 @@ pub enum ParallelsError {
     NeedsRepair(String),
     #[error("{0}")]
     Unsupported(String),
-}
-
-/// Errors while serving.
-#[derive(Debug, thiserror::Error)]
-pub enum ParallelsIoError {
-    #[error("I/O on the image file failed: {0}")]
-    Io(#[from] io::Error),
-    #[error("image is read-only")]
-    ReadOnly,
-    #[error("the image would need a host offset beyond what a BAT entry can hold")]
-    Full,
-    #[error("image consistency is broken: {0}")]
-    Broken(&'static str),
 }
 
 /// Counters for the shutdown log.
@@ -97,7 +76,7 @@ struct State {
     /// written back by chunks).
     meta: Vec<u8>,
     /// Chunks of `meta` (by offset) that differ from the file.
-    dirty: BTreeSet<u64>,
+    dirty: DirtyChunks,
     /// One flag per host cluster from the data offset to the end of the file: in use.
     used: Vec<bool>,
     /// Lowest index that may be free.
@@ -108,7 +87,7 @@ struct State {
     file_end: u64,
     /// Host clusters whose BAT entry was cleared but not yet written and synced: free only
     /// after that.
-    pending_free: Vec<usize>,
+    pending_free: AfterDurable<usize>,
     /// Preallocation: mode and bytes beyond the clusters needed (None: grow cluster by cluster).
     prealloc: Option<(PreallocMode, u64)>,
     /// fallocate is not supported: extend by size only.
@@ -163,11 +142,26 @@ pub fn probe(file: &dyn Storage) -> bool {
     read_aligned(file, 0, 16).is_ok_and(|m| m[..] == MAGIC_OLD[..] || m[..] == MAGIC_EXT[..])
 }
 
+/// How the image is served, fixed at open.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ParallelsOptions {
+    pub writable: bool,
+    /// Granularity of metadata writes: the file's direct-I/O alignment (at least 512).
+    pub chunk: u64,
+    /// Growth beyond the clusters needed (`--prealloc-mode`, `--prealloc-size`; at least one
+    /// cluster). None: the file grows cluster by cluster.
+    pub prealloc: Option<(PreallocMode, u64)>,
+}
+
 impl ParallelsImage {
     /// Open and validate. Read-write opens set the in-use field (durably) and cut off a tail
-    /// no cluster uses; `chunk` is the granularity of metadata writes (the file's direct-I/O
-    /// alignment, at least 512).
-    pub fn open(file: &dyn Storage, writable: bool, chunk: u64) -> Result<Self, ParallelsError> {
+    /// no cluster uses.
+    pub fn open(file: &dyn Storage, opts: ParallelsOptions) -> Result<Self, ParallelsError> {
+        let ParallelsOptions {
+            writable,
+            chunk,
+            prealloc,
+        } = opts;
         let chunk = chunk.max(512);
         let file_size = file.size().map_err(ParallelsError::Io)?;
         let h = read_aligned(file, 0, HEADER_LEN as usize).map_err(ParallelsError::Io)?;
@@ -293,13 +287,14 @@ impl ParallelsImage {
             chunk,
             state: Mutex::new(State {
                 meta,
-                dirty: BTreeSet::new(),
+                dirty: DirtyChunks::default(),
                 used,
                 free_hint: 0,
                 data_end,
                 file_end: file_size,
-                pending_free: Vec::new(),
-                prealloc: None,
+                pending_free: AfterDurable::default(),
+                // At least one cluster ahead (QEMU: MAX(tracks, prealloc-size)).
+                prealloc: prealloc.map(|(m, n)| (m, n.max(cluster))),
                 falloc_unsupported: false,
             }),
             stats: ParallelsStats::default(),
@@ -333,12 +328,6 @@ impl ParallelsImage {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `--prealloc`: None grows the file cluster by cluster.
-    pub fn set_prealloc(&self, prealloc: Option<(PreallocMode, u64)>) {
-        // At least one cluster ahead (QEMU: MAX(tracks, prealloc-size)).
-        self.lock().prealloc = prealloc.map(|(m, n)| (m, n.max(self.cluster_size)));
-    }
-
     /// The preallocation mode in use (`Falloc` once truncate turned out unsupported).
     pub fn prealloc_mode(&self) -> Option<PreallocMode> {
         self.lock().prealloc.map(|p| p.0)
@@ -351,7 +340,7 @@ impl ParallelsImage {
     fn set_entry(&self, st: &mut State, g: usize, v: u32) {
         let at = HEADER_LEN as usize + g * 4;
         st.meta[at..at + 4].copy_from_slice(&v.to_le_bytes());
-        st.dirty.insert(at as u64 / self.chunk * self.chunk);
+        st.dirty.mark(at as u64 / self.chunk * self.chunk);
     }
 
     /// The host offset of guest cluster `g`, if allocated.
@@ -427,13 +416,13 @@ impl ParallelsImage {
         file: &dyn Storage,
         offset: u64,
         len: u64,
-    ) -> Result<Option<u64>, ParallelsIoError> {
+    ) -> Result<Option<u64>, ImageError> {
         if !self.writable {
-            return Err(ParallelsIoError::ReadOnly);
+            return Err(ImageError::ReadOnly);
         }
         let c = self.cluster_size;
         if len == 0 || offset + len > self.size_bytes {
-            return Err(ParallelsIoError::Broken("write past the end of the image"));
+            return Err(ImageError::Corrupt("write past the end of the image"));
         }
         let mut st = self.lock();
         let first = (offset / c) as usize;
@@ -447,7 +436,7 @@ impl ParallelsImage {
                 let host = self.alloc_cluster(&mut st, file, missing)?;
                 missing -= 1;
                 let v = host / self.unit;
-                let v = u32::try_from(v).map_err(|_| ParallelsIoError::Full)?;
+                let v = u32::try_from(v).map_err(|_| ImageError::Full)?;
                 self.set_entry(&mut st, g, v);
             }
         }
@@ -461,7 +450,7 @@ impl ParallelsImage {
         st: &mut State,
         file: &dyn Storage,
         need: u64,
-    ) -> Result<u64, ParallelsIoError> {
+    ) -> Result<u64, ImageError> {
         let c = self.cluster_size;
         let find = |st: &State| {
             st.used
@@ -474,9 +463,7 @@ impl ParallelsImage {
             Some(i) => i,
             None => {
                 self.grow(st, file, need.max(1))?;
-                find(st).ok_or(ParallelsIoError::Broken(
-                    "growing the file added no cluster",
-                ))?
+                find(st).ok_or(ImageError::Corrupt("growing the file added no cluster"))?
             }
         };
         let host = self.data_off + i as u64 * c;
@@ -497,12 +484,7 @@ impl ParallelsImage {
     }
 
     /// Grow the file by `clusters` plus the preallocation (or by `clusters` without).
-    fn grow(
-        &self,
-        st: &mut State,
-        file: &dyn Storage,
-        clusters: u64,
-    ) -> Result<(), ParallelsIoError> {
+    fn grow(&self, st: &mut State, file: &dyn Storage, clusters: u64) -> Result<(), ImageError> {
         let c = self.cluster_size;
         // The next cluster starts at the end of the last whole cluster in the file.
         let next = self.data_off + st.used.len() as u64 * c;
@@ -510,35 +492,37 @@ impl ParallelsImage {
         let new_end = (next + clusters * c + extra).next_multiple_of(GROW_ALIGN);
         let old_end = st.file_end.max(next);
         if new_end > old_end {
-            let mode = st.prealloc.map(|p| p.0);
-            let r = match mode {
+            let eopnotsupp = |r: &io::Result<()>| matches!(r, Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP));
+            let r = match st.prealloc.map(|p| p.0) {
                 Some(PreallocMode::Falloc) if !st.falloc_unsupported => {
-                    match file.allocate(old_end, new_end - old_end) {
-                        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                    match preallocate(file, PreallocMode::Falloc, old_end, new_end) {
+                        r if eopnotsupp(&r) => {
                             log::warn!(
                                 "parallels: fallocate is not supported here; growing the file \
                                  by its size only"
                             );
                             st.falloc_unsupported = true;
-                            file.set_len(new_end)
+                            preallocate(file, PreallocMode::Truncate, old_end, new_end)
                         }
                         r => r,
                     }
                 }
-                Some(PreallocMode::Truncate) => match file.set_len(new_end) {
-                    Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
-                        log::warn!(
-                            "parallels: extending by truncate is not supported here; \
-                             preallocating with fallocate from now on"
-                        );
-                        if let Some(p) = st.prealloc.as_mut() {
-                            p.0 = PreallocMode::Falloc;
+                Some(PreallocMode::Truncate) => {
+                    match preallocate(file, PreallocMode::Truncate, old_end, new_end) {
+                        r if eopnotsupp(&r) => {
+                            log::warn!(
+                                "parallels: extending by truncate is not supported here; \
+                                 preallocating with fallocate from now on"
+                            );
+                            if let Some(p) = st.prealloc.as_mut() {
+                                p.0 = PreallocMode::Falloc;
+                            }
+                            preallocate(file, PreallocMode::Falloc, old_end, new_end)
                         }
-                        file.allocate(old_end, new_end - old_end)
+                        r => r,
                     }
-                    r => r,
-                },
-                _ => file.set_len(new_end),
+                }
+                _ => preallocate(file, PreallocMode::Truncate, old_end, new_end),
             };
             r?;
             self.stats.grows.fetch_add(1, Ordering::Relaxed);
@@ -555,12 +539,7 @@ impl ParallelsImage {
     }
 
     /// Write `data` at guest `offset` through the format (allocating), synchronously.
-    pub fn write(
-        &self,
-        file: &dyn Storage,
-        offset: u64,
-        data: &[u8],
-    ) -> Result<(), ParallelsIoError> {
+    pub fn write(&self, file: &dyn Storage, offset: u64, data: &[u8]) -> Result<(), ImageError> {
         self.allocate(file, offset, data.len() as u64)?;
         let mut pieces = Vec::new();
         self.map(offset, data.len() as u64, &mut pieces);
@@ -576,35 +555,32 @@ impl ParallelsImage {
                         // Not aligned to the file's direct-I/O block: read-modify-write the
                         // blocks around it, one writer at a time.
                         let _one = self.lock();
-                        let start = host_offset / a * a;
-                        let end = (host_offset + n as u64).next_multiple_of(a);
-                        let mut span = read_aligned(file, start, (end - start) as usize)?;
-                        let at = (host_offset - start) as usize;
-                        span[at..at + n].copy_from_slice(&data[pos..pos + n]);
-                        write_all_aligned(file, start, &span)?;
+                        write_unaligned(file, host_offset, &data[pos..pos + n], a)?;
                     }
                 }
-                _ => return Err(ParallelsIoError::Broken("allocated cluster reads as zero")),
+                _ => return Err(ImageError::Corrupt("allocated cluster reads as zero")),
             }
             pos += n;
         }
         Ok(())
     }
 
-    /// Zero `[offset, offset + len)`. With `unmap`, whole allocated clusters are freed (BAT
-    /// entry 0, the host cluster punched; it becomes reusable once the BAT is durable); other
-    /// allocated parts get zeroes written. Unallocated parts already read as zeroes.
-    /// `hint_only` (DISCARD): partial clusters are left as they are.
+    /// Zero `[offset, offset + len)`. Unless `mode` keeps allocations, whole allocated
+    /// clusters are freed (BAT entry 0, the host cluster punched; it becomes reusable once
+    /// the BAT is durable); other allocated parts get zeroes written, except with
+    /// `Discard`, which leaves partial clusters as they are. Unallocated parts already read
+    /// as zeroes.
     pub fn zero_range(
         &self,
         file: &dyn Storage,
         offset: u64,
         len: u64,
-        unmap: bool,
-        hint_only: bool,
-    ) -> Result<(), ParallelsIoError> {
+        mode: ZeroMode,
+    ) -> Result<(), ImageError> {
+        let unmap = mode != ZeroMode::Keep;
+        let hint_only = mode == ZeroMode::Discard;
         if !self.writable {
-            return Err(ParallelsIoError::ReadOnly);
+            return Err(ImageError::ReadOnly);
         }
         let c = self.cluster_size;
         let end = (offset + len).min(self.size_bytes);
@@ -634,46 +610,41 @@ impl ParallelsImage {
 
     /// Write the changed BAT chunks (the caller syncs for durability); clusters freed before
     /// become reusable after a sync here.
-    pub fn flush(&self, file: &dyn Storage) -> Result<(), ParallelsIoError> {
+    pub fn flush(&self, file: &dyn Storage) -> Result<(), ImageError> {
         if !self.writable {
             return Ok(());
         }
         let mut st = self.lock();
         self.write_dirty(&mut st, file)?;
-        if !st.pending_free.is_empty() {
-            file.sync_data()?;
-            for i in std::mem::take(&mut st.pending_free) {
-                if let Some(u) = st.used.get_mut(i) {
-                    *u = false;
-                }
-                st.free_hint = st.free_hint.min(i);
+        for i in st.pending_free.release(file)? {
+            if let Some(u) = st.used.get_mut(i) {
+                *u = false;
             }
+            st.free_hint = st.free_hint.min(i);
         }
         Ok(())
     }
 
-    fn write_dirty(&self, st: &mut State, file: &dyn Storage) -> Result<(), ParallelsIoError> {
-        for at in std::mem::take(&mut st.dirty) {
-            let end = (at + self.chunk).min(st.meta.len() as u64);
-            let bytes = st.meta[at as usize..end as usize].to_vec();
-            if let Err(e) = write_all_aligned(file, at, &bytes) {
-                st.dirty.insert(at);
-                return Err(e.into());
-            }
-        }
+    fn write_dirty(&self, st: &mut State, file: &dyn Storage) -> Result<(), ImageError> {
+        let chunk = self.chunk;
+        let meta = &st.meta;
+        st.dirty.write_back(file, |at| {
+            let end = (at + chunk).min(meta.len() as u64);
+            meta.get(at as usize..end as usize)
+        })?;
         Ok(())
     }
 
     /// Clean close: the BAT, the in-use field cleared, synced, and the file cut to the end
     /// of the last used cluster.
-    pub fn close(&self, file: &dyn Storage) -> Result<(), ParallelsIoError> {
+    pub fn close(&self, file: &dyn Storage) -> Result<(), ImageError> {
         if !self.writable {
             return Ok(());
         }
         let mut st = self.lock();
         self.write_dirty(&mut st, file)?;
         file.sync_data()?;
-        for i in std::mem::take(&mut st.pending_free) {
+        for i in st.pending_free.take_durable() {
             if let Some(u) = st.used.get_mut(i) {
                 *u = false;
             }
@@ -736,3 +707,6 @@ pub fn new_image(size_bytes: u64, cluster: u64) -> Result<Vec<u8>, String> {
     b[48..52].copy_from_slice(&data_off.to_le_bytes());
     Ok(b)
 }
+
+#[cfg(test)]
+mod tests;

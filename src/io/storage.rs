@@ -1,8 +1,10 @@
 //! Where an image's bytes live. Formats do their metadata I/O through [`Storage`], so the
-//! same code runs on a file and, in tests, on a simulated disk that loses unsynced writes.
+//! same code runs on a file and, in tests, on an in-memory or simulated disk that loses
+//! unsynced writes (`crate::testing`).
 
 use std::fs::File;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 /// Positional I/O on an image file.
@@ -45,36 +47,10 @@ impl Storage for File {
     }
 
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
-            return Err(io::Error::from(io::ErrorKind::InvalidInput));
-        };
-        // SAFETY: plain system call on an fd this File owns.
-        if unsafe { libc::fallocate(self.as_raw_fd(), 0, off, len) } == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+        super::sys::fallocate(self.as_raw_fd(), 0, offset, len)
     }
 
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
-            return Err(io::Error::from(io::ErrorKind::InvalidInput));
-        };
-        // SAFETY: plain system call on an fd this File owns.
-        let r = unsafe {
-            libc::fallocate(
-                self.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                off,
-                len,
-            )
-        };
-        if r == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+        super::sys::fallocate(self.as_raw_fd(), super::sys::PUNCH_HOLE, offset, len)
     }
 }

@@ -12,6 +12,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
 use super::QueueWorker;
 use crate::args::CacheMode;
 use crate::device::{Device, DeviceParams};
+use crate::image::Image as DiskImage;
 use crate::io::align::DioAlign;
 use crate::io::{Engine, SyncEngine, UringEngine};
 use crate::virtio_blk::{req_type, status};
@@ -149,9 +150,8 @@ fn device(img: &Image, read_only: bool) -> Arc<Device> {
         .unwrap();
     let size_bytes = file.metadata().unwrap().len();
     Arc::new(Device::new(
-        file,
+        DiskImage::raw(file, size_bytes, read_only).guard_format_header(true),
         DeviceParams {
-            size_bytes,
             logical_block_size: 512,
             read_only,
             num_queues: 1,
@@ -162,7 +162,6 @@ fn device(img: &Image, read_only: bool) -> Arc<Device> {
             detect_zeroes: crate::zero::DetectZeroes::Off,
             discard_unmap: true,
             is_block_device: false,
-            probed_raw: true,
         },
     ))
 }
@@ -403,23 +402,6 @@ fn write_zeroes_falls_back_where_zero_range_is_missing() {
         assert!(f[64 * 512..72 * 512].iter().all(|&b| b == 0), "{name}");
         assert!(f[24 * 512..64 * 512].iter().all(|&b| b == 0x55), "{name}");
     }
-}
-
-#[test]
-fn last_resort_zeroing_writes_zeroes() {
-    use std::os::fd::AsRawFd;
-    let img = image("write-zeroes", &vec![0x33u8; 3 << 20]);
-    let f = OpenOptions::new().write(true).open(&img.path).unwrap();
-    let mut pool = crate::io::bounce::BouncePool::new(4096);
-    // More than one 1 MiB chunk, not chunk-aligned.
-    assert_eq!(
-        super::write_zeroes(f.as_raw_fd(), 4096, (2 << 20) + 512, &mut pool),
-        0
-    );
-    let data = std::fs::read(&img.path).unwrap();
-    assert!(data[..4096].iter().all(|&b| b == 0x33));
-    assert!(data[4096..4096 + (2 << 20) + 512].iter().all(|&b| b == 0));
-    assert!(data[4096 + (2 << 20) + 512..].iter().all(|&b| b == 0x33));
 }
 
 /// A probed raw image: a guest write that would make sector 0 look like qcow2 is refused

@@ -1,0 +1,377 @@
+//! Opening an image: the file (O_DIRECT for `--cache none`), its direct-I/O alignment, the
+//! format (given, or probed by magic), and the format's own state, with every option
+//! passed once in [`ImageOptions`].
+
+use std::fs::Metadata;
+use std::path::PathBuf;
+
+use log::{info, warn};
+
+use super::chain::{open_chain, ChainError};
+use super::parallels::{self, ParallelsError, ParallelsImage, ParallelsOptions, PreallocMode};
+use super::prealloc::PreallocParams;
+use super::qcow2::{self, CompressOptions, Qcow2Error, Qcow2Image, Qcow2Options};
+use super::{open_raw, Image, Kind, OpenError, Qcow2Disk};
+use crate::io::align::{self, DioAlign, ProbeSource};
+use crate::offload::Pool;
+
+/// Image formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Raw,
+    Qcow2,
+    Parallels,
+}
+
+/// `--prealloc`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreallocChoice {
+    On,
+    Off,
+    /// On when the file system's block device says it is not rotational.
+    Auto,
+}
+
+/// Everything about how an image is opened and served, decided once.
+#[derive(Clone, Debug)]
+pub struct ImageOptions {
+    pub path: PathBuf,
+    /// None: probe by magic (then guest writes that would plant a format header are refused).
+    pub format: Option<Format>,
+    pub read_only: bool,
+    /// O_DIRECT (`--cache none`).
+    pub direct: bool,
+    /// The guest's block size: a raw image must hold at least one.
+    pub logical_block_size: u32,
+    /// Follow qcow2 backing files (else refuse images that have one).
+    pub follow_backing: bool,
+    /// qcow2 L2 cache bytes (None: the image's default).
+    pub l2_cache_bytes: Option<u64>,
+    /// Clusters freed by discards are punched (`--discard unmap`).
+    pub discard_unmap: bool,
+    pub prealloc: PreallocChoice,
+    pub prealloc_size: u64,
+    pub prealloc_align: u64,
+    /// Parallels growth mode.
+    pub prealloc_mode: PreallocMode,
+    /// `--compress-writes on` (qcow2).
+    pub compress: Option<CompressChoice>,
+    /// `--cow-threads`.
+    pub cow_threads: usize,
+}
+
+/// `--compressed-cache`, `--compressed-cache-size` and `--compress-threads`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompressChoice {
+    pub cache: bool,
+    /// None: [`qcow2::DEFAULT_COMPRESSED_CACHE_CLUSTERS`].
+    pub cache_bytes: Option<u64>,
+    pub threads: usize,
+}
+
+/// Why an image cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageOpenError {
+    #[error(transparent)]
+    File(#[from] OpenError),
+    #[error(transparent)]
+    Chain(#[from] ChainError),
+    #[error("image {}", .path.display())]
+    Qcow2 {
+        path: PathBuf,
+        #[source]
+        source: Qcow2Error,
+    },
+    #[error("image {}", .path.display())]
+    Parallels {
+        path: PathBuf,
+        #[source]
+        source: ParallelsError,
+    },
+    /// An option that does not fit this image (like other bad options: exit status 2).
+    #[error("{0}")]
+    Option(String),
+}
+
+/// The format whose magic `first_bytes` (the start of an image) carry, if any.
+pub fn probe_bytes(first_bytes: &[u8]) -> Option<Format> {
+    if first_bytes.starts_with(&qcow2::MAGIC) {
+        Some(Format::Qcow2)
+    } else if first_bytes.starts_with(parallels::MAGIC_OLD)
+        || first_bytes.starts_with(parallels::MAGIC_EXT)
+    {
+        Some(Format::Parallels)
+    } else {
+        None
+    }
+}
+
+impl Image {
+    /// Open the image as `opts` says; returns it with the file's direct-I/O alignment.
+    pub fn open(opts: &ImageOptions) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
+        let img = open_raw(
+            &opts.path,
+            opts.read_only,
+            opts.direct,
+            opts.logical_block_size,
+        )?;
+        let (dio, source) = align::probe(&img.file, opts.direct);
+        if source != ProbeSource::NotDirect {
+            info!(
+                "O_DIRECT alignment: memory {} bytes, offset {} bytes (from {:?})",
+                dio.mem, dio.offset, source
+            );
+        }
+        let meta = img.file.metadata().map_err(|source| OpenError::Open {
+            path: opts.path.clone(),
+            source,
+        })?;
+        let facts = RawFacts {
+            is_block_device: img.is_block_device,
+            dev_ino: img.dev_ino,
+            file_size_bytes: img.size_bytes,
+        };
+        let format = opts.format.unwrap_or_else(|| {
+            let first = crate::io::aligned::read_aligned(&img.file, 0, 16).unwrap_or_default();
+            probe_bytes(&first).unwrap_or(Format::Raw)
+        });
+        let file = img.file;
+        let (kind, size_bytes) = match format {
+            Format::Raw => (Kind::Raw, img.size_bytes),
+            Format::Parallels => {
+                let p = open_parallels(&file, opts, dio)?;
+                let size = p.size_bytes;
+                (Kind::Parallels(p), size)
+            }
+            Format::Qcow2 => {
+                let d = open_qcow2(&file, opts, dio, &meta)?;
+                let size = d.q.size_bytes;
+                (Kind::Qcow2(d), size)
+            }
+        };
+        if opts.compress.is_some() && (opts.read_only || !matches!(kind, Kind::Qcow2(_))) {
+            return Err(ImageOpenError::Option(
+                "--compress-writes on: needs a qcow2 image opened read-write".into(),
+            ));
+        }
+        let facts = RawFacts {
+            file_size_bytes: img.size_bytes,
+            ..facts
+        };
+        Ok((
+            Image {
+                file,
+                kind,
+                size_bytes,
+                read_only: opts.read_only,
+                guard_header: opts.format.is_none() && format == Format::Raw,
+            },
+            dio,
+            facts,
+        ))
+    }
+}
+
+/// Facts about the image file the device model needs.
+#[derive(Clone, Copy, Debug)]
+pub struct RawFacts {
+    /// DISCARD uses BLKDISCARD.
+    pub is_block_device: bool,
+    /// st_dev and st_ino, for a stable default serial.
+    pub dev_ino: (u64, u64),
+    /// The file's (or block device's) own size.
+    pub file_size_bytes: u64,
+}
+
+fn open_parallels(
+    file: &std::fs::File,
+    opts: &ImageOptions,
+    dio: DioAlign,
+) -> Result<ParallelsImage, ImageOpenError> {
+    let writable = !opts.read_only;
+    // QEMU's driver always preallocates: `auto` is on.
+    let prealloc = (writable && opts.prealloc != PreallocChoice::Off)
+        .then_some((opts.prealloc_mode, opts.prealloc_size));
+    let popts = ParallelsOptions {
+        writable,
+        // Metadata is written in blocks of the file's direct-I/O alignment.
+        chunk: if opts.direct { dio.offset as u64 } else { 512 },
+        prealloc,
+    };
+    let p = ParallelsImage::open(file, popts).map_err(|source| ImageOpenError::Parallels {
+        path: opts.path.clone(),
+        source,
+    })?;
+    if p.was_in_use && p.writable() {
+        warn!(
+            "parallels: {} was not closed cleanly (in-use set): checked it: every BAT entry \
+             inside the file and used once, {} bytes of leaked tail cut off",
+            opts.path.display(),
+            p.trimmed_at_open
+        );
+    }
+    info!(
+        "parallels: {} bytes, {} KiB clusters, {} clusters allocated, data at {}{}",
+        p.size_bytes,
+        p.cluster_size >> 10,
+        p.allocated_clusters(),
+        p.data_off,
+        if p.ext_cluster.is_some() {
+            ", format extension cluster kept"
+        } else {
+            ""
+        }
+    );
+    if writable {
+        match prealloc {
+            Some((mode, size)) => info!(
+                "preallocation: {:?}, {} MiB ahead of the data (auto is on for parallels)",
+                mode,
+                size.max(p.cluster_size) >> 20
+            ),
+            None => info!("preallocation: off (the file grows cluster by cluster)"),
+        }
+    }
+    Ok(p)
+}
+
+fn open_qcow2(
+    file: &std::fs::File,
+    opts: &ImageOptions,
+    dio: DioAlign,
+    meta: &Metadata,
+) -> Result<Qcow2Disk, ImageOpenError> {
+    let writable = !opts.read_only;
+    let file_align = dio.offset as u64;
+    let mut qopts = Qcow2Options {
+        writable,
+        l2_cache_bytes: opts.l2_cache_bytes,
+        punch_freed: opts.discard_unmap,
+        ..Qcow2Options::default()
+    };
+    let mut prealloc_why = None;
+    if writable {
+        if opts.prealloc_align % file_align != 0 {
+            return Err(ImageOpenError::Option(format!(
+                "--prealloc-align {}: must be a multiple of the file's alignment ({file_align} \
+                 bytes)",
+                opts.prealloc_align
+            )));
+        }
+        let (on, why) = match opts.prealloc {
+            PreallocChoice::On => (true, "--prealloc on".to_owned()),
+            PreallocChoice::Off => (false, "--prealloc off".to_owned()),
+            PreallocChoice::Auto => match crate::io::sys::rotational(meta) {
+                Some((dev, false)) => (true, format!("auto: {dev} is not rotational")),
+                Some((dev, true)) => (false, format!("auto: {dev} is rotational")),
+                None => (
+                    false,
+                    "auto: the file system's block device is unknown".to_owned(),
+                ),
+            },
+        };
+        if on {
+            qopts.prealloc = Some(PreallocParams {
+                size: opts.prealloc_size,
+                align: opts.prealloc_align,
+                file_align,
+            });
+            match file.try_clone() {
+                Ok(f) => qopts.prealloc_file = Some(f),
+                Err(e) => warn!("preallocation on the queue threads (no second handle: {e})"),
+            }
+        }
+        prealloc_why = Some((on, why));
+    }
+    // The cache's bound is checked against the cluster size in the header (a header that
+    // does not parse fails the open below with the reason).
+    if let (Some(c), true) = (opts.compress, writable) {
+        let cluster = crate::io::aligned::read_aligned(file, 0, 4096)
+            .ok()
+            .and_then(|b| qcow2::header::Header::parse(&b).ok())
+            .map_or(1, |h| 1u64 << h.cluster_bits);
+        let clusters = match c.cache_bytes {
+            None => qcow2::DEFAULT_COMPRESSED_CACHE_CLUSTERS,
+            Some(n) if n >= cluster => (n / cluster) as usize,
+            Some(n) => {
+                return Err(ImageOpenError::Option(format!(
+                    "--compressed-cache-size {n}: smaller than one cluster ({cluster} bytes)"
+                )))
+            }
+        };
+        qopts.compress = Some(CompressOptions {
+            cache: c.cache,
+            cache_clusters: clusters,
+        });
+    }
+    let compress = qopts.compress;
+    let q = Qcow2Image::open(file, qopts).map_err(|source| ImageOpenError::Qcow2 {
+        path: opts.path.clone(),
+        source,
+    })?;
+    info!(
+        "qcow2 v{}: {} bytes, {} KiB clusters, {:?} compression, L2 cache {} KiB (maps {} MiB)",
+        q.version,
+        q.size_bytes,
+        q.cluster_size() >> 10,
+        q.compression,
+        q.l2_cache_bytes().0 >> 10,
+        q.l2_cache_bytes().1 >> 20
+    );
+    let backing = open_chain(
+        &opts.path,
+        q.backing_file.as_deref(),
+        opts.follow_backing,
+        opts.direct,
+    )?;
+    for l in &backing {
+        info!(
+            "backing file {} ({}, read-only)",
+            l.path.display(),
+            if l.qcow2.is_some() { "qcow2" } else { "raw" }
+        );
+    }
+    let mut d = Qcow2Disk {
+        q,
+        backing,
+        cow_pool: None,
+        compress_pool: None,
+    };
+    if writable {
+        if opts.cow_threads > 0 {
+            match Pool::new(opts.cow_threads, "vublk-cow") {
+                Ok(p) => d.cow_pool = Some(p),
+                Err(e) => warn!("copy-on-write on the queue threads (no thread pool: {e})"),
+            }
+        }
+        if let (Some(c), Some(qc)) = (opts.compress, compress) {
+            if c.threads > 0 {
+                match Pool::new(c.threads, "vublk-compress") {
+                    Ok(p) => d.compress_pool = Some(p),
+                    Err(e) => warn!("compressing on the queue threads (no thread pool: {e})"),
+                }
+            }
+            info!(
+                "compressed writes: on ({:?}, cache {}, {} compression threads): clusters \
+                 written whole are stored compressed",
+                d.q.compression,
+                if c.cache {
+                    format!("on, {} clusters", qc.cache_clusters)
+                } else {
+                    "off".into()
+                },
+                c.threads
+            );
+        }
+        match prealloc_why {
+            Some((true, why)) => info!(
+                "preallocation: on ({why}): {} MiB ahead, lengths rounded to {} KiB",
+                opts.prealloc_size >> 20,
+                opts.prealloc_align >> 10
+            ),
+            Some((false, why)) => info!("preallocation: off ({why})"),
+            None => {}
+        }
+    }
+    Ok(d)
+}

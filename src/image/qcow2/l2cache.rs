@@ -1,0 +1,158 @@
+//! The bounded L2 table cache: tables by file offset, least recently used first out, dirty
+//! tables (entries changed in memory) never dropped before they are written back.
+
+use std::collections::VecDeque;
+
+use super::header::be64;
+use super::{ImageError, Qcow2Image, WriteState};
+use crate::io::aligned::read_aligned;
+use crate::io::bounce::AlignedBuf;
+use crate::io::Storage;
+
+/// One cached L2 table.
+pub(super) struct L2Table {
+    pub(super) offset: u64,
+    pub(super) entries: Vec<u64>,
+    /// Per metadata chunk: differs from the file.
+    pub(super) dirty: Vec<bool>,
+}
+
+impl L2Table {
+    fn is_dirty(&self) -> bool {
+        self.dirty.iter().any(|&d| d)
+    }
+}
+
+pub(super) struct L2Cache {
+    /// Most recently used at the back. Dirty tables are never evicted without being written.
+    pub(super) tables: VecDeque<L2Table>,
+    pub(super) capacity: usize,
+}
+
+impl L2Cache {
+    pub(super) fn dirty_tables(&self) -> usize {
+        self.tables.iter().filter(|t| t.is_dirty()).count()
+    }
+
+    /// Drop the least recently used clean table if the cache is full; false if every
+    /// table is dirty (the caller writes them back first, or does not cache).
+    pub(super) fn make_room(&mut self) -> bool {
+        if self.tables.len() < self.capacity {
+            return true;
+        }
+        match self.tables.iter().position(|t| !t.is_dirty()) {
+            Some(i) => {
+                self.tables.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Qcow2Image {
+    pub(super) fn read_l2(
+        &self,
+        file: &dyn Storage,
+        l2_offset: u64,
+    ) -> Result<Vec<u64>, ImageError> {
+        let raw =
+            read_aligned(file, l2_offset, self.cluster_size() as usize).map_err(ImageError::Io)?;
+        Ok(raw.chunks_exact(8).map(|c| be64(c, 0)).collect())
+    }
+
+    pub(super) fn new_table(&self, offset: u64, entries: Vec<u64>) -> L2Table {
+        let chunks = (self.cluster_size() / self.meta_chunk()) as usize;
+        L2Table {
+            offset,
+            entries,
+            dirty: vec![false; chunks],
+        }
+    }
+
+    /// The L2 entry for the cluster containing `guest_offset` (0 = unallocated): from the
+    /// cache (which holds entries not yet written back), else from the file.
+    pub(super) fn l2_entry(
+        &self,
+        file: &dyn Storage,
+        guest_offset: u64,
+    ) -> Result<u64, ImageError> {
+        let l2_index = self.l2_index(guest_offset);
+        let Some(l2_offset) = self.l2_table_offset(guest_offset)? else {
+            return Ok(0);
+        };
+        let mut cache = self.lock_l2();
+        let hit = cache.tables.iter().position(|t| t.offset == l2_offset);
+        if let Some(t) = hit.and_then(|pos| cache.tables.remove(pos)) {
+            let e = t.entries[l2_index];
+            cache.tables.push_back(t);
+            return Ok(e);
+        }
+        // Loaded under the cache lock, so a writer cannot change the table in between.
+        let entries = self.read_l2(file, l2_offset)?;
+        let e = entries[l2_index];
+        if cache.make_room() {
+            cache.tables.push_back(self.new_table(l2_offset, entries));
+        }
+        Ok(e)
+    }
+
+    /// Change one L2 entry in the cached table (loading it if needed); written back later.
+    pub(super) fn write_l2_entry(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        l2: u64,
+        index: usize,
+        entry: u64,
+    ) -> Result<(), ImageError> {
+        let per_chunk = (self.meta_chunk() / 8) as usize;
+        loop {
+            let mut cache = self.lock_l2();
+            if let Some(t) = cache.tables.iter_mut().find(|t| t.offset == l2) {
+                let slot = t
+                    .entries
+                    .get_mut(index)
+                    .ok_or(ImageError::Corrupt("L2 index out of range"))?;
+                *slot = entry;
+                t.dirty[index / per_chunk] = true;
+                return Ok(());
+            }
+            if !cache.make_room() {
+                drop(cache);
+                self.write_back(ws, file)?;
+                continue;
+            }
+            let entries = self.read_l2(file, l2)?;
+            let t = self.new_table(l2, entries);
+            cache.tables.push_back(t);
+        }
+    }
+
+    /// Write every dirty chunk of the cached tables (the caller orders this after the
+    /// refcounts and syncs around it).
+    pub(super) fn write_dirty_tables(&self, file: &dyn Storage) -> Result<(), ImageError> {
+        let chunk = self.meta_chunk() as usize;
+        let per_chunk = chunk / 8;
+        let mut cache = self.lock_l2();
+        let mut bytes = AlignedBuf::new(chunk, 4096).map_err(ImageError::Io)?;
+        for t in cache.tables.iter_mut() {
+            for ci in 0..t.dirty.len() {
+                if !t.dirty[ci] {
+                    continue;
+                }
+                let b = bytes.as_mut_slice();
+                for (i, e) in t.entries[ci * per_chunk..(ci + 1) * per_chunk]
+                    .iter()
+                    .enumerate()
+                {
+                    b[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
+                }
+                file.write_all_at(&bytes.as_slice()[..chunk], t.offset + (ci * chunk) as u64)
+                    .map_err(ImageError::Io)?;
+                t.dirty[ci] = false;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,326 @@
+//! Opening a qcow2 image: the header, the L1 table, and for a read-write open the refcount
+//! table, the refusal of tables that overlap or lie outside the file (a hostile image could
+//! point one table at another), and the trim of a tail a crash left behind.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, RwLock};
+
+use super::header::{be64, Header, SnapshotEntry};
+use super::map::{compressed_span, L1_OFFSET_MASK, L2_COMPRESSED, L2_OFFSET_MASK};
+use super::{
+    compress, cow, l2cache, Qcow2Error, Qcow2Image, Qcow2Options, Qcow2Stats, WriteState,
+    DEFAULT_L2_CACHE_BYTES, DEFAULT_L2_COVERAGE, MAX_L1_BYTES,
+};
+use crate::image::prealloc::{Background, Prealloc};
+use crate::io::aligned::read_aligned;
+use crate::io::Storage;
+
+/// Most internal snapshots an image may have (QEMU's limit).
+const MAX_SNAPSHOTS: u32 = 65536;
+/// At a read-write open, a tail past the last refcounted cluster is only cut off after
+/// checking that no active L2 entry points into it, which reads every L2 table: not for
+/// images with more tables than this (1 TiB of guest data at 64 KiB clusters).
+const MAX_TAIL_SCAN_TABLES: usize = 2048;
+/// The tail scan looks at most at this many clusters from the end of the file.
+const MAX_TAIL_SCAN_CLUSTERS: u64 = 1 << 20;
+/// The header is read as one block of this size (the backing file name lives in it).
+const HEADER_READ: usize = 4096;
+
+impl Qcow2Image {
+    /// The default L2 cache for an image: [`DEFAULT_L2_CACHE_BYTES`], or enough for
+    /// [`DEFAULT_L2_COVERAGE`] when that is more, capped at all of the image's L2 tables.
+    pub fn default_l2_cache_bytes(cluster_bits: u32, size_bytes: u64) -> u64 {
+        let coverage = DEFAULT_L2_COVERAGE >> (cluster_bits - 3);
+        let whole_image = size_bytes.div_ceil(1 << cluster_bits) * 8;
+        DEFAULT_L2_CACHE_BYTES
+            .max(coverage)
+            .min(whole_image.next_multiple_of(1 << cluster_bits))
+    }
+
+    /// Open read-only with the default L2 cache (backing files, tests).
+    pub fn open_read_only(file: &dyn Storage) -> Result<Self, Qcow2Error> {
+        Self::open(file, Qcow2Options::default())
+    }
+
+    /// Open and validate. `file` may be opened O_DIRECT: metadata is read with aligned
+    /// buffers.
+    pub fn open(file: &dyn Storage, opts: Qcow2Options) -> Result<Self, Qcow2Error> {
+        let writable = opts.writable;
+        let file_size = file.size().map_err(Qcow2Error::ReadHeader)?;
+        let first = read_aligned(file, 0, HEADER_READ).map_err(Qcow2Error::ReadHeader)?;
+        let h = Header::parse(&first)?;
+        if writable && h.is_corrupt() {
+            return Err(Qcow2Error::Corrupt);
+        }
+        if writable && h.is_dirty() {
+            return Err(Qcow2Error::Dirty);
+        }
+        let backing_file = h.backing_file(&first)?;
+        let cluster_bits = h.cluster_bits;
+        let cluster_size = 1u64 << cluster_bits;
+        let l2_bits = cluster_bits - 3;
+        let per_l1 = 1u64 << (cluster_bits + l2_bits);
+        let l1_size = u64::from(h.l1_size);
+        let l1_offset = h.l1_table_offset;
+        if l1_size * 8 > MAX_L1_BYTES || l1_size < h.size_bytes.div_ceil(per_l1) {
+            return Err(Qcow2Error::L1Size(l1_size));
+        }
+        if l1_size > 0
+            && (l1_offset % cluster_size != 0
+                || l1_offset
+                    .checked_add(l1_size * 8)
+                    .is_none_or(|end| end > file_size))
+        {
+            return Err(Qcow2Error::L1Offset(l1_offset));
+        }
+        let raw = if l1_size > 0 {
+            read_aligned(file, l1_offset, (l1_size * 8) as usize).map_err(Qcow2Error::ReadL1)?
+        } else {
+            Vec::new()
+        };
+        let l1: Vec<u64> = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
+        let rt_offset = h.refcount_table_offset;
+        let rt_len = u64::from(h.refcount_table_clusters) * cluster_size;
+        let write = if writable {
+            if rt_offset % cluster_size != 0
+                || rt_len == 0
+                || rt_len > MAX_L1_BYTES
+                || rt_offset + rt_len > file_size
+            {
+                return Err(Qcow2Error::RefcountTable);
+            }
+            let rt = read_aligned(file, rt_offset, rt_len as usize).map_err(Qcow2Error::ReadL1)?;
+            Some(WriteState {
+                refcount_table: rt.chunks_exact(8).map(|c| be64(c, 0)).collect(),
+                refcount_table_offset: rt_offset,
+                refcount_order: h.refcount_order,
+                next_free: file_size.next_multiple_of(cluster_size),
+                covered: file_size,
+                prealloc: None,
+                comp_pos: 0,
+                free_cursor: 0,
+                free_run_hint: u64::MAX,
+                refcount_chunks: Default::default(),
+                dirty_chunks: Default::default(),
+                pending_decs: Default::default(),
+            })
+        } else {
+            None
+        };
+        let metadata = metadata_clusters(file, &h, &l1, write.as_ref(), file_size)?;
+        let cache_bytes = opts
+            .l2_cache_bytes
+            .unwrap_or_else(|| Self::default_l2_cache_bytes(cluster_bits, h.size_bytes));
+        let capacity = (cache_bytes >> cluster_bits).clamp(4, 1 << 22) as usize;
+        let img = Qcow2Image {
+            version: h.version,
+            cluster_bits,
+            l2_bits,
+            size_bytes: h.size_bytes,
+            compression: h.compression,
+            backing_file,
+            l1_offset,
+            file_size: AtomicU64::new(file_size),
+            l1: RwLock::new(l1),
+            metadata: RwLock::new(metadata),
+            l2_cache: Mutex::new(l2cache::L2Cache {
+                tables: VecDeque::with_capacity(capacity),
+                capacity,
+            }),
+            write: write.map(Mutex::new),
+            fills: Default::default(),
+            cow: cow::CowClusters::default(),
+            compress_writes: opts.compress.is_some() && writable,
+            comp: compress::CompCache::new(opts.compress),
+            prealloc_bg: Background::default(),
+            punch_freed: opts.punch_freed,
+            stats: Qcow2Stats::default(),
+        };
+        img.find_data_end(file)?;
+        if let (Some(p), Ok(mut ws)) = (opts.prealloc, img.lock_write()) {
+            let mut state = Prealloc::new(ws.covered, p.size, p.align, p.file_align);
+            // The data ends at the last allocated cluster; a tail after it (left by a crash
+            // while preallocated) is not known to read as zeroes.
+            state.data_end = ws.next_free.min(ws.covered);
+            ws.prealloc = Some(state);
+            if let Some(f) = opts.prealloc_file {
+                img.prealloc_bg.spawn(f);
+            }
+        }
+        Ok(img)
+    }
+
+    /// A read-write open after a crash may find a tail past the last cluster in use (space
+    /// preallocated, or data whose metadata never reached the file): nothing references it,
+    /// so it is truncated and allocation starts after the last cluster with a refcount.
+    /// Bounded: looks at most at [`MAX_TAIL_SCAN_CLUSTERS`] from the end.
+    fn find_data_end(&self, file: &dyn Storage) -> Result<(), Qcow2Error> {
+        let Ok(mut ws) = self.lock_write() else {
+            return Ok(());
+        };
+        let c = self.cluster_size();
+        let mut end = ws.next_free;
+        let mut looked = 0;
+        while end > c && looked < MAX_TAIL_SCAN_CLUSTERS {
+            let cl = end - c;
+            let rc = self
+                .get_refcount(&mut ws, file, cl)
+                .map_err(Qcow2Error::ReadRefcounts)?;
+            if rc != 0 || self.is_metadata(cl) {
+                break;
+            }
+            end = cl;
+            looked += 1;
+        }
+        // Refcounts say the tail is free; never cut off what an L2 entry still points at (an
+        // image with broken refcounts). Bounded: with more L2 tables than this, keep the tail.
+        if end < ws.next_free {
+            let l1: Vec<u64> = self.l1.read().unwrap_or_else(|e| e.into_inner()).clone();
+            let tables: Vec<u64> = l1
+                .iter()
+                .map(|e| e & L1_OFFSET_MASK)
+                .filter(|&t| t != 0)
+                .collect();
+            if tables.len() > MAX_TAIL_SCAN_TABLES {
+                end = ws.next_free;
+            }
+            for &t in tables.iter().take(MAX_TAIL_SCAN_TABLES) {
+                if t + c > self.file_len() {
+                    continue;
+                }
+                let Ok(entries) = self.read_l2(file, t) else {
+                    end = ws.next_free;
+                    break;
+                };
+                for e in entries {
+                    let last = if e & L2_COMPRESSED != 0 {
+                        let (host, sectors) = compressed_span(e, self.cluster_bits);
+                        host + sectors * 512
+                    } else if e & L2_OFFSET_MASK != 0 {
+                        (e & L2_OFFSET_MASK) + c
+                    } else {
+                        0
+                    };
+                    end = end.max(last.next_multiple_of(c).min(ws.next_free));
+                }
+            }
+        }
+        // Cut the tail off now: a new cluster must read as zeroes wherever it is not written
+        // (stale data from before the crash must not show through).
+        let len = file.size().map_err(Qcow2Error::ReadHeader)?;
+        if len > end {
+            file.set_len(end).map_err(Qcow2Error::ReadHeader)?;
+            ws.covered = end;
+        }
+        ws.next_free = end;
+        self.file_size.store(end, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// Clusters holding metadata. Ranges are clamped to the file, so a hostile header cannot
+/// make this set large; a read-write open (`write` present) refuses tables that overlap or
+/// lie outside the file, and also counts internal snapshots' tables and refcount blocks.
+fn metadata_clusters(
+    file: &dyn Storage,
+    h: &Header,
+    l1: &[u64],
+    write: Option<&WriteState>,
+    file_size: u64,
+) -> Result<HashSet<u64>, Qcow2Error> {
+    let writable = write.is_some();
+    let cluster_size = 1u64 << h.cluster_bits;
+    let mut metadata = HashSet::new();
+    let file_end = file_size.next_multiple_of(cluster_size);
+    let mut add_range = |off: u64, len: u64| -> bool {
+        let end = off.saturating_add(len).min(file_end);
+        let mut overlap = false;
+        let mut c = off & !(cluster_size - 1);
+        while c < end {
+            overlap |= !metadata.insert(c);
+            c += cluster_size;
+        }
+        overlap
+    };
+    add_range(0, cluster_size);
+    if add_range(h.l1_table_offset, u64::from(h.l1_size) * 8) && writable {
+        return Err(Qcow2Error::Metadata("the L1 table overlaps the header"));
+    }
+    let rt_len = u64::from(h.refcount_table_clusters) * cluster_size;
+    if rt_len <= MAX_L1_BYTES && add_range(h.refcount_table_offset, rt_len) && writable {
+        return Err(Qcow2Error::Metadata(
+            "the refcount table overlaps the header or the L1 table",
+        ));
+    }
+    for &e in l1 {
+        let l2 = e & L1_OFFSET_MASK;
+        if l2 == 0 {
+            continue;
+        }
+        let inside = l2 % cluster_size == 0 && l2 + cluster_size <= file_end;
+        if add_range(l2, cluster_size) && writable {
+            return Err(Qcow2Error::Metadata(
+                "an L2 table overlaps other metadata or another L2 table",
+            ));
+        }
+        if !inside && writable {
+            return Err(Qcow2Error::Metadata(
+                "an L2 table is unaligned or outside the file",
+            ));
+        }
+    }
+    let Some(ws) = write else {
+        return Ok(metadata);
+    };
+    // Internal snapshots: their table and their L1 tables are metadata too (QEMU's default
+    // overlap checks); a data write must never land on them.
+    let nb = h.nb_snapshots;
+    let table = h.snapshots_offset;
+    if nb > MAX_SNAPSHOTS {
+        return Err(Qcow2Error::Metadata("more than 65536 internal snapshots"));
+    }
+    let fixed = super::header::snap::FIXED_LEN;
+    let mut pos = table;
+    for _ in 0..nb {
+        if pos % 8 != 0 || pos.saturating_add(fixed as u64) > file_size {
+            return Err(Qcow2Error::Metadata(
+                "the snapshot table is unaligned or outside the file",
+            ));
+        }
+        let raw = read_aligned(file, pos, fixed).map_err(Qcow2Error::ReadL1)?;
+        let e = SnapshotEntry::parse(&raw);
+        if e.l1_table_offset % cluster_size != 0
+            || e.l1_bytes > MAX_L1_BYTES
+            || e.l1_table_offset.saturating_add(e.l1_bytes) > file_end
+        {
+            return Err(Qcow2Error::Metadata(
+                "a snapshot's L1 table is unaligned or outside the file",
+            ));
+        }
+        if add_range(e.l1_table_offset, e.l1_bytes) {
+            return Err(Qcow2Error::Metadata(
+                "a snapshot's L1 table overlaps other metadata",
+            ));
+        }
+        pos += e.entry_len;
+    }
+    if nb > 0 && add_range(table, pos - table) {
+        return Err(Qcow2Error::Metadata(
+            "the snapshot table overlaps other metadata",
+        ));
+    }
+    for &rb in ws.refcount_table.iter().filter(|&&rb| rb != 0) {
+        if rb % cluster_size != 0 || rb.saturating_add(cluster_size) > file_end {
+            return Err(Qcow2Error::Metadata(
+                "a refcount block is unaligned or outside the file",
+            ));
+        }
+        if add_range(rb, cluster_size) {
+            return Err(Qcow2Error::Metadata(
+                "a refcount block overlaps other metadata",
+            ));
+        }
+    }
+    Ok(metadata)
+}

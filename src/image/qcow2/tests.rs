@@ -1,0 +1,239 @@
+//! Header and mapping checks on hand-built images; the engine's model and crash tests are
+//! in `crash_tests` and `model_tests`.
+
+use super::header::off;
+use super::*;
+use crate::image::fuzz::qcow2_open;
+use crate::image::ImageError;
+use crate::testing::MemStorage;
+use proptest::prelude::*;
+use std::fs::File;
+use std::path::PathBuf;
+
+fn temp(tag: &str, bytes: &[u8]) -> (PathBuf, File) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(format!("qcow2-{tag}-{}", std::process::id()));
+    std::fs::write(&p, bytes).unwrap();
+    let f = File::open(&p).unwrap();
+    (p, f)
+}
+
+/// A minimal valid v3 header: 64 KiB clusters, 512 MiB (one L1 entry), L1 at 0x30000
+/// with one entry pointing at an L2 table at 0x40000.
+fn header() -> Vec<u8> {
+    let mut h = vec![0u8; 0x50000];
+    let put32 = |h: &mut [u8], at: usize, v: u32| h[at..at + 4].copy_from_slice(&v.to_be_bytes());
+    let put64 = |h: &mut [u8], at: usize, v: u64| h[at..at + 8].copy_from_slice(&v.to_be_bytes());
+    h[off::MAGIC..off::MAGIC + 4].copy_from_slice(&MAGIC);
+    put32(&mut h, off::VERSION, 3);
+    put32(&mut h, off::CLUSTER_BITS, 16); // 64 KiB clusters
+    put64(&mut h, off::SIZE, 1 << 29); // 512 MiB: one L1 entry
+    put32(&mut h, off::L1_SIZE, 1);
+    put64(&mut h, off::L1_TABLE_OFFSET, 0x30000);
+    put32(&mut h, off::HEADER_LENGTH, 104);
+    // L1[0] -> the L2 table at 0x40000.
+    put64(&mut h, 0x30000, 0x40000);
+    h
+}
+
+#[test]
+fn valid_header_maps_unallocated_and_allocated_clusters() {
+    let mut h = header();
+    // Guest cluster 1 -> host cluster at 0x40000 (the L2 table itself, fine for mapping).
+    h[0x40008..0x40010].copy_from_slice(&0x40000u64.to_be_bytes());
+    // Guest cluster 2: zero flag.
+    h[0x40010..0x40018].copy_from_slice(&1u64.to_be_bytes());
+    let (p, f) = temp("valid", &h);
+    let q = Qcow2Image::open_read_only(&f).unwrap();
+    let mut out = Vec::new();
+    q.map(&f, 0, 3 * 65536, &mut out).unwrap();
+    assert_eq!(
+        out,
+        vec![
+            Extent::Unallocated { len: 65536 },
+            Extent::Data {
+                host_offset: 0x40000,
+                len: 65536
+            },
+            Extent::Zero { len: 65536 },
+        ]
+    );
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn huge_l1_is_refused_not_allocated() {
+    let mut h = header();
+    h[off::L1_SIZE..off::L1_SIZE + 4].copy_from_slice(&u32::MAX.to_be_bytes());
+    let (p, f) = temp("huge-l1", &h);
+    assert!(matches!(
+        Qcow2Image::open_read_only(&f),
+        Err(Qcow2Error::L1Size(_))
+    ));
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn l2_pointing_outside_the_file_is_an_error_not_a_read() {
+    let mut h = header();
+    h[0x30000..0x30008].copy_from_slice(&(1u64 << 40).to_be_bytes());
+    let (p, f) = temp("l2-out", &h);
+    let q = Qcow2Image::open_read_only(&f).unwrap();
+    let mut out = Vec::new();
+    assert!(matches!(
+        q.map(&f, 0, 4096, &mut out),
+        Err(ImageError::Corrupt(_))
+    ));
+    std::fs::remove_file(p).unwrap();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Arbitrary header fields and table entries: opening and mapping never panic, and
+    /// every data extent lies inside the file.
+    #[test]
+    fn arbitrary_images_never_panic(
+        fields in proptest::collection::vec((0usize..112, any::<u8>()), 0..24),
+        l1e in any::<u64>(),
+        l2es in proptest::collection::vec(any::<u64>(), 4),
+        off in 0u64..(1 << 30),
+    ) {
+        let mut h = header();
+        for (i, b) in fields {
+            if i >= 4 { h[i] = b; }
+        }
+        if l1e % 3 == 0 { h[0x30000..0x30008].copy_from_slice(&l1e.to_be_bytes()); }
+        for (i, e) in l2es.iter().enumerate() {
+            h[0x40000 + i * 8..0x40008 + i * 8].copy_from_slice(&e.to_be_bytes());
+        }
+        let (p, f) = temp("fuzz", &h);
+        if let Ok(q) = Qcow2Image::open_read_only(&f) {
+            let size = q.size_bytes;
+            if size > 0 {
+                let start = off % size;
+                let len = (size - start).min(4 * 65536);
+                let mut out = Vec::new();
+                if q.map(&f, start, len, &mut out).is_ok() {
+                    let total: u64 = out.iter().map(|e| e.len()).sum();
+                    prop_assert_eq!(total, len);
+                    for e in &out {
+                        if let Extent::Data { host_offset, len } = *e {
+                            prop_assert!(host_offset + len <= h.len() as u64 + q.cluster_size());
+                        }
+                    }
+                }
+            }
+        }
+        std::fs::remove_file(p).unwrap();
+    }
+}
+
+fn rw() -> Qcow2Options {
+    Qcow2Options {
+        writable: true,
+        ..Qcow2Options::default()
+    }
+}
+
+fn be64(b: &[u8], o: usize) -> u64 {
+    u64::from_be_bytes(b[o..o + 8].try_into().unwrap())
+}
+
+fn seed() -> Vec<u8> {
+    let p = crate::testing::fresh_qcow2("directed", Compression::Zlib);
+    let b = std::fs::read(&p).unwrap();
+    std::fs::remove_file(&p).unwrap();
+    b
+}
+
+/// Refcount table entries pointing outside the file, at the header, at the L1 table or
+/// at the refcount table itself: refused at a read-write open, or at least never
+/// followed outside the file and never written over other metadata.
+#[test]
+fn hostile_refcount_table_entries() {
+    let base = seed();
+    let rt = be64(&base, 48) as usize;
+    let l1 = be64(&base, 40);
+    for target in [1u64 << 40, 0x200, l1, rt as u64, 0x10000 + 0x1000] {
+        let mut img = base.clone();
+        img[rt..rt + 8].copy_from_slice(&target.to_be_bytes());
+        let mut input = vec![0u8; 16];
+        input.extend_from_slice(&img);
+        qcow2_open(&input);
+        // If it opens writable, the header and the L1 table are intact after writes.
+        let disk = MemStorage::new(img.clone());
+        if let Ok(q) = Qcow2Image::open(&disk, rw()) {
+            let mut fill = |_: u64, buf: &mut [u8]| {
+                buf.fill(0);
+                Ok(())
+            };
+            let _ = q.write(&disk, 0, &[1u8; 65536], &mut fill);
+            let _ = q.close(&disk);
+            let after = disk.lock().clone();
+            assert_eq!(
+                &after[..104],
+                &img[..104],
+                "target {target:#x}: header overwritten"
+            );
+            assert_eq!(
+                &after[l1 as usize..l1 as usize + 8],
+                &img[l1 as usize..l1 as usize + 8],
+                "target {target:#x}: L1 overwritten"
+            );
+        }
+    }
+}
+
+/// A read-write open cuts off a tail that nothing uses, but never a cluster an L2 entry
+/// points at, even when its refcount says it is free (broken refcounts).
+#[test]
+fn open_keeps_referenced_clusters_past_the_last_refcount() {
+    let p = crate::testing::fresh_qcow2("tail", Compression::Zlib);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap();
+    let q = Qcow2Image::open(&f, rw()).unwrap();
+    let mut fill = |_: u64, buf: &mut [u8]| {
+        buf.fill(0);
+        Ok(())
+    };
+    // Guest cluster 0 allocates its data and the L2 table; guest cluster 1's data is
+    // then the last cluster of the file.
+    q.write(&f, 0, &[0x11; 65536], &mut fill).unwrap();
+    q.write(&f, 65536, &[0x5a; 65536], &mut fill).unwrap();
+    q.close(&f).unwrap();
+    drop(q);
+    let mut img = std::fs::read(&p).unwrap();
+    std::fs::remove_file(&p).unwrap();
+    let be64 = |b: &[u8], o: usize| u64::from_be_bytes(b[o..o + 8].try_into().unwrap());
+    const MASK: u64 = 0x00ff_ffff_ffff_fe00;
+    let l2 = (be64(&img, be64(&img, 40) as usize) & MASK) as usize;
+    let last = (be64(&img, l2 + 8) & MASK) as usize;
+    assert_eq!(
+        last + 65536,
+        img.len(),
+        "guest cluster 1 is not the last cluster"
+    );
+    // Its 16-bit refcount says free: refcount table -> first block.
+    let rt = be64(&img, 48) as usize;
+    let rb = be64(&img, rt) as usize;
+    let at = rb + last / 65536 * 2;
+    img[at..at + 2].fill(0);
+    // And a 1 MiB tail of zeroes after it that nothing uses.
+    let len = img.len();
+    img.resize(len + (1 << 20), 0);
+    let disk = MemStorage::new(img);
+    let q = Qcow2Image::open(&disk, rw()).unwrap();
+    q.close(&disk).unwrap();
+    let after = disk.lock().clone();
+    assert!(
+        after.len() >= len,
+        "referenced data was cut off: {}",
+        after.len()
+    );
+    assert!(after[last..last + 65536].iter().all(|&b| b == 0x5a));
+    assert_eq!(after.len(), len, "the unused tail was not cut off");
+}

@@ -1,0 +1,128 @@
+//! Metadata write-back in dependency order (every allocated cluster inside the file,
+//! refcount increases, a barrier, L2 tables, a barrier, then the decrements those L2
+//! changes allow), FLUSH and the clean close.
+
+use super::alloc::SIZE_STEP;
+use super::refcount::{RefChange, MAX_DIRTY_REFCOUNT_CHUNKS};
+use super::{ImageError, Qcow2Image, WriteState};
+use crate::io::Storage;
+
+impl Qcow2Image {
+    /// Write back dirty metadata in dependency order; the caller syncs the file afterwards
+    /// for durability (FLUSH). Read-only images have none.
+    pub fn flush(&self, file: &dyn Storage) -> Result<(), ImageError> {
+        let Ok(mut ws) = self.lock_write() else {
+            return Ok(());
+        };
+        self.write_back(&mut ws, file)
+    }
+
+    /// Clean close: write back metadata and trim the file to the end of the last allocated
+    /// cluster.
+    pub fn close(&self, file: &dyn Storage) -> Result<(), ImageError> {
+        let Ok(mut ws) = self.lock_write() else {
+            return Ok(());
+        };
+        self.write_back(&mut ws, file)?;
+        // The decrements that write-back applied last (clusters the written L2 tables no
+        // longer use): written now, or a clean shutdown would leave them leaked.
+        if !ws.dirty_chunks.is_empty() {
+            self.write_dirty_refcounts(&mut ws, file)?;
+        }
+        // A background extension still running would extend the file after the trim.
+        if let Some(p) = ws.prealloc.as_mut().filter(|p| p.busy) {
+            if let Some((e, r)) = self.prealloc_bg.wait_done() {
+                let len = file.size().map_err(ImageError::Io)?;
+                p.extended(e, r, len);
+            }
+            p.busy = false;
+        }
+        // Nothing past the last allocated cluster is referenced: drop the preallocated tail
+        // (or one a crash left behind).
+        let end = ws.next_free;
+        if file.size().map_err(ImageError::Io)? > end {
+            file.set_len(end).map_err(ImageError::Io)?;
+            ws.covered = end;
+            if let Some(p) = ws.prealloc.as_mut() {
+                p.file_end = end;
+                p.data_end = p.data_end.min(end);
+                p.zero_start = p.zero_start.min(end);
+            }
+        }
+        Ok(())
+    }
+
+    /// Write back early when the caches hold too much dirty metadata.
+    pub(super) fn maybe_write_back(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+    ) -> Result<(), ImageError> {
+        let too_many_tables = {
+            let cache = self.lock_l2();
+            // Dirty tables are never evicted: write back early only when the cache could
+            // run out of clean ones, not when it holds every table the image can have
+            // (then a random write workload would sync every few writes).
+            let all_tables = self
+                .size_bytes
+                .div_ceil(1u64 << (self.cluster_bits + self.l2_bits));
+            (cache.capacity as u64) < all_tables && cache.dirty_tables() * 2 >= cache.capacity
+        };
+        if too_many_tables || ws.dirty_chunks.len() >= MAX_DIRTY_REFCOUNT_CHUNKS {
+            self.write_back(ws, file)?;
+        }
+        Ok(())
+    }
+
+    /// Every allocated cluster inside the file (so no L2 entry on disk points past its end),
+    /// refcount increases, a barrier, dirty L2 tables, a barrier, then the decrements that
+    /// the written L2 changes allow (they become dirty refcount chunks, written next time).
+    pub(super) fn write_back(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+    ) -> Result<(), ImageError> {
+        // Compressed chunks reach the file before any L2 entry that names them; after a
+        // failed cache write, nothing may claim durability again.
+        self.write_back_cache(file)?;
+        let l2_dirty = self.lock_l2().dirty_tables() > 0;
+        if l2_dirty || !ws.dirty_chunks.is_empty() {
+            if ws.covered < ws.next_free {
+                let end = ws.next_free.next_multiple_of(SIZE_STEP);
+                if file.size().map_err(ImageError::Io)? < ws.next_free {
+                    file.set_len(end).map_err(ImageError::Io)?;
+                }
+                ws.covered = ws.covered.max(ws.next_free);
+            }
+            self.write_dirty_refcounts(ws, file)?;
+        }
+        if l2_dirty {
+            file.sync_data().map_err(ImageError::Io)?;
+            self.write_dirty_tables(file)?;
+        }
+        for host in ws.pending_decs.release(file).map_err(ImageError::Io)? {
+            if self.set_refcount(ws, file, host, RefChange::Dec)? == 0 {
+                self.forget_freed_cluster(ws, host);
+                ws.free_cursor = ws.free_cursor.min(host);
+                ws.free_run_hint = u64::MAX;
+                if self.punch_freed {
+                    // Best effort: give the space back to the host file system.
+                    let _ = file.punch_hole(host, self.cluster_size());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Write the dirty refcount chunks (any time is safe: see [`WriteState::dirty_chunks`]).
+    pub(super) fn write_dirty_refcounts(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+    ) -> Result<(), ImageError> {
+        let chunks = &ws.refcount_chunks;
+        ws.dirty_chunks
+            .write_back(file, |at| chunks.get(&at).map(Vec::as_slice))
+            .map_err(ImageError::Io)
+    }
+}

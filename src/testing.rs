@@ -1,0 +1,252 @@
+//! Test doubles, compiled only for tests and fuzzing (`--features testing`): image files in
+//! memory that check how they are used ([`MemStorage`]) or lose what was not synced when
+//! they "crash" ([`SimDisk`]), and a fresh qcow2 image to start from.
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use crate::io::Storage;
+
+/// How much an image may grow while being fuzzed.
+const MAX_GROWTH: u64 = 64 << 20;
+
+/// An image file in memory that checks how it is used.
+pub struct MemStorage {
+    bytes: Mutex<Vec<u8>>,
+    limit: u64,
+}
+
+impl MemStorage {
+    pub fn new(bytes: Vec<u8>) -> Self {
+        let limit = bytes.len() as u64 + MAX_GROWTH;
+        MemStorage {
+            bytes: Mutex::new(bytes),
+            limit,
+        }
+    }
+
+    /// The bytes as they are now.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Storage for MemStorage {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let b = self.lock();
+        // Reads are 4 KiB-aligned, so they may start up to one block before the end; a read
+        // starting further out followed a pointer that was never checked.
+        assert!(
+            offset <= (b.len() as u64).next_multiple_of(4096),
+            "read at {offset:#x} past the end of a {:#x}-byte file",
+            b.len()
+        );
+        let start = (offset as usize).min(b.len());
+        let n = buf.len().min(b.len() - start);
+        buf[..n].copy_from_slice(&b[start..start + n]);
+        Ok(n)
+    }
+
+    fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let end = offset
+            .checked_add(buf.len() as u64)
+            .filter(|&e| e <= self.limit)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
+        let mut b = self.lock();
+        if (b.len() as u64) < end {
+            b.resize(end as usize, 0);
+        }
+        b[offset as usize..end as usize].copy_from_slice(buf);
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        if len > self.limit {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        self.lock().resize(len as usize, 0);
+        Ok(())
+    }
+
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.lock().len() as u64)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.limit)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
+        let mut b = self.lock();
+        if (b.len() as u64) < end {
+            b.resize(end as usize, 0);
+        }
+        Ok(())
+    }
+
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        let mut b = self.lock();
+        let end = offset.saturating_add(len).min(b.len() as u64);
+        if offset < end {
+            b[offset as usize..end as usize].fill(0);
+        }
+        Ok(())
+    }
+}
+
+/// A disk with a volatile write cache.
+pub struct SimDisk {
+    state: Mutex<SimState>,
+}
+
+struct SimState {
+    /// What survives a crash for certain.
+    durable: Vec<u8>,
+    /// What reads see.
+    current: Vec<u8>,
+    /// Writes and size changes since the last sync, in order.
+    pending: Vec<Pending>,
+}
+
+enum Pending {
+    Write(u64, Vec<u8>),
+    SetLen(u64),
+}
+
+fn apply(img: &mut Vec<u8>, p: &Pending) {
+    match p {
+        Pending::Write(off, data) => {
+            let end = *off as usize + data.len();
+            if img.len() < end {
+                img.resize(end, 0);
+            }
+            img[*off as usize..end].copy_from_slice(data);
+        }
+        Pending::SetLen(len) => img.resize(*len as usize, 0),
+    }
+}
+
+impl SimDisk {
+    pub fn new(bytes: Vec<u8>) -> Self {
+        SimDisk {
+            state: Mutex::new(SimState {
+                durable: bytes.clone(),
+                current: bytes,
+                pending: Vec::new(),
+            }),
+        }
+    }
+
+    /// The disk after a power failure: the durable image plus the pending writes (in
+    /// order) for which `survives()` says yes.
+    pub fn crash(&self, mut survives: impl FnMut() -> bool) -> Vec<u8> {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut img = st.durable.clone();
+        for p in &st.pending {
+            if survives() {
+                apply(&mut img, p);
+            }
+        }
+        img
+    }
+}
+
+impl Storage for SimDisk {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let start = (offset as usize).min(st.current.len());
+        let n = buf.len().min(st.current.len() - start);
+        buf[..n].copy_from_slice(&st.current[start..start + n]);
+        Ok(n)
+    }
+
+    fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let p = Pending::Write(offset, buf.to_vec());
+        apply(&mut st.current, &p);
+        st.pending.push(p);
+        Ok(())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let p = Pending::SetLen(len);
+        apply(&mut st.current, &p);
+        st.pending.push(p);
+        Ok(())
+    }
+
+    fn size(&self) -> io::Result<u64> {
+        Ok(self
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .current
+            .len() as u64)
+    }
+
+    fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let end = offset + len;
+        if end > st.current.len() as u64 {
+            let p = Pending::SetLen(end);
+            apply(&mut st.current, &p);
+            st.pending.push(p);
+        }
+        Ok(())
+    }
+
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let end = (offset + len).min(st.current.len() as u64);
+        if offset < end {
+            let p = Pending::Write(offset, vec![0; (end - offset) as usize]);
+            apply(&mut st.current, &p);
+            st.pending.push(p);
+        }
+        Ok(())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let pending = std::mem::take(&mut st.pending);
+        for p in &pending {
+            apply(&mut st.durable, p);
+        }
+        Ok(())
+    }
+}
+
+/// A fresh 8 MiB qcow2 image with 64 KiB clusters made by `vublk create`, at a temporary
+/// path under `target/unit-tmp` (the caller removes it).
+pub fn fresh_qcow2(tag: &str, compression: crate::image::qcow2::Compression) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+    let _ = std::fs::create_dir_all(&dir);
+    let p = dir.join(format!("fresh-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    let params = crate::image::create::CreateParams {
+        parallels_cluster: None,
+        qcow2: true,
+        size_bytes: 8 << 20,
+        cluster_bits: 16,
+        compression,
+        backing: None,
+    };
+    if let Err(e) = crate::image::create::create(&p, &params) {
+        panic!("creating {}: {e}", p.display());
+    }
+    p
+}
+
+/// [`fresh_qcow2`]'s bytes (the file removed again).
+pub fn fresh_qcow2_bytes(tag: &str, compression: crate::image::qcow2::Compression) -> Vec<u8> {
+    let p = fresh_qcow2(tag, compression);
+    let b = std::fs::read(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()));
+    let _ = std::fs::remove_file(&p);
+    b
+}

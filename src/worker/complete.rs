@@ -1,0 +1,221 @@
+//! Completing requests: account each finished engine or pool operation, apply the fallbacks
+//! a result calls for (short reads at the end of a format's file, zeroing where the file
+//! system lacks ZERO_RANGE), and when a request's last operation is done write its status
+//! byte and give back everything it held.
+
+use std::io;
+use std::sync::atomic::Ordering;
+
+use vm_memory::Bytes;
+
+use crate::io::{sys, Completion};
+use crate::log_limited;
+use crate::virtio_blk::{status, RequestType};
+
+use super::failure::Failure;
+use super::slot::{decode, OpKind, SlotState, Then};
+use super::QueueWorker;
+
+impl QueueWorker {
+    /// Account one finished operation; Some((head, used_len)) when its request is done.
+    pub(super) fn complete_op(&mut self, c: Completion) -> Option<(u16, u32)> {
+        let (idx, kind, range) = decode(c.user_data);
+        if kind == Some(OpKind::Offload) {
+            self.offloaded = self.offloaded.saturating_sub(1);
+        }
+        let short_reads_are_zeroes = self.dev.image.short_reads_are_zeroes();
+        let slot = self.slots.get_mut(usize::from(idx))?;
+        let SlotState::Busy(r) = &mut slot.state else {
+            log_limited!(
+                log::Level::Error,
+                "queue {}: completion for idle slot {idx}",
+                self.index
+            );
+            return None;
+        };
+        if r.pending == 0 {
+            log_limited!(
+                log::Level::Error,
+                "queue {}: completion for idle slot {idx}",
+                self.index
+            );
+            return None;
+        }
+        let mut res = c.result;
+        if short_reads_are_zeroes && matches!(kind, Some(OpKind::Read) | Some(OpKind::ReadPart)) {
+            // A format's file may end inside its last cluster (the rest of it was never
+            // written): a short read there is the end of the file, and the rest reads as
+            // zeroes.
+            let iovs = if kind == Some(OpKind::Read) {
+                &slot.iov[..]
+            } else {
+                slot.iov
+                    .get(range as usize..range as usize + 1)
+                    .unwrap_or(&[])
+            };
+            let want: usize = iovs.iter().map(|v| v.iov_len).sum();
+            if res >= 0 && (res as usize) < want {
+                let mut skip = res as usize;
+                for v in iovs {
+                    if skip >= v.iov_len {
+                        skip -= v.iov_len;
+                        continue;
+                    }
+                    // SAFETY: the iovec points into guest memory or a bounce buffer that the
+                    // request keeps alive, and the kernel is done with it (this is its
+                    // completion).
+                    unsafe {
+                        std::ptr::write_bytes(
+                            v.iov_base.cast::<u8>().add(skip),
+                            0,
+                            v.iov_len - skip,
+                        )
+                    };
+                    skip = 0;
+                }
+                res = want as i32;
+            }
+        }
+        let mut failure = None;
+        match kind {
+            Some(OpKind::ReadPart)
+                if res >= 0
+                    && slot.iov.get(range as usize).map(|v| v.iov_len as u64)
+                        != Some(res as u64) =>
+            {
+                failure = Some(format!("short read of a piece: {res} bytes"));
+                res = -libc::EIO;
+            }
+            Some(OpKind::Read) | Some(OpKind::Write)
+                if res >= 0 && res as u64 != r.expect_bytes =>
+            {
+                failure = Some(format!(
+                    "short {kind:?} of {res} bytes, expected {}",
+                    r.expect_bytes
+                ));
+                res = -libc::EIO;
+            }
+            Some(OpKind::Discard) if res == -libc::EOPNOTSUPP => {
+                // Discard is a hint (5.2.6.2: the device may do nothing).
+                res = 0;
+            }
+            Some(OpKind::ZeroRange) | Some(OpKind::PunchZero) if res == -libc::EOPNOTSUPP => {
+                if kind == Some(OpKind::ZeroRange) {
+                    self.dev.no_zero_range.store(true, Ordering::Relaxed);
+                }
+                use std::os::fd::AsRawFd;
+                let fd = self.dev.image.file().as_raw_fd();
+                res = match slot.req.ranges.get(range as usize) {
+                    Some(z) => {
+                        sys::zero_fallback(fd, z.offset_bytes, z.len_bytes, &mut self.bounce)
+                    }
+                    None => -libc::EIO,
+                };
+            }
+            _ => {}
+        }
+        if let Some(msg) = failure {
+            log_limited!(log::Level::Warn, "queue {}: {msg}", self.index);
+        }
+        if res < 0 {
+            self.stats.errors += 1;
+            r.status = status::IOERR;
+            let f = Failure::Op {
+                kind,
+                source: io::Error::from_raw_os_error(-res),
+            };
+            r.pending -= 1;
+            let pending = r.pending;
+            self.report(&f);
+            if pending > 0 {
+                return None;
+            }
+        } else {
+            if matches!(kind, Some(OpKind::Discard) | Some(OpKind::PunchZero)) && c.result == 0 {
+                if let Some(z) = slot.req.ranges.get(range as usize) {
+                    self.dev
+                        .zero_stats
+                        .unmapped_bytes
+                        .fetch_add(z.len_bytes, Ordering::Relaxed);
+                }
+            }
+            r.pending -= 1;
+            if r.pending > 0 {
+                return None;
+            }
+        }
+        let slot = &mut self.slots[usize::from(idx)];
+        let SlotState::Busy(r) = &mut slot.state else {
+            return None;
+        };
+        if r.then == Then::SyncFirst && r.status == status::OK {
+            // Write-through: the zeroing becomes durable before the request completes.
+            r.then = Then::Finish;
+            let head = r.head;
+            if self.push_sync(idx).is_ok() {
+                return None;
+            }
+            if let Some(r) = self.slots[usize::from(idx)].busy() {
+                r.status = status::IOERR;
+            }
+            return Some((head, self.finish(idx)));
+        }
+        let head = r.head;
+        Some((head, self.finish(idx)))
+    }
+
+    /// Copy bounced read data out, give back what the image lent, write the status byte,
+    /// free the slot. Returns the used length.
+    pub(super) fn finish(&mut self, idx: u16) -> u32 {
+        let slot = &mut self.slots[usize::from(idx)];
+        let SlotState::Busy(mut r) = std::mem::replace(&mut slot.state, SlotState::Free) else {
+            return 0;
+        };
+        let is_read = slot.req.kind == RequestType::In;
+        if let Some(b) = r.bounce.take() {
+            if is_read && r.status == status::OK {
+                let mut done = b.skip;
+                for seg in &slot.req.data {
+                    let n = seg.len as usize;
+                    let copied = b
+                        .buf
+                        .as_slice()
+                        .get(done..done + n)
+                        .is_some_and(|src| r.mem.write_slice(src, seg.addr).is_ok());
+                    if !copied {
+                        r.status = status::IOERR;
+                        break;
+                    }
+                    done += n;
+                }
+            }
+            self.bounce.put(b.buf);
+        }
+        if r.status != status::OK && is_read {
+            r.used_len = 1;
+        }
+        let mut failure = None;
+        if let Some(t) = r.ticket.take() {
+            // The data is in the file: now new clusters may replace what was there (before
+            // the guest sees the write complete).
+            if let Err(e) = self.dev.image.end_write(t, r.status == status::OK) {
+                r.status = status::IOERR;
+                failure = Some(Failure::Image {
+                    what: "installing new clusters",
+                    offset: 0,
+                    source: e,
+                });
+            }
+        }
+        let _ = r.mem.write_obj(r.status, slot.req.status_addr);
+        if let (Some(k), Some(ranges)) = (r.range_key.take(), self.dev.write_ranges.as_ref()) {
+            ranges.release(k);
+        }
+        slot.iov.clear();
+        self.free.push(idx);
+        if let Some(f) = failure {
+            self.report(&f);
+        }
+        r.used_len
+    }
+}

@@ -1,0 +1,422 @@
+//! Per-queue data plane. Each queue has its own thread (the vhost-user-backend epoll loop)
+//! and its own worker; the only shared state is the [`Device`] and its image.
+//!
+//! One request, in order:
+//! 1. `process_queue` (here) pops a descriptor chain;
+//! 2. `submit::start_request` parses it (`virtio_blk`) into the slot's [`slot::InFlight`];
+//! 3. reads and writes: the header guard and the zero check (`zero`), then the image plans
+//!    (`read`: one extent or pieces; `write`: through the engine, or through the format on
+//!    a pool or inline); DISCARD and WRITE_ZEROES are zeroed (`zero`);
+//! 4. the engine executes (`submit::push_rw`: iovecs into guest memory, bounce buffers
+//!    where O_DIRECT needs them, read-modify-write of sub-block writes);
+//! 5. completions are reaped here and accounted in `complete`, which writes the status
+//!    byte, gives back what the image lent (`end_write`), and frees the slot;
+//! 6. the used ring is updated and the guest signalled as EVENT_IDX allows.
+//!
+//! Host failures go through `failure`, the one place that maps them to a status and logs
+//! them (rate-limited).
+
+mod complete;
+mod failure;
+mod read;
+mod slot;
+mod submit;
+mod write;
+mod zero;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use log::warn;
+use vhost_user_backend::{VringRwLock, VringT};
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+
+use crate::device::Device;
+use crate::image::ReadPlan;
+use crate::io::bounce::BouncePool;
+use crate::io::{Completion, Engine};
+use crate::log_limited;
+use crate::offload::Inbox;
+use crate::virtio_blk::Desc;
+use slot::Slot;
+
+type Mem = GuestMemoryMmap<()>;
+type Vring = VringRwLock<GuestMemoryAtomic<Mem>>;
+
+/// How long a wait for another request (a fill, a pool job) sleeps before this queue
+/// reaps its own completions again: the request waited for is often this queue's own.
+const SELF_WAIT: Duration = Duration::from_micros(20);
+
+/// Per-queue counters, for logs and later stats.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct QueueStats {
+    pub requests: u64,
+    pub errors: u64,
+    pub bounced: u64,
+    pub read_modify_writes: u64,
+    /// Writes made durable before completion (write-through: WCE=0).
+    pub durable_writes: u64,
+    pub flushes: u64,
+}
+
+/// The data plane of one virtqueue.
+pub struct QueueWorker {
+    index: u16,
+    dev: Arc<Device>,
+    engine: Engine,
+    mem: GuestMemoryAtomic<Mem>,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    vring: Option<Vring>,
+    completions: Vec<Completion>,
+    /// Requests finished while the vring was not at hand: (head, used_len) to add.
+    deferred_used: Vec<(u16, u32)>,
+    /// Scratch for read plans, and the (file, host offset) of each piece read through the
+    /// engine.
+    read_plan: ReadPlan,
+    piece_reads: Vec<(i32, u64)>,
+    /// We stopped popping because every slot is in use; resume on the next completion.
+    stalled: bool,
+    bounce: BouncePool,
+    pub stats: QueueStats,
+    /// Busy-poll the avail ring and the completion ring this long after the last work
+    /// before sleeping again (0: never poll).
+    poll: Duration,
+    /// Set by another thread (queue stop) to end a poll loop early.
+    poll_abort: Arc<AtomicBool>,
+    /// Where the image's pools report this queue's writes (None: no pools, or an engine
+    /// without an eventfd: those writes run on this thread).
+    inbox: Option<Arc<Inbox>>,
+    /// Requests on a pool.
+    offloaded: usize,
+}
+
+impl QueueWorker {
+    pub fn new(
+        index: u16,
+        dev: Arc<Device>,
+        mut engine: Engine,
+        mem: GuestMemoryAtomic<Mem>,
+    ) -> Self {
+        use std::os::fd::AsRawFd;
+        let n = usize::from(dev.params.queue_size);
+        let bounce = BouncePool::new(dev.params.align.bounce_align());
+        engine.register_file(dev.image.file().as_raw_fd());
+        let inbox = match (dev.image.has_pools(), engine.event_fd()) {
+            (true, Some(fd)) => Inbox::new(fd)
+                .map_err(|e| warn!("queue {index}: format writes on the queue thread ({e})"))
+                .ok(),
+            _ => None,
+        };
+        QueueWorker {
+            inbox,
+            offloaded: 0,
+            poll: Duration::ZERO,
+            poll_abort: Arc::new(AtomicBool::new(false)),
+            index,
+            dev,
+            engine,
+            mem,
+            slots: (0..n).map(|_| Slot::new()).collect(),
+            free: (0..n as u16).rev().collect(),
+            vring: None,
+            completions: Vec::with_capacity(n),
+            deferred_used: Vec::with_capacity(n),
+            read_plan: ReadPlan::default(),
+            piece_reads: Vec::new(),
+            stalled: false,
+            bounce,
+            stats: QueueStats::default(),
+        }
+    }
+
+    /// Enable bounded busy-polling; `abort` ends a poll loop from another thread.
+    pub fn set_polling(&mut self, poll: Duration, abort: Arc<AtomicBool>) {
+        self.poll = poll;
+        self.poll_abort = abort;
+    }
+
+    pub fn engine_event_fd(&self) -> Option<i32> {
+        self.engine.event_fd()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    pub fn set_memory(&mut self, mem: GuestMemoryAtomic<Mem>) {
+        self.mem = mem;
+    }
+
+    /// The guest kicked: process every available chain.
+    pub fn handle_kick(&mut self, vring: &Vring) {
+        if self.vring.is_none() {
+            self.vring = Some(vring.clone());
+        }
+        self.process_queue(vring, true);
+        self.poll_for_work(vring);
+    }
+
+    /// The engine's eventfd fired: reap and complete.
+    pub fn handle_completions(&mut self) {
+        let Some(vring) = self.vring.clone() else {
+            return;
+        };
+        // The eventfd is watched edge-triggered: no need to read (clear) it.
+        self.reap_and_complete(&vring);
+        if self.stalled {
+            self.process_queue(&vring, true);
+        }
+        self.poll_for_work(&vring);
+    }
+
+    /// Busy-poll for new requests and completions, with guest kicks and completion signals
+    /// off, until `poll` has passed without work. Saves the guest's kick and our wake-ups
+    /// at low queue depth, at the price of CPU time while polling.
+    fn poll_for_work(&mut self, vring: &Vring) {
+        if self.poll.is_zero() {
+            return;
+        }
+        let mem = self.mem.memory().into_inner();
+        self.engine.set_event_enabled(false);
+        if let Err(e) = vring.get_mut().disable_notification() {
+            log_limited!(
+                log::Level::Warn,
+                "queue {}: disable notification: {e}",
+                self.index
+            );
+        }
+        let mut last_work = Instant::now();
+        while !self.poll_abort.load(Ordering::Relaxed) {
+            let mut worked = false;
+            if self.engine.has_completions() || self.inbox_ready() {
+                self.reap_and_complete(vring);
+                worked = true;
+            }
+            if !self.free.is_empty() && avail_pending(vring, &mem) {
+                self.process_queue(vring, false);
+                worked = true;
+            }
+            if worked {
+                last_work = Instant::now();
+            } else if last_work.elapsed() >= self.poll {
+                break;
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        // Back to sleeping: signals on, then pick up whatever raced with re-arming (the
+        // eventfd did not fire for completions that landed while it was off).
+        self.engine.set_event_enabled(true);
+        self.process_queue(vring, true);
+        self.reap_and_complete(vring);
+    }
+
+    /// Wait for every in-flight request and complete it (queue stop, disconnect, shutdown).
+    pub fn drain(&mut self) {
+        let Some(vring) = self.vring.clone() else {
+            return;
+        };
+        loop {
+            // Completions already known (including synthetic ones) first: waiting with
+            // nothing in the kernel would block for ever.
+            self.reap_and_complete(&vring);
+            if self.in_flight() == 0 {
+                break;
+            }
+            if !self.wait_for_completion() {
+                break;
+            }
+        }
+        self.stalled = false;
+    }
+
+    /// Block until something in flight may have completed; false if waiting failed.
+    fn wait_for_completion(&mut self) -> bool {
+        if self.offloaded > 0 {
+            // The pools report through the inbox, not the ring.
+            if let Some(inbox) = &self.inbox {
+                inbox.wait(Duration::from_millis(5));
+            }
+            return true;
+        }
+        match self.engine.wait_one() {
+            Ok(()) => true,
+            Err(e) => {
+                log::error!(
+                    "queue {}: waiting for in-flight requests failed: {e}",
+                    self.index
+                );
+                false
+            }
+        }
+    }
+
+    /// Pop and start every available chain. With `rearm`, guest notifications are enabled
+    /// again at the end (closing the race with EVENT_IDX); while polling they stay off.
+    fn process_queue(&mut self, vring: &Vring, rearm: bool) {
+        let mem = self.mem.memory().into_inner();
+        let mut state = vring.get_mut();
+        loop {
+            if let Err(e) = state.disable_notification() {
+                log_limited!(
+                    log::Level::Warn,
+                    "queue {}: disable notification: {e}",
+                    self.index
+                );
+            }
+            loop {
+                if self.free.is_empty() {
+                    self.stalled = true;
+                    break;
+                }
+                let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) else {
+                    break;
+                };
+                let head = chain.head_index();
+                let descs = chain.map(|d| Desc {
+                    addr: d.addr().0,
+                    len: d.len(),
+                    write_only: d.is_write_only(),
+                });
+                if let Some(used) = self.start_request(head, descs, &mem) {
+                    // Finished without asynchronous I/O (error, GET_ID, no-op flush, RMW).
+                    self.deferred_used.push((head, used));
+                }
+            }
+            if self.stalled || !rearm {
+                break;
+            }
+            match state.enable_notification() {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(e) => {
+                    log_limited!(
+                        log::Level::Warn,
+                        "queue {}: enable notification: {e}",
+                        self.index
+                    );
+                    break;
+                }
+            }
+        }
+        self.submit_engine();
+        let completed = !self.deferred_used.is_empty();
+        for (head, used) in self.deferred_used.drain(..) {
+            if let Err(e) = state.add_used(head, used) {
+                log_limited!(log::Level::Warn, "queue {}: add_used: {e}", self.index);
+            }
+        }
+        drop(state);
+        if completed {
+            self.signal(vring);
+        }
+        // The blocking engine has finished already; complete without waiting for an event.
+        self.reap_and_complete(vring);
+    }
+
+    /// Hand queued operations to the kernel.
+    fn submit_engine(&mut self) {
+        if let Err(e) = self.engine.submit() {
+            log_limited!(log::Level::Error, "queue {}: submit: {e}", self.index);
+        }
+    }
+
+    /// While this queue waits for something another request holds (often one of its own):
+    /// submit and reap its own operations.
+    fn pump(&mut self) {
+        self.submit_engine();
+        self.reap_deferred();
+    }
+
+    fn reap_and_complete(&mut self, vring: &Vring) {
+        loop {
+            self.reap_deferred();
+            // Completions may have queued follow-up operations (write-through syncs); the
+            // blocking engine finishes them at once, so reap again until nothing is ready.
+            self.submit_engine();
+            if !self.engine.has_completions() && !self.inbox_ready() {
+                break;
+            }
+        }
+        if self.deferred_used.is_empty() {
+            return;
+        }
+        let mut state = vring.get_mut();
+        for (head, used) in self.deferred_used.drain(..) {
+            if let Err(e) = state.add_used(head, used) {
+                log_limited!(log::Level::Warn, "queue {}: add_used: {e}", self.index);
+            }
+        }
+        drop(state);
+        self.signal(vring);
+    }
+
+    /// Reap the engine and the inbox and account completions; finished requests wait in
+    /// `deferred_used` for the caller to put them on the used ring.
+    fn reap_deferred(&mut self) {
+        self.engine.reap(&mut self.completions);
+        if let Some(inbox) = &self.inbox {
+            inbox.take(&mut self.completions);
+        }
+        while !self.completions.is_empty() {
+            let mut done = std::mem::take(&mut self.completions);
+            for c in done.drain(..) {
+                if let Some(x) = self.complete_op(c) {
+                    self.deferred_used.push(x);
+                }
+            }
+            // complete_op never queues completions itself, but keep any that appeared.
+            done.append(&mut self.completions);
+            if done.is_empty() {
+                self.completions = done;
+                break;
+            }
+            self.completions = done;
+        }
+    }
+
+    fn inbox_ready(&self) -> bool {
+        self.inbox.as_ref().is_some_and(|i| i.has())
+    }
+
+    fn signal(&self, vring: &Vring) {
+        match vring.needs_notification() {
+            Ok(true) | Err(_) => {
+                if let Err(e) = vring.signal_used_queue() {
+                    log::debug!("queue {}: signal: {e}", self.index);
+                }
+            }
+            Ok(false) => {}
+        }
+    }
+}
+
+impl Drop for QueueWorker {
+    /// The kernel may still be writing into guest memory or bounce buffers that this worker
+    /// keeps alive: never let them go before every operation has completed.
+    fn drop(&mut self) {
+        self.drain();
+        loop {
+            self.reap_deferred();
+            self.deferred_used.clear();
+            if self.in_flight() == 0 || !self.wait_for_completion() {
+                break;
+            }
+        }
+    }
+}
+
+/// Has the driver made chains available that we have not popped?
+fn avail_pending(vring: &Vring, mem: &Mem) -> bool {
+    let state = vring.get_ref();
+    let q = state.get_queue();
+    q.ready()
+        && q.avail_idx(mem, Ordering::Acquire)
+            .is_ok_and(|i| i.0 != q.next_avail())
+}

@@ -1,0 +1,314 @@
+//! Starting a request: parse the chain, dispatch by type, and push the engine operations
+//! of a read or write (zero-copy iovecs into guest memory, bounced where O_DIRECT needs it).
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use vm_memory::{Bytes, GuestMemoryBackend};
+
+use crate::io::align::iovecs_aligned;
+use crate::io::Op;
+use crate::virtio_blk::{parse_request, status, Desc, RequestError, RequestType, Segment};
+
+use super::failure::Failure;
+use super::slot::{user_data, Bounce, InFlight, OpKind, SlotState};
+use super::{Mem, QueueWorker};
+
+impl QueueWorker {
+    /// Parse and submit one chain. Returns Some(used_len) when it completed immediately.
+    pub(super) fn start_request(
+        &mut self,
+        head: u16,
+        descs: impl Iterator<Item = Desc>,
+        mem: &Arc<Mem>,
+    ) -> Option<u32> {
+        self.stats.requests += 1;
+        let idx = self.free.pop()?;
+        let slot = &mut self.slots[usize::from(idx)];
+        slot.iov.clear();
+        if let Err(e) = parse_request(&**mem, descs, &self.dev.limits, &mut slot.req) {
+            self.stats.errors += 1;
+            let used = match e {
+                RequestError::NoStatus => 0,
+                _ => {
+                    let _ = mem.write_obj(e.status(), slot.req.status_addr);
+                    1
+                }
+            };
+            self.report_guest(head, &e);
+            self.free.push(idx);
+            return Some(used);
+        }
+        slot.state = SlotState::Busy(InFlight::new(head, mem.clone()));
+        match self.submit_request(idx) {
+            Ok(true) => None,
+            // Nothing to submit (or failed before any operation): complete now.
+            Ok(false) => Some(self.finish(idx)),
+            Err(e) => {
+                self.fail(
+                    idx,
+                    Failure::Io {
+                        what: "submitting the request",
+                        source: e,
+                    },
+                );
+                let pending = self.slots[usize::from(idx)].busy().map_or(0, |r| r.pending);
+                (pending == 0).then(|| self.finish(idx))
+            }
+        }
+    }
+
+    /// Push the request's operations. Ok(false) when there is nothing to wait for.
+    fn submit_request(&mut self, idx: u16) -> io::Result<bool> {
+        match self.slots[usize::from(idx)].req.kind {
+            RequestType::In | RequestType::Out => self.submit_rw(idx),
+            RequestType::Flush => self.submit_flush(idx),
+            RequestType::GetId => {
+                self.get_id(idx);
+                Ok(false)
+            }
+            RequestType::Discard | RequestType::WriteZeroes => self.submit_zero_ranges(idx),
+        }
+    }
+
+    /// FLUSH: format metadata written back (in dependency order), then one fdatasync
+    /// through the engine makes it and every completed write durable.
+    fn submit_flush(&mut self, idx: u16) -> io::Result<bool> {
+        self.stats.flushes += 1;
+        if !self.dev.writeback() {
+            // Write-through: every completed write is already durable.
+            return Ok(false);
+        }
+        if let Err(e) = self.dev.image.write_back() {
+            self.fail(
+                idx,
+                Failure::Image {
+                    what: "metadata write-back for FLUSH",
+                    offset: 0,
+                    source: e,
+                },
+            );
+            return Ok(false);
+        }
+        self.push_sync(idx)?;
+        Ok(true)
+    }
+
+    /// One fdatasync of the image file for the request in slot `idx`.
+    pub(super) fn push_sync(&mut self, idx: u16) -> io::Result<()> {
+        let fd = self.dev.image.file().as_raw_fd();
+        // SAFETY: no buffers.
+        unsafe {
+            self.engine
+                .push(fd, &Op::Fdatasync, user_data(idx, OpKind::Flush, 0))?
+        };
+        if let Some(r) = self.slots[usize::from(idx)].busy() {
+            r.pending += 1;
+        }
+        Ok(())
+    }
+
+    /// GET_ID: the serial, into the guest's buffers, as far as they reach.
+    fn get_id(&mut self, idx: u16) {
+        let id = self.dev.id_bytes();
+        let slot = &mut self.slots[usize::from(idx)];
+        let Some(r) = slot.busy_ref() else {
+            return;
+        };
+        let mem = r.mem.clone();
+        let mut done = 0usize;
+        let mut ok = true;
+        for seg in &slot.req.data {
+            if done == id.len() {
+                break;
+            }
+            let n = (seg.len as usize).min(id.len() - done);
+            if mem.write_slice(&id[done..done + n], seg.addr).is_err() {
+                ok = false;
+                break;
+            }
+            done += n;
+        }
+        if let Some(r) = slot.busy() {
+            r.used_len = done as u32 + 1;
+            if !ok {
+                r.status = status::IOERR;
+            }
+        }
+    }
+
+    /// Read or write: planned by the image, then through the engine (or the format).
+    fn submit_rw(&mut self, idx: u16) -> io::Result<bool> {
+        let slot = &mut self.slots[usize::from(idx)];
+        let is_read = slot.req.kind == RequestType::In;
+        let (offset, len) = (slot.req.offset_bytes(), slot.req.data_len);
+        if let Some(r) = slot.busy() {
+            r.used_len = if is_read { len as u32 + 1 } else { 1 };
+            r.expect_bytes = len;
+        }
+        if len == 0 {
+            return Ok(false);
+        }
+        if is_read {
+            match self.plan_read(idx, offset, len) {
+                Ok(host) => self.push_rw(idx, host, None),
+                Err(done) => done,
+            }
+        } else {
+            self.submit_write(idx, offset, len)
+        }
+    }
+
+    /// Push the single read or write of the request at `file_offset` of the image file:
+    /// zero-copy iovecs into guest memory; `whole` (start, length): write that whole range
+    /// instead (new clusters, zeroes around the data); bounced through an aligned buffer
+    /// where O_DIRECT needs it (sub-block reads read the whole blocks around the data).
+    pub(super) fn push_rw(
+        &mut self,
+        idx: u16,
+        file_offset: u64,
+        whole: Option<(u64, u64)>,
+    ) -> io::Result<bool> {
+        let fd = self.dev.image.file().as_raw_fd();
+        let direct = self.dev.direct();
+        let align = self.dev.params.align;
+        let writeback = self.dev.writeback();
+        let host_limit = self.dev.image.host_limit();
+        let block = align.offset as u64;
+        let slot = &mut self.slots[usize::from(idx)];
+        let is_read = slot.req.kind == RequestType::In;
+        let len = slot.req.data_len;
+        let SlotState::Busy(r) = &mut slot.state else {
+            return Ok(false);
+        };
+        let mem = r.mem.clone();
+        for seg in &slot.req.data {
+            for vs in mem.get_slices(seg.addr, seg.len as usize) {
+                let vs = vs.map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+                slot.iov.push(libc::iovec {
+                    iov_base: vs.ptr_guard_mut().as_ptr().cast(),
+                    iov_len: vs.len(),
+                });
+            }
+        }
+        let sub_block = direct && (file_offset % block != 0 || len % block != 0);
+        let mut io_offset = file_offset;
+        if let Some((start, span)) = whole {
+            let span = span as usize;
+            let mut buf = self.bounce.get(span)?;
+            let at = (file_offset - start) as usize;
+            buf.as_mut_slice()[..at].fill(0);
+            buf.as_mut_slice()[at + len as usize..span].fill(0);
+            copy_from_guest(
+                &mem,
+                &slot.req.data,
+                &mut buf.as_mut_slice()[at..at + len as usize],
+            )?;
+            slot.iov.clear();
+            slot.iov.push(libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: span,
+            });
+            r.bounce = Some(Bounce { buf, skip: at });
+            r.expect_bytes = span as u64;
+            io_offset = start;
+        } else if direct && (sub_block || !iovecs_aligned(&slot.iov, file_offset, align)) {
+            self.stats.bounced += 1;
+            // Sub-block reads read the whole file blocks around the request.
+            let (start, end) = block_span(file_offset, len, block);
+            if host_limit.is_some_and(|limit| end > limit) {
+                slot.iov.clear();
+                let what = if is_read { "read" } else { "write" };
+                self.fail(
+                    idx,
+                    Failure::PastEnd {
+                        what,
+                        offset: file_offset,
+                        len,
+                    },
+                );
+                return Ok(false);
+            }
+            let span = (end - start) as usize;
+            let mut buf = self.bounce.get(span)?;
+            if !is_read {
+                copy_from_guest(&mem, &slot.req.data, &mut buf.as_mut_slice()[..span])?;
+            }
+            slot.iov.clear();
+            slot.iov.push(libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: span,
+            });
+            r.bounce = Some(Bounce {
+                buf,
+                skip: (file_offset - start) as usize,
+            });
+            r.expect_bytes = span as u64;
+            io_offset = start;
+        }
+        if !is_read && !writeback {
+            self.stats.durable_writes += 1;
+        }
+        let (op, kind) = if is_read {
+            let op = Op::Readv {
+                iov: slot.iov.as_ptr(),
+                iovcnt: slot.iov.len() as u32,
+                offset: io_offset,
+            };
+            (op, OpKind::Read)
+        } else {
+            let op = Op::Writev {
+                iov: slot.iov.as_ptr(),
+                iovcnt: slot.iov.len() as u32,
+                offset: io_offset,
+                dsync: !writeback,
+            };
+            (op, OpKind::Write)
+        };
+        // SAFETY: the iovecs point into guest memory kept mapped by the request's memory
+        // snapshot or into its bounce buffer; the slot is not reused until this completion
+        // is reaped.
+        unsafe { self.engine.push(fd, &op, user_data(idx, kind, 0))? };
+        r.pending = 1;
+        Ok(true)
+    }
+}
+
+/// The file blocks of `block` bytes that cover [offset, offset + len).
+pub(super) fn block_span(offset: u64, len: u64, block: u64) -> (u64, u64) {
+    let start = offset / block * block;
+    let end = (offset + len).div_ceil(block) * block;
+    (start, end)
+}
+
+/// The first `dst.len()` bytes of the segments (false if they are shorter).
+pub(super) fn copy_from_guest_prefix(mem: &Mem, segs: &[Segment], dst: &mut [u8]) -> bool {
+    let mut done = 0;
+    for seg in segs {
+        if done == dst.len() {
+            break;
+        }
+        let n = (seg.len as usize).min(dst.len() - done);
+        if mem.read_slice(&mut dst[done..done + n], seg.addr).is_err() {
+            return false;
+        }
+        done += n;
+    }
+    done == dst.len()
+}
+
+/// Gather the request's guest segments into `dst` (exactly their total length).
+pub(super) fn copy_from_guest(mem: &Mem, segs: &[Segment], dst: &mut [u8]) -> io::Result<()> {
+    let mut done = 0usize;
+    for seg in segs {
+        let n = seg.len as usize;
+        let part = dst
+            .get_mut(done..done + n)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        mem.read_slice(part, seg.addr)
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        done += n;
+    }
+    Ok(())
+}

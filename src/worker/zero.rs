@@ -1,0 +1,163 @@
+//! DISCARD, WRITE_ZEROES and detected zero writes, and the detect-zeroes scan itself. Raw
+//! images: one fallocate per range through the engine (BLKDISCARD on block devices);
+//! formats: zero flags and unallocation through the image, synchronously. Deallocation only
+//! where the operator allowed it (`--discard unmap`).
+
+use std::io;
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use vm_memory::GuestMemoryBackend;
+
+use crate::image::ZeroMode;
+use crate::io::ranges::Holder;
+use crate::io::{sys, Completion, Op};
+use crate::virtio_blk::RequestType;
+
+use super::failure::Failure;
+use super::slot::{user_data, OpKind, SlotState, Then};
+use super::QueueWorker;
+
+impl QueueWorker {
+    /// detect-zeroes: is the whole write all zero? Reads guest memory in place.
+    pub(super) fn write_is_zero(&self, idx: u16) -> bool {
+        let slot = &self.slots[usize::from(idx)];
+        let Some(r) = slot.busy_ref() else {
+            return false;
+        };
+        slot.req.data.iter().all(|seg| {
+            r.mem
+                .get_slices(seg.addr, seg.len as usize)
+                .all(|vs| match vs {
+                    // SAFETY: the slice is mapped guest memory of vs.len() bytes, kept mapped
+                    // by the request's memory snapshot for the duration of the call.
+                    Ok(vs) => unsafe {
+                        crate::zero::is_zero_raw(vs.ptr_guard().as_ptr(), vs.len())
+                    },
+                    Err(_) => false,
+                })
+        })
+    }
+
+    /// Zero the request's ranges. Ok(false) when there is nothing to wait for.
+    pub(super) fn submit_zero_ranges(&mut self, idx: u16) -> io::Result<bool> {
+        let discard_unmap = self.dev.params.discard_unmap;
+        let discard = self.slots[usize::from(idx)].req.kind == RequestType::Discard;
+        if discard && !discard_unmap {
+            // --discard ignore: DISCARD is a hint the device may ignore (5.2.6.2).
+            return Ok(false);
+        }
+        if self.dev.image.zeroes_through_format() {
+            self.zero_through_format(idx, discard, discard_unmap);
+            return Ok(false);
+        }
+        if self.dev.write_ranges.is_some() {
+            let r = &self.slots[usize::from(idx)].req.ranges;
+            let lo = r.iter().map(|r| r.offset_bytes).min().unwrap_or(0);
+            let hi = r
+                .iter()
+                .map(|r| r.offset_bytes + r.len_bytes)
+                .max()
+                .unwrap_or(0);
+            let key = self.acquire_range(lo, hi, Holder::Write);
+            if let Some(r) = self.slots[usize::from(idx)].busy() {
+                r.range_key = key;
+            }
+        }
+        let fd = self.dev.image.file().as_raw_fd();
+        let no_zero_range = self.dev.no_zero_range.load(Ordering::Relaxed);
+        let block_device = self.dev.params.is_block_device;
+        let writeback = self.dev.writeback();
+        let slot = &mut self.slots[usize::from(idx)];
+        let SlotState::Busy(r) = &mut slot.state else {
+            return Ok(false);
+        };
+        // Write-through: zeroed blocks must be durable when the request completes.
+        if !discard && !writeback {
+            r.then = Then::SyncFirst;
+        }
+        for (i, range) in slot.req.ranges.iter().enumerate() {
+            let (mode, kind) = if discard && block_device {
+                // A real discard (BLKDISCARD); synchronous: io_uring has no portable opcode.
+                r.pending += 1;
+                self.completions.push(Completion {
+                    user_data: user_data(idx, OpKind::Discard, i as u32),
+                    result: sys::blk_discard(fd, range.offset_bytes, range.len_bytes),
+                });
+                continue;
+            } else if discard {
+                (sys::PUNCH_HOLE, OpKind::Discard)
+            } else if range.unmap && discard_unmap {
+                (sys::PUNCH_HOLE, OpKind::PunchZero)
+            } else if no_zero_range {
+                // Known unsupported: go straight to the fallback at completion.
+                r.pending += 1;
+                self.completions.push(Completion {
+                    user_data: user_data(idx, OpKind::ZeroRange, i as u32),
+                    result: -libc::EOPNOTSUPP,
+                });
+                continue;
+            } else {
+                (sys::ZERO_RANGE, OpKind::ZeroRange)
+            };
+            let op = Op::Fallocate {
+                mode,
+                offset: range.offset_bytes,
+                len: range.len_bytes,
+            };
+            // SAFETY: no buffers.
+            unsafe { self.engine.push(fd, &op, user_data(idx, kind, i as u32))? };
+            r.pending += 1;
+        }
+        Ok(r.pending > 0)
+    }
+
+    /// Zeroing through the format: zero flags and unallocation for whole clusters, zero
+    /// data for partial ones (synchronous), durable before completion in write-through mode.
+    fn zero_through_format(&mut self, idx: u16, discard: bool, discard_unmap: bool) {
+        let gate = self.dev.image.raise_fill_gate();
+        self.drain_fills(gate.as_ref());
+        let dev = self.dev.clone();
+        let ranges = std::mem::take(&mut self.slots[usize::from(idx)].req.ranges);
+        let mut failed = None;
+        for range in &ranges {
+            let mode = if discard {
+                ZeroMode::Discard
+            } else if range.unmap && discard_unmap {
+                ZeroMode::Unmap
+            } else {
+                ZeroMode::Keep
+            };
+            if let Err(e) = dev
+                .image
+                .zero_range(range.offset_bytes, range.len_bytes, mode)
+            {
+                failed = Some(Failure::Image {
+                    what: "zeroing",
+                    offset: range.offset_bytes,
+                    source: e,
+                });
+                break;
+            }
+            if mode != ZeroMode::Keep {
+                dev.zero_stats
+                    .unmapped_bytes
+                    .fetch_add(range.len_bytes, Ordering::Relaxed);
+            }
+        }
+        self.slots[usize::from(idx)].req.ranges = ranges;
+        drop(gate);
+        if failed.is_none() && !dev.writeback() {
+            if let Err(e) = dev.image.sync() {
+                failed = Some(Failure::Image {
+                    what: "sync after zeroing",
+                    offset: 0,
+                    source: e,
+                });
+            }
+        }
+        if let Some(f) = failed {
+            self.fail(idx, f);
+        }
+    }
+}
