@@ -93,7 +93,10 @@ impl VhostUserBlkBackend {
         }
         // The front end may be going away: leave the image's metadata complete on disk.
         if let Err(e) = self.dev.image.write_back() {
-            error!("queue {i}: writing back image metadata: {e}");
+            error!(
+                "queue {i}: writing back image metadata: {}",
+                crate::logging::error_chain(&e)
+            );
         }
         abort.store(false, Ordering::Relaxed);
     }

@@ -249,7 +249,7 @@ fn log_device_stats(dev: &Device) {
 fn flush(dev: &Device) {
     if !dev.params.read_only {
         if let Err(e) = dev.image.close() {
-            error!("final flush failed: {e}");
+            error!("final flush failed: {}", crate::logging::error_chain(&e));
         }
     }
 }

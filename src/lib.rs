@@ -1,17 +1,22 @@
 //! vublk: a vhost-user-blk backend daemon.
 //!
-//! Map of the crate:
+//! Map of the crate (a request's path: `worker` -> `virtio_blk` -> `zero` -> `image` ->
+//! `io` -> `worker`):
 //! - `args`: clap definitions only.
 //! - `config`: validated configuration; every option conflict is rejected here.
-//! - `daemon`: listener / `--fd`, reconnect loop, signals, wiring.
-//! - `backend`: `VhostUserBackend` impl: features, config space, event dispatch.
-//! - `worker`: per-queue data plane: pop, parse, submit, reap, complete.
-//! - `device`: the virtio-blk device model (limits, config space, write cache state).
+//! - `daemon`: opens the device, listener / `--fd`, reconnect loop, signals.
+//! - `backend`: the `VhostUserBackend` impl: features, config space, event dispatch.
+//! - `worker`: per-queue data plane: pop, parse, plan, submit, reap, complete.
+//! - `device`: the virtio-blk device model (limits, config space, write cache) over an image.
 //! - `virtio_blk`: request parsing and status mapping (no image, no io_uring).
-//! - `image`: disk images (raw).
 //! - `zero`: all-zero detection over guest memory (detect-zeroes).
-//! - `offload`: a thread pool for work too slow for a queue thread (compressed writes).
-//! - `io`: I/O engines (io_uring, blocking), O_DIRECT alignment probe, bounce buffers.
+//! - `image`: disk images behind one `Image` interface: raw, qcow2, parallels, backing
+//!   chains, preallocation, `vublk create`.
+//! - `io`: I/O engines (io_uring, blocking), O_DIRECT alignment, bounce buffers, aligned
+//!   positional I/O, raw system calls; knows files, nothing of formats.
+//! - `offload`: thread pools for writes too slow for a queue thread (compression, copy-on-write).
+//! - `logging`: rate-limited logging for the data path, error chains on one line.
+//! - `testing`: test doubles (in-memory and crash-simulating disks), tests and fuzzing only.
 
 pub mod args;
 pub mod backend;
@@ -20,8 +25,8 @@ pub mod daemon;
 pub mod device;
 pub mod image;
 pub mod io;
+pub mod logging;
 pub mod offload;
-pub mod ratelimit;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod virtio_blk;

@@ -72,11 +72,5 @@ fn main() -> ExitCode {
 
 /// One line: the error and every source, colon-separated.
 fn print_error_chain(prefix: &str, e: &dyn std::error::Error) {
-    let mut msg = format!("{prefix}: {e}");
-    let mut src = e.source();
-    while let Some(s) = src {
-        msg.push_str(&format!(": {s}"));
-        src = s.source();
-    }
-    eprintln!("{msg}");
+    eprintln!("{prefix}: {}", vublk::logging::error_chain(e));
 }

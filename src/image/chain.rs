@@ -5,7 +5,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use super::qcow2::{self, Extent, Qcow2Error, Qcow2Image};
+use super::qcow2::{Extent, Qcow2Error, Qcow2Image};
 use super::ImageError;
 
 /// Longest chain we follow: deeper chains are refused (a loop or a hostile image).
@@ -66,7 +66,7 @@ pub fn open_chain(
         let file = o
             .open(&path)
             .map_err(|e| ChainError::Open(path.clone(), e))?;
-        let (q, size_bytes) = if qcow2::probe(&file) {
+        let (q, size_bytes) = if super::probe(&file) == Some(super::Format::Qcow2) {
             let q = Qcow2Image::open_read_only(&file)
                 .map_err(|e| ChainError::Qcow2(path.clone(), e))?;
             next = q.backing_file.as_deref().map(|b| resolve(&path, b));

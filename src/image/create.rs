@@ -189,7 +189,7 @@ pub fn params_from_args(a: &crate::args::CreateArgs) -> Result<CreateParams, Str
                     resolved.display()
                 )
             })?;
-            let fmt = if super::qcow2::probe(&f) {
+            let fmt = if super::probe(&f) == Some(super::Format::Qcow2) {
                 "qcow2"
             } else {
                 "raw"
@@ -204,7 +204,7 @@ pub fn params_from_args(a: &crate::args::CreateArgs) -> Result<CreateParams, Str
         None => match &backing {
             Some((_, "qcow2", f)) => {
                 super::qcow2::Qcow2Image::open_read_only(f)
-                    .map_err(|e| format!("--backing: {e}"))?
+                    .map_err(|e| format!("--backing: {}", crate::logging::error_chain(&e)))?
                     .size_bytes
             }
             Some((_, _, f)) => f.metadata().map_err(|e| format!("--backing: {e}"))?.len(),

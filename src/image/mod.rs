@@ -27,7 +27,8 @@ use std::sync::atomic::Ordering;
 
 pub use chain::Piece;
 pub use open::{
-    probe_bytes, CompressChoice, Format, ImageOpenError, ImageOptions, PreallocChoice, RawFacts,
+    probe, probe_bytes, CompressChoice, Format, ImageOpenError, ImageOptions, PreallocChoice,
+    RawFacts,
 };
 pub use qcow2::FillGate;
 pub use raw::{open_raw, OpenError, RawImage};
@@ -624,7 +625,10 @@ impl Drop for Image {
     fn drop(&mut self) {
         if let Kind::Qcow2(d) = &self.kind {
             if let Err(e) = d.q.close(&self.file) {
-                log::error!("writing back image metadata: {e}");
+                log::error!(
+                    "writing back image metadata: {}",
+                    crate::logging::error_chain(&e)
+                );
             }
         }
     }

@@ -13,6 +13,7 @@ use super::prealloc::PreallocParams;
 use super::qcow2::{self, CompressOptions, Qcow2Error, Qcow2Image, Qcow2Options};
 use super::{open_raw, Image, Kind, OpenError, Qcow2Disk};
 use crate::io::align::{self, DioAlign, ProbeSource};
+use crate::io::Storage;
 use crate::offload::Pool;
 
 /// Image formats.
@@ -106,6 +107,16 @@ pub fn probe_bytes(first_bytes: &[u8]) -> Option<Format> {
     }
 }
 
+/// The format of the image in `file`, by its magic (None: no known magic, i.e. raw).
+/// Reads with an aligned buffer: the file may be O_DIRECT.
+pub fn probe(file: &dyn Storage) -> Option<Format> {
+    let first = crate::io::aligned::read_aligned(file, 0, PROBE_BYTES).ok()?;
+    probe_bytes(&first)
+}
+
+/// Bytes of an image's start that hold every format's magic.
+const PROBE_BYTES: usize = 16;
+
 impl Image {
     /// Open the image as `opts` says; returns it with the file's direct-I/O alignment.
     pub fn open(opts: &ImageOptions) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
@@ -131,10 +142,9 @@ impl Image {
             dev_ino: img.dev_ino,
             file_size_bytes: img.size_bytes,
         };
-        let format = opts.format.unwrap_or_else(|| {
-            let first = crate::io::aligned::read_aligned(&img.file, 0, 16).unwrap_or_default();
-            probe_bytes(&first).unwrap_or(Format::Raw)
-        });
+        let format = opts
+            .format
+            .unwrap_or_else(|| probe(&img.file).unwrap_or(Format::Raw));
         let file = img.file;
         let (kind, size_bytes) = match format {
             Format::Raw => (Kind::Raw, img.size_bytes),

@@ -9,6 +9,7 @@ use log::Level;
 
 use crate::image::ImageError;
 use crate::log_limited;
+use crate::logging::error_chain as chain;
 use crate::virtio_blk::{status, RequestError};
 
 use super::slot::OpKind;
@@ -65,18 +66,6 @@ impl Failure {
             _ => Level::Error,
         }
     }
-}
-
-/// One line: the failure and its sources, colon-separated.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut msg = e.to_string();
-    let mut src = e.source();
-    while let Some(s) = src {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        src = s.source();
-    }
-    msg
 }
 
 impl QueueWorker {

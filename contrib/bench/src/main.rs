@@ -67,9 +67,11 @@ struct Opts {
     /// A few hundred I/Os per workload and backend: checks that everything runs.
     #[arg(long)]
     smoke: bool,
-    /// Extra backends: NAME=vublk[@IMAGE]:ARGS (vublk with extra options, whitespace-separated)
-    /// or NAME=qsd[@IMAGE]:OPTS (extra --blockdev options, comma-separated); use NAME in
-    /// --backends. @IMAGE serves another image (e.g. a qcow2 copy of --image).
+    /// Extra backends: NAME=vublk[+BINARY][@IMAGE]:ARGS (vublk with extra options,
+    /// whitespace-separated) or NAME=qsd[@IMAGE]:OPTS (extra --blockdev options,
+    /// comma-separated); use NAME in --backends. @IMAGE serves another image (e.g. a qcow2
+    /// copy of --image); +BINARY runs another vublk build (e.g. the one before a change,
+    /// measured side by side with this one).
     #[arg(long = "variant", value_name = "NAME=KIND:ARGS")]
     variants: Vec<String>,
     /// Instead of workloads: write --size bytes of zeroes (1 MiB requests, depth 4) into a
@@ -220,6 +222,8 @@ struct Backend {
     extra: Vec<String>,
     /// Serve this image instead of --image (e.g. a qcow2 copy).
     image: Option<PathBuf>,
+    /// vublk: run this binary instead of --vublk.
+    binary: Option<PathBuf>,
 }
 
 impl Backend {
@@ -234,6 +238,7 @@ fn resolve_backends(opts: &Opts) -> Vec<Backend> {
         kind,
         extra: Vec::new(),
         image: None,
+        binary: None,
     };
     opts.backends
         .iter()
@@ -261,18 +266,24 @@ fn resolve_backends(opts: &Opts) -> Vec<Backend> {
                     Some((k, img)) => (k, Some(PathBuf::from(img))),
                     None => (kind, None),
                 };
+                let (kind, binary) = match kind.split_once('+') {
+                    Some((k, bin)) => (k, Some(PathBuf::from(bin))),
+                    None => (kind, None),
+                };
                 match kind {
                     "vublk" => Backend {
                         name: other.to_owned(),
                         kind: BackendKind::Vublk,
                         extra: args.split_whitespace().map(str::to_owned).collect(),
                         image,
+                        binary,
                     },
-                    "qsd" => Backend {
+                    "qsd" if binary.is_none() => Backend {
                         name: other.to_owned(),
                         kind: BackendKind::Qsd,
                         extra: vec![args.to_owned()],
                         image,
+                        binary: None,
                     },
                     k => panic!("--variant {other}: kind {k} must be vublk or qsd"),
                 }
@@ -328,7 +339,7 @@ fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work
             }
         }
         BackendKind::Vublk => {
-            let mut c = Command::new(vublk);
+            let mut c = Command::new(backend.binary.as_deref().unwrap_or(vublk));
             c.arg("--socket-path")
                 .arg(&socket)
                 .arg("--blk-file")

@@ -137,11 +137,6 @@ fn le64(b: &[u8], off: usize) -> u64 {
     u64::from_le_bytes(v)
 }
 
-/// Does the file start with a parallels magic?
-pub fn probe(file: &dyn Storage) -> bool {
-    read_aligned(file, 0, 16).is_ok_and(|m| m[..] == MAGIC_OLD[..] || m[..] == MAGIC_EXT[..])
-}
-
 /// How the image is served, fixed at open.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ParallelsOptions {

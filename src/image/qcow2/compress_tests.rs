@@ -6,6 +6,7 @@ use std::io;
 
 use super::*;
 use crate::image::ZeroMode;
+use crate::io::Storage;
 use crate::testing::MemStorage;
 
 /// Open read-write with compressed writes on (`cache`: the compressed-write cache, of

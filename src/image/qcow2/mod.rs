@@ -58,8 +58,6 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use super::prealloc::{Background, Prealloc, PreallocParams};
 use super::ImageError;
-use crate::io::aligned::read_aligned;
-use crate::io::Storage;
 
 pub use compress::DEFAULT_COMPRESSED_CACHE_CLUSTERS;
 pub use cow::{CowInstall, Fill, FillGate, FreshWrite};
@@ -239,11 +237,6 @@ impl std::fmt::Debug for Qcow2Image {
             .field("size_bytes", &self.size_bytes)
             .finish()
     }
-}
-
-/// Does the file start with the qcow2 magic? (Aligned read: the file may be O_DIRECT.)
-pub fn probe(file: &dyn Storage) -> bool {
-    read_aligned(file, 0, 4).is_ok_and(|m| m == MAGIC)
 }
 
 impl Qcow2Image {

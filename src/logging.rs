@@ -1,10 +1,24 @@
-//! Rate-limited logging for the data path: a guest (or a failing disk) that triggers a
-//! million errors must not fill the host's disk with log lines. Each call site of
-//! [`log_limited!`] may log [`BURST`] lines per [`WINDOW`]; the rest are counted, and the
-//! next line logged after the window says how many were suppressed.
+//! Logging helpers. Rate-limited logging for the data path: a guest (or a failing disk)
+//! that triggers a million errors must not fill the host's disk with log lines. Each call
+//! site of [`log_limited!`] may log [`BURST`] lines per [`WINDOW`]; the rest are counted,
+//! and the next line logged after the window says how many were suppressed. And
+//! [`error_chain`]: an error with all its sources on one line (messages never repeat their
+//! source, so logging only the top one would lose the cause).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// `e` and every source, colon-separated.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
+}
 
 /// Lines per call site and window.
 pub const BURST: u32 = 10;
@@ -66,7 +80,7 @@ impl RateLimit {
 #[macro_export]
 macro_rules! log_limited {
     ($level:expr, $($arg:tt)+) => {{
-        static LIMIT: $crate::ratelimit::RateLimit = $crate::ratelimit::RateLimit::new();
+        static LIMIT: $crate::logging::RateLimit = $crate::logging::RateLimit::new();
         if log::log_enabled!($level) {
             if let Some(suppressed) = LIMIT.check() {
                 if suppressed > 0 {

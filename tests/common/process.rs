@@ -1,0 +1,273 @@
+//! The backend under test as a process: started with its options, watched by a watchdog,
+//! signalled, waited for, and its log read.
+
+use std::fs::{self, File};
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use super::*;
+
+#[derive(Clone, Debug, Default)]
+pub struct BackendOpts {
+    /// Number of queues the backend offers (default 1).
+    pub num_queues: Option<u32>,
+    pub read_only: bool,
+    /// Extra vublk arguments (ignored, with a note, under qemu-storage-daemon).
+    pub extra_args: Vec<String>,
+    /// Run the backend under a seccomp filter that fails io_uring_setup with EPERM, as
+    /// container runtimes do.
+    pub deny_io_uring: bool,
+    /// Run the backend under a seccomp filter that fails plain `fallocate(fd, 0, ...)` (the
+    /// call that preallocates) with this errno: a file system without it, or a full one.
+    pub fail_fallocate: Option<i32>,
+}
+
+/// A running backend. Dropping it kills the process (SIGKILL) and reaps it.
+pub struct Backend {
+    pub kind: BackendKind,
+    pub socket: PathBuf,
+    pub image: PathBuf,
+    pub log: PathBuf,
+    pid: libc::pid_t,
+    // The lock serialises reaping against signalling, so no signal can reach a recycled pid
+    // (std's `Child::kill` is a no-op once the child has been reaped).
+    child: Arc<Mutex<Child>>,
+    watchdog: Option<(Sender<()>, JoinHandle<()>)>,
+}
+
+impl Backend {
+    /// Starts the selected backend on `image`, listening on `<dir>/backend.sock`, and waits
+    /// until the socket exists.
+    pub fn start(dir: &TestDir, image: &Path, opts: &BackendOpts) -> Backend {
+        let kind = backend_kind();
+        let socket = dir.join("backend.sock");
+        let log = dir.join("backend.log");
+        let _ = fs::remove_file(&socket);
+        let num_queues = opts.num_queues.unwrap_or(1);
+
+        let mut cmd = match kind {
+            BackendKind::Vublk => {
+                let mut cmd = Command::new(env!("CARGO_BIN_EXE_vublk"));
+                cmd.arg("--socket-path")
+                    .arg(&socket)
+                    .arg("--blk-file")
+                    .arg(image)
+                    .arg("--num-queues")
+                    .arg(num_queues.to_string());
+                if opts.read_only {
+                    cmd.arg("--read-only");
+                }
+                cmd.args(&opts.extra_args);
+                cmd
+            }
+            BackendKind::Qsd => {
+                if !opts.extra_args.is_empty() {
+                    eprintln!(
+                        "note: qemu-storage-daemon ignores vublk arguments {:?}",
+                        opts.extra_args
+                    );
+                }
+                let img = image.to_str().expect("utf-8 image path");
+                let sock = socket.to_str().expect("utf-8 socket path");
+                assert!(!img.contains(',') && !sock.contains(','), "commas in paths");
+                // discard=unmap makes QSD punch holes for DISCARD and for WRITE_ZEROES with the
+                // UNMAP flag, which is what the tests expect of vublk.
+                let ro = if opts.read_only {
+                    ",read-only=on"
+                } else {
+                    ",discard=unmap"
+                };
+                let mut cmd = Command::new("qemu-storage-daemon");
+                cmd.arg("--blockdev")
+                    .arg(format!(
+                        "driver=file,node-name=file0,filename={img},cache.direct=on,aio=io_uring{ro}"
+                    ))
+                    .arg("--export")
+                    .arg(format!(
+                        "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,\
+                         addr.path={sock},writable={},num-queues={num_queues}",
+                        if opts.read_only { "off" } else { "on" }
+                    ));
+                cmd
+            }
+        };
+
+        if opts.deny_io_uring {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: the hook only calls async-signal-safe prctl() between fork and exec.
+            unsafe {
+                cmd.pre_exec(deny_io_uring_setup);
+            }
+        }
+        if let Some(errno) = opts.fail_fallocate {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: the hook only calls async-signal-safe prctl() between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || fail_fallocate_mode0(errno));
+            }
+        }
+        let log_file = File::create(&log).unwrap();
+        cmd.stdin(Stdio::null())
+            .stdout(log_file.try_clone().unwrap())
+            .stderr(log_file);
+        if kind == BackendKind::Vublk && !opts.extra_args.iter().any(|a| a == "--log-level") {
+            cmd.arg("--log-level").arg("debug");
+        }
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {:?}: {e}", cmd.get_program()));
+        let pid = child.id() as libc::pid_t;
+        let child = Arc::new(Mutex::new(child));
+
+        let (tx, rx) = mpsc::channel::<()>();
+        let wd_child = Arc::clone(&child);
+        let handle = thread::spawn(move || {
+            if let Err(RecvTimeoutError::Timeout) = rx.recv_timeout(BACKEND_WATCHDOG) {
+                eprintln!("watchdog: backend pid {pid} still alive after {BACKEND_WATCHDOG:?}, killing it");
+                let _ = wd_child.lock().unwrap().kill();
+            }
+        });
+
+        let backend = Backend {
+            kind,
+            socket,
+            image: image.to_path_buf(),
+            log,
+            pid,
+            child,
+            watchdog: Some((tx, handle)),
+        };
+        backend.wait_for_socket(SOCKET_DEADLINE);
+        backend
+    }
+
+    pub fn pid(&self) -> libc::pid_t {
+        self.pid
+    }
+
+    pub fn log_contents(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `Some(status)` once the process has exited (reaping it).
+    pub fn try_wait(&self) -> Option<ExitStatus> {
+        self.child.lock().unwrap().try_wait().expect("waitpid")
+    }
+
+    /// Polls until the socket file exists; panics (with the backend's log) if the process exits
+    /// first or the deadline passes.
+    pub fn wait_for_socket(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(md) = fs::symlink_metadata(&self.socket) {
+                if md.file_type().is_socket() {
+                    return;
+                }
+            }
+            if let Some(status) = self.try_wait() {
+                panic!(
+                    "backend exited ({status}) before creating {}; log:\n{}",
+                    self.socket.display(),
+                    self.log_contents()
+                );
+            }
+            if Instant::now() >= deadline {
+                panic!(
+                    "socket {} did not appear within {timeout:?}; log:\n{}",
+                    self.socket.display(),
+                    self.log_contents()
+                );
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Sends `sig` unless the process has already exited.
+    pub fn signal(&self, sig: libc::c_int) {
+        let mut child = self.child.lock().unwrap();
+        if child.try_wait().expect("waitpid").is_none() {
+            // SAFETY: kill(2) has no memory-safety preconditions; the pid is our unreaped child
+            // (we hold the lock that serialises reaping), so it cannot have been recycled.
+            let rc = unsafe { libc::kill(self.pid, sig) };
+            assert_eq!(
+                rc,
+                0,
+                "kill({}, {sig}): {}",
+                self.pid,
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+
+    /// Polls for the process to exit; on timeout kills it and panics.
+    pub fn wait_exit(&self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.try_wait() {
+                return status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.lock().unwrap().kill();
+                panic!(
+                    "backend did not exit within {timeout:?}; killed it; log:\n{}",
+                    self.log_contents()
+                );
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// SIGTERM, then wait (with a deadline) for the exit status.
+    pub fn sigterm_and_wait(&self, timeout: Duration) -> ExitStatus {
+        self.signal(libc::SIGTERM);
+        self.wait_exit(timeout)
+    }
+
+    /// Asserts the backend is still running (it did not crash on what the test just did).
+    #[track_caller]
+    pub fn assert_running(&self) {
+        if let Some(status) = self.try_wait() {
+            panic!(
+                "backend exited unexpectedly ({status}); log:\n{}",
+                self.log_contents()
+            );
+        }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        if let Some((tx, handle)) = self.watchdog.take() {
+            let _ = tx.send(());
+            let _ = handle.join();
+        }
+        let mut child = self.child.lock().unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+        if thread::panicking() {
+            eprintln!("---- backend log ({}) ----\n{}", self.log.display(), {
+                fs::read_to_string(&self.log).unwrap_or_default()
+            });
+        }
+    }
+}
+
+/// Sum of the per-queue statistics vublk logs at disconnect, e.g. `logged_count(log, " bounced")`
+/// over lines like "queue 0: 32 requests, 0 errors, 2 bounced, ...".
+pub fn logged_count(log: &str, what: &str) -> u64 {
+    log.lines()
+        .filter_map(|l| l.split(", ").find(|p| p.ends_with(what)))
+        .filter_map(|p| {
+            p.strip_suffix(what)?
+                .split_whitespace()
+                .last()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
