@@ -1,20 +1,18 @@
 //! vublk: a vhost-user-blk backend daemon.
 //!
-//! Map of the crate (a request's path: `worker` -> `virtio_blk` -> `zero` -> `image` ->
-//! `io` -> `worker`):
+//! Map of the crate, one line per module (a request's path: `worker` -> `virtio_blk` ->
+//! `zero` -> `image` -> `io` -> `worker`):
 //! - `args`: clap definitions only.
 //! - `config`: validated configuration; every option conflict is rejected here.
-//! - `daemon`: opens the device, listener / `--fd`, reconnect loop, signals.
+//! - `daemon`: opens the device; listener or `--fd`, one frontend after another, signals.
 //! - `backend`: the `VhostUserBackend` impl: features, config space, event dispatch.
-//! - `worker`: per-queue data plane: pop, parse, plan, submit, reap, complete.
+//! - `worker`: the per-queue data plane: pop, parse, plan, submit, reap, complete.
 //! - `device`: the virtio-blk device model (limits, config space, write cache) over an image.
-//! - `virtio_blk`: request parsing and status mapping (no image, no io_uring).
+//! - `virtio_blk`: request parsing and the status of guest faults (no image, no io_uring).
 //! - `zero`: all-zero detection over guest memory (detect-zeroes).
-//! - `image`: disk images behind one `Image` interface: raw, qcow2, parallels, backing
-//!   chains, preallocation, `vublk create`.
-//! - `io`: I/O engines (io_uring, blocking), O_DIRECT alignment, bounce buffers, aligned
-//!   positional I/O, raw system calls; knows files, nothing of formats.
-//! - `offload`: thread pools for writes too slow for a queue thread (compression, copy-on-write).
+//! - `image`: disk images behind one `Image` interface (raw, qcow2, parallels, backing files).
+//! - `io`: I/O engines, O_DIRECT alignment, bounce buffers, raw system calls (no formats).
+//! - `offload`: thread pools for writes too slow for a queue thread.
 //! - `logging`: rate-limited logging for the data path, error chains on one line.
 //! - `testing`: test doubles (in-memory and crash-simulating disks), tests and fuzzing only.
 

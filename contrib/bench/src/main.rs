@@ -116,6 +116,10 @@ struct Opts {
     /// run, to measure writes into a fresh qcow2.
     #[arg(long)]
     fresh_qcow2: bool,
+    /// Rotate the order of the backends from run to run (round r starts with the r-th), so
+    /// that none always runs right after the same one; medians are of the same runs.
+    #[arg(long)]
+    rotate: bool,
     /// With --fresh-qcow2: the fresh images are overlays over this backing file (its size).
     #[arg(long)]
     fresh_backing: Option<PathBuf>,
@@ -913,7 +917,13 @@ fn main() {
         vec![vec![Vec::new(); backends.len()]; workloads.len()];
     for run in 0..opts.runs {
         for (wi, wl) in workloads.iter().enumerate() {
-            for (bi, backend) in backends.iter().enumerate() {
+            // With --rotate, round r starts with backend r: every backend takes every place
+            // in the order equally often, so what one run leaves behind (a big file being
+            // freed) does not always fall on the same backend.
+            let n = backends.len();
+            let start = if opts.rotate { run % n } else { 0 };
+            for bi in (0..n).map(|k| (start + k) % n) {
+                let backend = &backends[bi];
                 let r = run_once(backend, wl, &opts, &vublk, &work);
                 eprintln!(
                     "run {} {:28} {:6} {:>10.0} IOPS {:>8.1} MB/s p50 {:>7.1} us p99 {:>7.1} us{}",
@@ -955,11 +965,16 @@ fn render_report(
     let _ = writeln!(
         out,
         "Image: {} ({} MiB, {what}), {} runs x {} s per backend and workload, \
-         backends alternating; medians.\n",
+         backends alternating{}; medians.\n",
         opts.image.display(),
         opts.size >> 20,
         opts.runs,
-        opts.seconds
+        opts.seconds,
+        if opts.rotate {
+            " (their order rotated run by run)"
+        } else {
+            ""
+        }
     );
     let _ = writeln!(
         out,

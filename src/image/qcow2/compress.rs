@@ -263,7 +263,8 @@ impl Qcow2Image {
                     cache.file_bytes += run.bytes.len() as u64;
                 }
                 Err(e) => {
-                    log::error!(
+                    crate::log_limited!(
+                        log::Level::Error,
                         "compressed-write cache: writing {} bytes at {:#x} failed ({e}); the \
                          compressed clusters in it are lost and every later FLUSH fails",
                         run.bytes.len(),
@@ -299,7 +300,8 @@ impl Qcow2Image {
                 Ok(())
             }
             Err(e) => {
-                log::error!(
+                crate::log_limited!(
+                    log::Level::Error,
                     "compressed-write cache: writing {n} bytes at {:#x} failed ({e}); the \
                      compressed clusters in it are lost and every later FLUSH fails",
                     cache.start
