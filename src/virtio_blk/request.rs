@@ -89,6 +89,18 @@ pub enum RequestError {
 }
 
 impl RequestError {
+    /// Was the status byte found before parsing failed? Only then may the device write it
+    /// (2.7.4: the device writes only device-writable buffers of the chain it was given; a
+    /// chain cut short has no known last byte, and nothing may be written for it).
+    pub fn status_known(&self) -> bool {
+        !matches!(
+            self,
+            RequestError::NoStatus
+                | RequestError::TooManyDescriptors(_)
+                | RequestError::BadAddress(_)
+        )
+    }
+
     /// The one place that maps a refused request to its status byte.
     pub fn status(&self) -> u8 {
         match self {
@@ -173,8 +185,8 @@ fn read_from_segments<M: GuestMemoryBackend>(
     }
 }
 
-/// Parse a chain. On `Err(NoStatus)` the status cannot be reported; on any other error
-/// `req.status_addr` is valid and the caller writes `err.status()` there.
+/// Parse a chain. Where [`RequestError::status_known`] says so, `req.status_addr` is valid
+/// and the caller writes `err.status()` there; otherwise the status cannot be reported.
 ///
 /// Layout rules (2.7.4, 5.2.6): all device-readable descriptors come first; the header is the
 /// first 16 readable bytes, the status is the last writable byte; we make no assumption about
@@ -276,7 +288,11 @@ pub fn parse_request<M: GuestMemoryBackend>(
 
     match kind {
         RequestType::In | RequestType::GetId => {
-            // Data is the writable run; extra readable bytes after the header are ignored.
+            // Data is the writable run (5.2.6.1: the driver makes it device-writable); a
+            // readable data buffer would silently transfer nothing.
+            if readable_data != 0 {
+                return Err(RequestError::WrongDirection);
+            }
             req.data.drain(..n_readable_data);
             req.data_len = writable_data;
         }

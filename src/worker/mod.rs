@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use log::warn;
 use vhost_user_backend::{VringRwLock, VringT};
-use virtio_queue::QueueT;
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 
 use crate::device::Device;
@@ -94,6 +94,9 @@ pub struct QueueWorker {
     inbox: Option<Arc<Inbox>>,
     /// Requests on a pool.
     offloaded: usize,
+    /// The driver broke the ring (why): it is not processed again until the queue is
+    /// stopped and set up anew.
+    broken: Option<&'static str>,
 }
 
 impl QueueWorker {
@@ -116,6 +119,7 @@ impl QueueWorker {
         QueueWorker {
             inbox,
             offloaded: 0,
+            broken: None,
             poll: Duration::ZERO,
             poll_abort: Arc::new(AtomicBool::new(false)),
             index,
@@ -198,7 +202,7 @@ impl QueueWorker {
                 self.reap_and_complete(vring);
                 worked = true;
             }
-            if !self.free.is_empty() && avail_pending(vring, &mem) {
+            if !self.free.is_empty() && self.broken.is_none() && avail_pending(vring, &mem) {
                 self.process_queue(vring, false);
                 worked = true;
             }
@@ -234,6 +238,9 @@ impl QueueWorker {
             }
         }
         self.stalled = false;
+        // The frontend stops a queue before it sets it up again: a broken ring gets a new
+        // chance then.
+        self.broken = None;
     }
 
     /// Block until something in flight may have completed; false if waiting failed.
@@ -263,6 +270,13 @@ impl QueueWorker {
         let mem = self.mem.memory().into_inner();
         let mut state = vring.get_mut();
         loop {
+            if self.broken.is_some() {
+                break;
+            }
+            if let Some(why) = ring_problem(state.get_queue(), &mem) {
+                self.mark_broken(why);
+                break;
+            }
             if let Err(e) = state.disable_notification() {
                 log_limited!(
                     log::Level::Warn,
@@ -275,7 +289,17 @@ impl QueueWorker {
                     self.stalled = true;
                     break;
                 }
-                let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) else {
+                let popped = match state.get_queue_mut().iter(&*mem) {
+                    Ok(mut chains) => chains.next(),
+                    Err(_) => None,
+                };
+                let Some(chain) = popped else {
+                    // Nothing although the driver says there is more: the entry is not in
+                    // guest memory (the ring was checked a moment ago; memory may have
+                    // changed since).
+                    if avail_ahead(state.get_queue(), &mem) {
+                        self.mark_broken("an available ring entry is not in guest memory");
+                    }
                     break;
                 };
                 let head = chain.head_index();
@@ -289,7 +313,7 @@ impl QueueWorker {
                     self.deferred_used.push((head, used));
                 }
             }
-            if self.stalled || !rearm {
+            if self.stalled || !rearm || self.broken.is_some() {
                 break;
             }
             match state.enable_notification() {
@@ -318,6 +342,18 @@ impl QueueWorker {
         }
         // The blocking engine has finished already; complete without waiting for an event.
         self.reap_and_complete(vring);
+    }
+
+    /// Stop processing a ring the driver broke (one line, rate-limited); requests in flight
+    /// still complete.
+    fn mark_broken(&mut self, why: &'static str) {
+        self.broken = Some(why);
+        log_limited!(
+            log::Level::Error,
+            "queue {}: the driver broke the ring ({why}): not processing it until the queue \
+             is set up again",
+            self.index
+        );
     }
 
     /// Hand queued operations to the kernel.
@@ -410,6 +446,46 @@ impl Drop for QueueWorker {
             }
         }
     }
+}
+
+/// Bytes of a split ring's parts for `size` entries (2.7): descriptor table, available
+/// ring (flags, idx, ring, used_event), used ring (flags, idx, ring, avail_event).
+fn ring_bytes(size: u16) -> (usize, usize, usize) {
+    let n = usize::from(size);
+    (16 * n, 6 + 2 * n, 6 + 8 * n)
+}
+
+/// What is wrong with a ready queue as the driver set it up, if anything: its parts must lie
+/// in guest memory, and the driver can be at most a ring's worth ahead of the device
+/// (2.7.13.3: the available index runs at most `size` entries ahead).
+fn ring_problem(q: &virtio_queue::Queue, mem: &Mem) -> Option<&'static str> {
+    use vm_memory::{GuestAddress, GuestMemoryBackend};
+    if !q.ready() {
+        return None;
+    }
+    let (desc, avail, used) = ring_bytes(q.size());
+    if !mem.check_range(GuestAddress(q.desc_table()), desc) {
+        return Some("the descriptor table is not in guest memory");
+    }
+    if !mem.check_range(GuestAddress(q.avail_ring()), avail) {
+        return Some("the available ring is not in guest memory");
+    }
+    if !mem.check_range(GuestAddress(q.used_ring()), used) {
+        return Some("the used ring is not in guest memory");
+    }
+    match q.avail_idx(mem, Ordering::Acquire) {
+        Ok(idx) if idx.0.wrapping_sub(q.next_avail()) > q.size() => {
+            Some("the available index runs more than the queue size ahead of the device")
+        }
+        Ok(_) => None,
+        Err(_) => Some("the available index is not readable"),
+    }
+}
+
+/// Does the driver's available index differ from where the device is?
+fn avail_ahead(q: &virtio_queue::Queue, mem: &Mem) -> bool {
+    q.avail_idx(mem, Ordering::Acquire)
+        .is_ok_and(|i| i.0 != q.next_avail())
 }
 
 /// Has the driver made chains available that we have not popped?

@@ -9,7 +9,7 @@ use vm_memory::{Bytes, GuestMemoryBackend};
 
 use crate::io::align::iovecs_aligned;
 use crate::io::Op;
-use crate::virtio_blk::{parse_request, status, Desc, RequestError, RequestType, Segment};
+use crate::virtio_blk::{parse_request, status, Desc, RequestType, Segment};
 
 use super::failure::Failure;
 use super::slot::{user_data, Bounce, InFlight, OpKind, SlotState};
@@ -29,12 +29,13 @@ impl QueueWorker {
         slot.iov.clear();
         if let Err(e) = parse_request(&**mem, descs, &self.dev.limits, &mut slot.req) {
             self.stats.errors += 1;
-            let used = match e {
-                RequestError::NoStatus => 0,
-                _ => {
-                    let _ = mem.write_obj(e.status(), slot.req.status_addr);
-                    1
-                }
+            // A chain cut short (too long, outside guest memory) has no status byte known:
+            // nothing is written for it (not the previous request's status address).
+            let used = if e.status_known() {
+                let _ = mem.write_obj(e.status(), slot.req.status_addr);
+                1
+            } else {
+                0
             };
             self.report_guest(head, &e);
             self.free.push(idx);

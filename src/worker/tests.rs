@@ -428,3 +428,121 @@ fn probed_raw_refuses_planting_a_format_header() {
     );
     assert!(f[512..1024].iter().all(|&b| b == 7));
 }
+
+/// Run `f` on another thread; fail (instead of hanging the suite) if it takes longer than
+/// `secs` seconds: a queue that spins never returns from a kick.
+fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs))
+        .unwrap_or_else(|_| panic!("{what}: no return within {secs} s (spinning?)"))
+}
+
+/// Avail indexes the device cannot follow: far ahead (one kick with idx 60000), one chain
+/// more than the ring holds, the device's own index moved (SET_VRING_BASE) while the driver's
+/// stays. The kick returns, nothing is processed, and once the queue is stopped and set up
+/// again it serves requests.
+#[test]
+fn an_avail_index_too_far_ahead_stops_the_queue_instead_of_spinning() {
+    for case in ["far ahead", "one ring too many", "device index moved"] {
+        let img = image("broken-avail", &vec![0u8; 1 << 20]);
+        let dev = device(&img, false);
+        let mut d = Driver::new();
+        let (_, st) = d.request(req_type::IN, 0, &[(DATA, 512, true)]);
+        match case {
+            "far ahead" => d.mem.write_obj(60000u16, GuestAddress(AVAIL + 2)).unwrap(),
+            "one ring too many" => d.mem.write_obj(QSIZE + 1, GuestAddress(AVAIL + 2)).unwrap(),
+            _ => d.vring.set_queue_next_avail(1000),
+        }
+        let (vring, atomic) = (d.vring.clone(), d.atomic.clone());
+        let w = within(10, case, move || {
+            let mut w = QueueWorker::new(0, dev, Engine::Sync(SyncEngine::new()), atomic);
+            w.handle_kick(&vring);
+            w.handle_kick(&vring);
+            w
+        });
+        assert_eq!(d.status(st), 0xff, "{case}: a request was processed");
+        assert!(d.used().is_empty(), "{case}: used ring written");
+        assert!(w.broken.is_some(), "{case}: not marked broken");
+        // The frontend stops the queue (GET_VRING_BASE drains) and sets it up again.
+        let mut w = w;
+        w.drain();
+        assert!(w.broken.is_none());
+        d.vring.set_queue_next_avail(0);
+        d.mem.write_obj(1u16, GuestAddress(AVAIL + 2)).unwrap();
+        w.handle_kick(&d.vring);
+        w.drain();
+        assert_eq!(
+            d.status(st),
+            status::OK,
+            "{case}: not served after the reset"
+        );
+    }
+}
+
+/// Rings whose parts do not lie in guest memory are never processed (no read of the ring,
+/// no write to the used ring outside memory), and the kick returns.
+#[test]
+fn rings_outside_guest_memory_are_not_processed() {
+    for (what, desc, avail, used) in [
+        ("descriptor table", MEM as u64 - 16, AVAIL, USED),
+        ("available ring", DESC, MEM as u64 - 8, USED),
+        ("used ring", DESC, AVAIL, MEM as u64 - 16),
+    ] {
+        let img = image("ring-outside", &vec![0u8; 1 << 20]);
+        let mut d = Driver::new();
+        let (_, st) = d.request(req_type::IN, 0, &[(DATA, 512, true)]);
+        d.vring.set_queue_info(desc, avail, used).unwrap();
+        let (vring, atomic, dev) = (d.vring.clone(), d.atomic.clone(), device(&img, false));
+        let w = within(10, what, move || {
+            let mut w = QueueWorker::new(0, dev, Engine::Sync(SyncEngine::new()), atomic);
+            w.handle_kick(&vring);
+            w
+        });
+        assert!(w.broken.is_some(), "{what}: not marked broken");
+        assert_eq!(d.status(st), 0xff, "{what}: a request was processed");
+    }
+}
+
+/// A chain cut short (a data descriptor outside guest memory, more descriptors than
+/// seg_max) has no known status byte: nothing is written, in particular not the status byte
+/// of the request before it, and it completes with used length 0.
+#[test]
+fn a_chain_cut_short_writes_no_status_anywhere() {
+    let img = image("cut-short", &vec![0u8; 1 << 20]);
+    let dev = device(&img, false);
+    let mut d = Driver::new();
+    let (_, st_ok) = d.request(req_type::IN, 0, &[(DATA, 512, true)]);
+    let mut w = QueueWorker::new(0, dev, Engine::Sync(SyncEngine::new()), d.atomic.clone());
+    w.handle_kick(&d.vring);
+    w.drain();
+    assert_eq!(d.status(st_ok), status::OK);
+    // The guest reuses the first request's status byte for something else.
+    d.mem.write_obj(0x5au8, GuestAddress(st_ok)).unwrap();
+    let (_, st_bad) = d.request(req_type::IN, 0, &[(MEM as u64 - 256, 512, true)]);
+    w.handle_kick(&d.vring);
+    w.drain();
+    assert_eq!(
+        d.status(st_ok),
+        0x5a,
+        "the previous request's status byte was written"
+    );
+    assert_eq!(
+        d.status(st_bad),
+        0xff,
+        "a status was written for a chain cut short"
+    );
+    assert_eq!(d.used().last().map(|u| u.1), Some(0));
+}
+
+/// A read whose data buffer is device-readable would transfer nothing: it fails.
+#[test]
+fn a_read_into_a_device_readable_buffer_fails() {
+    let img = image("read-readable", &vec![0x11u8; 1 << 20]);
+    let mut d = Driver::new();
+    let (_, st) = d.request(req_type::IN, 0, &[(DATA, 512, false)]);
+    run(&d, device(&img, false), Engine::Sync(SyncEngine::new()));
+    assert_eq!(d.status(st), status::IOERR);
+}
