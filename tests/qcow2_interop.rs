@@ -1188,3 +1188,85 @@ fn writes_preserve_internal_snapshots() {
     );
     run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
 }
+
+/// A persistent dirty bitmap (`qemu-img bitmap --add`, as libvirt and backup tools use for
+/// incremental backups) cannot track vublk's writes: a read-write open clears the autoclear
+/// bits before anything is written, so QEMU treats the bitmaps as inconsistent afterwards and
+/// no incremental backup trusts a bitmap that missed writes. A read-only open leaves them.
+#[test]
+fn persistent_dirty_bitmaps_are_marked_inconsistent_by_a_writer() {
+    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("qcow2-bitmaps");
+    let img = dir.join("bm.qcow2");
+    run(Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&img)
+        .arg("16M"));
+    run(Command::new("qemu-img")
+        .args(["bitmap", "--add"])
+        .arg(&img)
+        .arg("bm0"));
+    let autoclear = |p: &Path| {
+        let b = std::fs::read(p).unwrap();
+        u64::from_be_bytes(b[88..96].try_into().unwrap())
+    };
+    let info = |p: &Path| {
+        let o = Command::new("qemu-img")
+            .args(["info", "--output=json"])
+            .arg(p)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        (
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    assert_eq!(autoclear(&img) & 1, 1, "qemu-img set the bitmaps bit");
+    assert!(info(&img).0.contains("\"bm0\""));
+
+    // Read-only: nothing changes.
+    let opts = BackendOpts {
+        read_only: true,
+        ..BackendOpts::default()
+    };
+    let backend = Backend::start(&dir, &img, &opts);
+    let mut c = connect(
+        &backend.socket,
+        ClientOpts {
+            read_only: true,
+            ..ClientOpts::default()
+        },
+    );
+    assert!(c.read_at(0, 0, 4096).is_ok());
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    assert_eq!(
+        autoclear(&img) & 1,
+        1,
+        "a read-only open changed the header"
+    );
+
+    let backend = Backend::start(&dir, &img, &BackendOpts::default());
+    let mut c = connect_queues(&backend.socket, 1);
+    for k in 0..128u64 {
+        assert_eq!(c.write_at(0, k * 65536, &[0x5au8; 65536]), 0);
+    }
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    assert_eq!(autoclear(&img), 0, "the autoclear bits are still set");
+    let (json, stderr) = info(&img);
+    assert!(
+        stderr.contains("bitmaps are now considered inconsistent") && !json.contains("\"bm0\""),
+        "QEMU still trusts the bitmap:\n{json}\n{stderr}"
+    );
+    assert!(
+        backend
+            .log_contents()
+            .contains("dirty bitmaps are now marked inconsistent"),
+        "{}",
+        backend.log_contents()
+    );
+}

@@ -49,6 +49,9 @@ pub const INCOMPAT_EXTL2: u64 = 1 << 4;
 const INCOMPAT_KNOWN: u64 =
     INCOMPAT_DIRTY | INCOMPAT_CORRUPT | INCOMPAT_DATA_FILE | INCOMPAT_COMPRESSION | INCOMPAT_EXTL2;
 
+/// Autoclear feature bit: the bitmaps extension (persistent dirty bitmaps) is consistent.
+pub const AUTOCLEAR_BITMAPS: u64 = 1 << 0;
+
 /// Header extension type: backing file format name.
 pub const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 /// The spec bounds a backing file name to 1023 bytes.
@@ -104,6 +107,10 @@ pub struct Header {
     pub nb_snapshots: u32,
     pub snapshots_offset: u64,
     pub incompatible_features: u64,
+    /// Bit 0: the bitmaps extension is consistent; bit 1: the external data file is raw.
+    /// vublk maintains neither, so a read-write open clears them all (the spec's rule for
+    /// autoclear bits a writer does not maintain).
+    pub autoclear_features: u64,
     /// log2 of the refcount width in bits (4 for version 2).
     pub refcount_order: u32,
     pub header_length: u32,
@@ -147,6 +154,7 @@ impl Header {
                 Compression::Zlib => 0,
                 Compression::Zstd => INCOMPAT_COMPRESSION,
             },
+            autoclear_features: 0,
             refcount_order: 4,
             header_length: V3_LEN_WITH_COMPRESSION,
             compression,
@@ -186,6 +194,7 @@ impl Header {
             nb_snapshots: be32(b, off::NB_SNAPSHOTS),
             snapshots_offset: be64(b, off::SNAPSHOTS_OFFSET),
             incompatible_features: 0,
+            autoclear_features: 0,
             refcount_order: 4,
             header_length: V2_LEN as u32,
             compression: Compression::Zlib,
@@ -205,6 +214,7 @@ impl Header {
                 return Err(Qcow2Error::ExtendedL2);
             }
             h.incompatible_features = incompat;
+            h.autoclear_features = be64(b, off::AUTOCLEAR_FEATURES);
             h.refcount_order = be32(b, off::REFCOUNT_ORDER);
             h.header_length = be32(b, off::HEADER_LENGTH);
             if incompat & INCOMPAT_COMPRESSION != 0 {
@@ -269,7 +279,7 @@ impl Header {
         if self.version >= 3 {
             put64(b, off::INCOMPATIBLE_FEATURES, self.incompatible_features);
             put64(b, off::COMPATIBLE_FEATURES, 0);
-            put64(b, off::AUTOCLEAR_FEATURES, 0);
+            put64(b, off::AUTOCLEAR_FEATURES, self.autoclear_features);
             put32(b, off::REFCOUNT_ORDER, self.refcount_order);
             put32(b, off::HEADER_LENGTH, self.header_length);
             if self.header_length as usize > off::COMPRESSION_TYPE {

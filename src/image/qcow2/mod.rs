@@ -79,6 +79,8 @@ pub const DEFAULT_L2_COVERAGE: u64 = 64 << 30;
 pub enum Qcow2Error {
     #[error("cannot read the qcow2 header")]
     ReadHeader(#[source] io::Error),
+    #[error("cannot update the qcow2 header")]
+    WriteHeader(#[source] io::Error),
     #[error("not a qcow2 image (bad magic)")]
     BadMagic,
     #[error("qcow2 version {0} is not supported (only 2 and 3)")]

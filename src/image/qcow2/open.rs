@@ -109,6 +109,9 @@ impl Qcow2Image {
             None
         };
         let metadata = metadata_clusters(file, &h, &l1, write.as_ref(), file_size)?;
+        if writable && h.autoclear_features != 0 {
+            clear_autoclear(file, h.autoclear_features)?;
+        }
         let cache_bytes = opts
             .l2_cache_bytes
             .unwrap_or_else(|| Self::default_l2_cache_bytes(cluster_bits, h.size_bytes));
@@ -217,6 +220,25 @@ impl Qcow2Image {
         self.file_size.store(end, Ordering::Release);
         Ok(())
     }
+}
+
+/// Before anything is written: clear the autoclear feature bits, none of which vublk
+/// maintains (qcow2 spec: a writer clears those it does not maintain before its first
+/// write). With bit 0 gone, QEMU treats the image's persistent dirty bitmaps as
+/// inconsistent, so an incremental backup never trusts a bitmap that missed vublk's writes.
+fn clear_autoclear(file: &dyn Storage, bits: u64) -> Result<(), Qcow2Error> {
+    use super::header::{off, AUTOCLEAR_BITMAPS};
+    // One aligned block (the file may be O_DIRECT); nothing else runs during the open.
+    crate::io::aligned::write_unaligned(file, off::AUTOCLEAR_FEATURES as u64, &[0u8; 8], 4096)
+        .and_then(|()| file.sync_data())
+        .map_err(Qcow2Error::WriteHeader)?;
+    if bits & AUTOCLEAR_BITMAPS != 0 {
+        log::warn!(
+            "qcow2: the image's persistent dirty bitmaps are now marked inconsistent (vublk \
+             does not maintain them): an incremental backup must start from a full one"
+        );
+    }
+    Ok(())
 }
 
 /// Clusters holding metadata. Ranges are clamped to the file, so a hostile header cannot
