@@ -32,6 +32,17 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = BackingMode::Follow)]
     pub backing: BackingMode,
 
+    /// Image locking, QEMU's protocol (OFD locks on the image and its backing files): auto
+    /// (on where the file system has OFD locks), on (refuse to serve without them), off
+    /// (nothing stops another user corrupting the image).
+    #[arg(long, value_enum, default_value_t = LockingArg::Auto)]
+    pub locking: LockingArg,
+
+    /// With --read-only: share every permission with other users of the image, like
+    /// `qemu-img -U` (reads may see another writer's half-done changes).
+    #[arg(long)]
+    pub force_share: bool,
+
     /// Serve the image read-only (guest writes fail with an I/O error).
     #[arg(long)]
     pub read_only: bool,
@@ -210,6 +221,14 @@ pub enum PreallocArg {
     Off,
     /// On when the file system's block device says it is not rotational.
     Auto,
+}
+
+/// `--locking` values (QEMU's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LockingArg {
+    Auto,
+    On,
+    Off,
 }
 
 /// `--backing` values.

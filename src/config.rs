@@ -33,6 +33,8 @@ pub struct Config {
     /// None: probe by magic.
     pub format: Option<Format>,
     pub follow_backing: bool,
+    pub locking: crate::image::lock::Locking,
+    pub force_share: bool,
     pub read_only: bool,
     pub num_queues: u16,
     pub queue_size: u16,
@@ -200,6 +202,11 @@ impl Config {
                     args.prealloc_align
                 ))
             })?;
+        if args.force_share && !args.read_only {
+            return Err(bad(
+                "--force-share needs --read-only (a writer never shares write)",
+            ));
+        }
         let log_level = args.log_level.parse::<log::LevelFilter>().map_err(|_| {
             bad(format!(
                 "--log-level {}: must be one of off, error, warn, info, debug, trace",
@@ -211,6 +218,12 @@ impl Config {
             blk_file,
             format: args.format,
             follow_backing: args.backing == crate::args::BackingMode::Follow,
+            locking: match args.locking {
+                crate::args::LockingArg::Auto => crate::image::lock::Locking::Auto,
+                crate::args::LockingArg::On => crate::image::lock::Locking::On,
+                crate::args::LockingArg::Off => crate::image::lock::Locking::Off,
+            },
+            force_share: args.force_share,
             read_only: args.read_only,
             num_queues: args.num_queues as u16,
             queue_size: args.queue_size as u16,
@@ -259,6 +272,8 @@ impl Config {
             direct: self.cache == CacheMode::None,
             logical_block_size: self.logical_block_size,
             follow_backing: self.follow_backing,
+            locking: self.locking,
+            force_share: self.force_share,
             l2_cache_bytes: self.l2_cache_bytes,
             discard_unmap: self.discard == DiscardMode::Unmap,
             prealloc: match self.prealloc {
@@ -331,6 +346,7 @@ mod tests {
             (vec!["--log-level", "loud"], "--log-level"),
             (vec!["--poll-us", "10001"], "--poll-us"),
             (vec!["--detect-zeroes", "unmap"], "--discard unmap"),
+            (vec!["--force-share"], "--force-share"),
             (
                 vec!["--detect-zeroes", "unmap", "--discard", "ignore"],
                 "--detect-zeroes",

@@ -246,12 +246,15 @@ fn log_device_stats(dev: &Device) {
     }
 }
 
+/// The clean end: everything written back and synced, the file trimmed, then the locks given
+/// up (before the process is gone: its io_uring rings may hold the file a little longer).
 fn flush(dev: &Device) {
     if !dev.params.read_only {
         if let Err(e) = dev.image.close() {
             error!("final flush failed: {}", crate::logging::error_chain(&e));
         }
     }
+    dev.image.release_locks();
 }
 
 fn serve_loop(

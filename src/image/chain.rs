@@ -18,6 +18,8 @@ pub struct Layer {
     /// None: raw.
     pub qcow2: Option<Qcow2Image>,
     pub size_bytes: u64,
+    /// Its locks (QEMU's for backing files), held while `file` is open.
+    pub lock: std::sync::Mutex<super::lock::ImageLock>,
 }
 
 impl std::fmt::Debug for Layer {
@@ -40,6 +42,8 @@ pub enum ChainError {
     Open(PathBuf, #[source] std::io::Error),
     #[error("backing file {0}")]
     Qcow2(PathBuf, #[source] Qcow2Error),
+    #[error(transparent)]
+    Lock(#[from] super::lock::LockError),
 }
 
 /// Open the backing chain below an image whose header names `backing` (None: no chain).
@@ -48,6 +52,7 @@ pub fn open_chain(
     backing: Option<&str>,
     follow: bool,
     direct: bool,
+    locking: super::lock::Locking,
 ) -> Result<Vec<Layer>, ChainError> {
     let mut layers = Vec::new();
     let mut next = backing.map(|b| resolve(image, b));
@@ -66,6 +71,7 @@ pub fn open_chain(
         let file = o
             .open(&path)
             .map_err(|e| ChainError::Open(path.clone(), e))?;
+        let lock = super::open::lock_file(&file, &path, super::lock::Perms::BACKING, locking)?;
         let (q, size_bytes) = if super::probe(&file) == Some(super::Format::Qcow2) {
             let q = Qcow2Image::open_read_only(&file)
                 .map_err(|e| ChainError::Qcow2(path.clone(), e))?;
@@ -84,6 +90,7 @@ pub fn open_chain(
             file,
             qcow2: q,
             size_bytes,
+            lock: std::sync::Mutex::new(lock),
         });
     }
     Ok(layers)

@@ -15,6 +15,7 @@ pub mod create;
 pub mod durable;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
+pub mod lock;
 mod open;
 pub mod parallels;
 pub mod prealloc;
@@ -158,6 +159,8 @@ pub struct Image {
     /// The format was probed as raw: refuse guest writes that would make the image probe as
     /// another format next time (a guest planting a qcow2 header naming a host file).
     guard_header: bool,
+    /// The image's locks, held while `file` is open (or until `release_locks`).
+    lock: std::sync::Mutex<lock::ImageLock>,
 }
 
 impl std::fmt::Debug for Image {
@@ -179,6 +182,7 @@ impl Image {
             size_bytes,
             read_only,
             guard_header: false,
+            lock: std::sync::Mutex::new(lock::ImageLock::unlocked()),
         }
     }
 
@@ -576,6 +580,18 @@ impl Image {
             Kind::Qcow2(d) => d.q.close(&self.file)?,
         }
         Ok(self.file.sync_data()?)
+    }
+
+    /// Give up the image's and its backing files' locks (a clean exit, after `close`).
+    pub fn release_locks(&self) {
+        let mut l = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        l.release(&self.file);
+        if let Kind::Qcow2(d) = &self.kind {
+            for layer in &d.backing {
+                let mut l = layer.lock.lock().unwrap_or_else(|e| e.into_inner());
+                l.release(&layer.file);
+            }
+        }
     }
 
     /// One line per counter group, for the shutdown log.

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use log::{info, warn};
 
 use super::chain::{open_chain, ChainError};
+use super::lock::{ImageLock, LockError, Locked, Locking, Perms};
 use super::parallels::{self, ParallelsError, ParallelsImage, ParallelsOptions, PreallocMode};
 use super::prealloc::PreallocParams;
 use super::qcow2::{self, CompressOptions, Qcow2Error, Qcow2Image, Qcow2Options};
@@ -46,6 +47,10 @@ pub struct ImageOptions {
     pub logical_block_size: u32,
     /// Follow qcow2 backing files (else refuse images that have one).
     pub follow_backing: bool,
+    /// `--locking`: QEMU's image locks on the image and its backing files.
+    pub locking: Locking,
+    /// With `read_only`: share everything (`--force-share`).
+    pub force_share: bool,
     /// qcow2 L2 cache bytes (None: the image's default).
     pub l2_cache_bytes: Option<u64>,
     /// Clusters freed by discards are punched (`--discard unmap`).
@@ -77,6 +82,8 @@ pub enum ImageOpenError {
     File(#[from] OpenError),
     #[error(transparent)]
     Chain(#[from] ChainError),
+    #[error(transparent)]
+    Lock(#[from] LockError),
     #[error("image {}", .path.display())]
     Qcow2 {
         path: PathBuf,
@@ -142,6 +149,14 @@ impl Image {
             dev_ino: img.dev_ino,
             file_size_bytes: img.size_bytes,
         };
+        // Locked before anything is read or written: a read-write open of a format may
+        // change the file (a crash's tail trimmed, autoclear bits cleared).
+        let perms = match (opts.read_only, opts.force_share) {
+            (false, _) => Perms::READ_WRITE,
+            (true, false) => Perms::READ_ONLY,
+            (true, true) => Perms::FORCE_SHARE,
+        };
+        let lock = lock_file(&img.file, &opts.path, perms, opts.locking)?;
         let format = opts
             .format
             .unwrap_or_else(|| probe(&img.file).unwrap_or(Format::Raw));
@@ -175,11 +190,37 @@ impl Image {
                 size_bytes,
                 read_only: opts.read_only,
                 guard_header: opts.format.is_none() && format == Format::Raw,
+                lock: std::sync::Mutex::new(lock),
             },
             dio,
             facts,
         ))
     }
+}
+
+/// Lock an image or backing file as `mode` says; where the file system has no OFD locks
+/// (`auto`) say so once and go on unlocked.
+pub(super) fn lock_file(
+    file: &std::fs::File,
+    path: &std::path::Path,
+    perms: Perms,
+    mode: Locking,
+) -> Result<ImageLock, LockError> {
+    let (lock, done) = ImageLock::take(file, path, perms, mode)?;
+    match done {
+        Locked::Yes => {}
+        Locked::Off => warn!(
+            "image locking is off (--locking off) for {}: nothing stops another process from \
+             writing it while it is served",
+            path.display()
+        ),
+        Locked::Unsupported => warn!(
+            "the file system of {} has no OFD locks: serving it unlocked (--locking auto; \
+             --locking on refuses instead)",
+            path.display()
+        ),
+    }
+    Ok(lock)
 }
 
 /// Facts about the image file the device model needs.
@@ -333,6 +374,7 @@ fn open_qcow2(
         q.backing_file.as_deref(),
         opts.follow_backing,
         opts.direct,
+        opts.locking,
     )?;
     for l in &backing {
         info!(

@@ -25,6 +25,9 @@ pub struct BackendOpts {
     /// Run the backend under a seccomp filter that fails plain `fallocate(fd, 0, ...)` (the
     /// call that preallocates) with this errno: a file system without it, or a full one.
     pub fail_fallocate: Option<i32>,
+    /// Run the backend under a seccomp filter that fails `fcntl(F_OFD_SETLK)` with this
+    /// errno: a file system without OFD locks.
+    pub fail_ofd_locks: Option<i32>,
 }
 
 /// A running backend. Dropping it kills the process (SIGKILL) and reaps it.
@@ -102,6 +105,13 @@ impl Backend {
             // SAFETY: the hook only calls async-signal-safe prctl() between fork and exec.
             unsafe {
                 cmd.pre_exec(deny_io_uring_setup);
+            }
+        }
+        if let Some(errno) = opts.fail_ofd_locks {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: the hook only calls async-signal-safe prctl() between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || fail_ofd_setlk(errno));
             }
         }
         if let Some(errno) = opts.fail_fallocate {
@@ -209,6 +219,13 @@ impl Backend {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.try_wait() {
+                // A killed backend's io_uring holds the image (and its locks) a few
+                // milliseconds after the process is gone; the next user of the image waits.
+                // (A clean exit gives its locks up itself.)
+                use std::os::unix::process::ExitStatusExt;
+                if status.signal().is_some() {
+                    wait_unlocked(&self.image, Duration::from_secs(2));
+                }
                 return status;
             }
             if Instant::now() >= deadline {
@@ -270,4 +287,32 @@ pub fn logged_count(log: &str, what: &str) -> u64 {
                 .ok()
         })
         .sum()
+}
+
+/// Wait (at most `timeout`) until no process holds QEMU-protocol locks on `image` (bytes
+/// 100..=103 and 200..=203, OFD locks), as a tool started next would see it.
+pub fn wait_unlocked(image: &Path, timeout: Duration) {
+    use std::os::fd::AsRawFd;
+    let Ok(f) = File::open(image) else {
+        return;
+    };
+    let deadline = Instant::now() + timeout;
+    let locked = || {
+        [100i64, 101, 102, 103, 200, 201, 202, 203]
+            .iter()
+            .any(|&b| {
+                // SAFETY: flock is plain data; zeroed is valid.
+                let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+                fl.l_type = libc::F_WRLCK as libc::c_short;
+                fl.l_whence = libc::SEEK_SET as libc::c_short;
+                fl.l_start = b;
+                fl.l_len = 1;
+                // SAFETY: F_OFD_GETLK reads and writes one flock through a live pointer.
+                let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+                r == 0 && fl.l_type != libc::F_UNLCK as libc::c_short
+            })
+    };
+    while locked() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(2));
+    }
 }

@@ -61,3 +61,23 @@ pub fn fail_fallocate_mode0(errno: i32) -> std::io::Result<()> {
     ];
     install_seccomp(&prog)
 }
+
+/// Install a seccomp filter making `fcntl(fd, F_OFD_SETLK, ...)` fail with `errno` (x86_64
+/// syscall 72, command 37): a file system without open-file-description locks.
+pub fn fail_ofd_setlk(errno: i32) -> std::io::Result<()> {
+    const NR_FCNTL: u32 = 72;
+    const F_OFD_SETLK: u32 = 37;
+    let f = |code, jt, jf, k| libc::sock_filter { code, jt, jf, k };
+    let prog = [
+        f(BPF_LD_W_ABS, 0, 0, 4),
+        f(BPF_JMP_JEQ_K, 0, 5, AUDIT_ARCH_X86_64),
+        f(BPF_LD_W_ABS, 0, 0, 0),
+        f(BPF_JMP_JEQ_K, 0, 3, NR_FCNTL),
+        // seccomp_data.args[1] (the command), low half, at offset 16 + 8.
+        f(BPF_LD_W_ABS, 0, 0, 24),
+        f(BPF_JMP_JEQ_K, 0, 1, F_OFD_SETLK),
+        f(BPF_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno as u32),
+        f(BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+    ];
+    install_seccomp(&prog)
+}
