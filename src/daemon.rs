@@ -200,6 +200,9 @@ struct Phase {
 pub fn run(cfg: Config) -> Result<(), DaemonError> {
     // Block the signals in every thread; the main thread waits for them with sigwait.
     let sigs = block_signals().map_err(DaemonError::Signals)?;
+    if let Err(e) = crate::guest_memory::install_sigbus_guard() {
+        warn!("no SIGBUS guard ({e}): a frontend that shrinks its guest memory kills vublk");
+    }
     let dev = open_device(&cfg)?;
     let mut listener = listen(&cfg.socket)?;
     let phase = Arc::new(Mutex::new(Phase::default()));

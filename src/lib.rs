@@ -8,6 +8,7 @@
 //! - `backend`: the `VhostUserBackend` impl: features, config space, event dispatch.
 //! - `worker`: the per-queue data plane: pop, parse, plan, submit, reap, complete.
 //! - `device`: the virtio-blk device model (limits, config space, write cache) over an image.
+//! - `guest_memory`: the frontend's memory checked when it changes, and the SIGBUS guard.
 //! - `virtio_blk`: request parsing and the status of guest faults (no image, no io_uring).
 //! - `zero`: all-zero detection over guest memory (detect-zeroes).
 //! - `image`: disk images behind one `Image` interface (raw, qcow2, parallels, backing files).
@@ -21,6 +22,7 @@ pub mod backend;
 pub mod config;
 pub mod daemon;
 pub mod device;
+pub mod guest_memory;
 pub mod image;
 pub mod io;
 pub mod logging;

@@ -45,6 +45,8 @@ pub(super) enum Failure {
     },
     #[error("a planned read does not cover the request")]
     BadPlan,
+    #[error("the request's guest memory went away (the frontend's memory file shrank)")]
+    GuestMemoryGone,
     #[error(
         "refused a guest write that would make this probed raw image look like another \
          format (use --format raw to allow it)"

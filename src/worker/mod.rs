@@ -97,6 +97,8 @@ pub struct QueueWorker {
     /// The driver broke the ring (why): it is not processed again until the queue is
     /// stopped and set up anew.
     broken: Option<&'static str>,
+    /// Guest memory pages lost to bus errors when this queue last looked.
+    lost_pages: u64,
 }
 
 impl QueueWorker {
@@ -120,6 +122,7 @@ impl QueueWorker {
             inbox,
             offloaded: 0,
             broken: None,
+            lost_pages: crate::guest_memory::lost_pages(),
             poll: Duration::ZERO,
             poll_abort: Arc::new(AtomicBool::new(false)),
             index,
@@ -270,7 +273,7 @@ impl QueueWorker {
         let mem = self.mem.memory().into_inner();
         let mut state = vring.get_mut();
         loop {
-            if self.broken.is_some() {
+            if self.broken.is_some() || self.memory_lost() {
                 break;
             }
             if let Some(why) = ring_problem(state.get_queue(), &mem) {
@@ -287,6 +290,9 @@ impl QueueWorker {
             loop {
                 if self.free.is_empty() {
                     self.stalled = true;
+                    break;
+                }
+                if self.memory_lost() {
                     break;
                 }
                 let popped = match state.get_queue_mut().iter(&*mem) {
@@ -342,6 +348,18 @@ impl QueueWorker {
         }
         // The blocking engine has finished already; complete without waiting for an event.
         self.reap_and_complete(vring);
+    }
+
+    /// Has guest memory gone away under its mappings since this queue last looked (see
+    /// `guest_memory`)? Then the frontend is broken: the queue stops, so that nothing more
+    /// is read from or written to memory that now holds zero pages.
+    fn memory_lost(&mut self) -> bool {
+        let lost = crate::guest_memory::lost_pages();
+        if lost != self.lost_pages {
+            self.lost_pages = lost;
+            self.mark_broken("guest memory went away: the frontend's memory file shrank");
+        }
+        self.broken.is_some()
     }
 
     /// Stop processing a ring the driver broke (one line, rate-limited); requests in flight

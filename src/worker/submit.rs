@@ -299,8 +299,10 @@ pub(super) fn copy_from_guest_prefix(mem: &Mem, segs: &[Segment], dst: &mut [u8]
     done == dst.len()
 }
 
-/// Gather the request's guest segments into `dst` (exactly their total length).
+/// Gather the request's guest segments into `dst` (exactly their total length). Fails if
+/// guest memory went away meanwhile (the copy then read zero pages, not the guest's data).
 pub(super) fn copy_from_guest(mem: &Mem, segs: &[Segment], dst: &mut [u8]) -> io::Result<()> {
+    let lost = crate::guest_memory::lost_pages();
     let mut done = 0usize;
     for seg in segs {
         let n = seg.len as usize;
@@ -310,6 +312,9 @@ pub(super) fn copy_from_guest(mem: &Mem, segs: &[Segment], dst: &mut [u8]) -> io
         mem.read_slice(part, seg.addr)
             .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         done += n;
+    }
+    if crate::guest_memory::lost_pages() != lost {
+        return Err(io::Error::other("guest memory went away during the copy"));
     }
     Ok(())
 }

@@ -17,14 +17,37 @@ use super::slot::{user_data, OpKind};
 use super::submit::{block_span, copy_from_guest, copy_from_guest_prefix};
 use super::{QueueWorker, SELF_WAIT};
 
+/// What the checks of a write's data found.
+enum Checked {
+    Refused,
+    Zero,
+    Data,
+}
+
 /// Bytes of a write at offset 0 looked at for a format's magic.
 const MAGIC_PROBE_BYTES: usize = 16;
 
 impl QueueWorker {
     pub(super) fn submit_write(&mut self, idx: u16, offset: u64, len: u64) -> io::Result<bool> {
+        let lost = crate::guest_memory::lost_pages();
+        let checked = self.check_write(idx, offset, len);
+        if crate::guest_memory::lost_pages() != lost {
+            // Reading the data faulted: it is gone, and zero pages stand in its place.
+            self.fail(idx, Failure::GuestMemoryGone);
+            return Ok(false);
+        }
+        match checked {
+            Checked::Refused => Ok(false),
+            Checked::Zero => self.submit_zero_ranges(idx),
+            Checked::Data => self.plan_and_submit_write(idx, offset, len),
+        }
+    }
+
+    /// The header guard and detect-zeroes (both read the guest's data in place).
+    fn check_write(&mut self, idx: u16, offset: u64, len: u64) -> Checked {
         if offset == 0 && self.dev.image.guards_format_header() && self.plants_format_header(idx) {
             self.fail(idx, Failure::PlantedHeader);
-            return Ok(false);
+            return Checked::Refused;
         }
         if self.dev.params.detect_zeroes != DetectZeroes::Off && self.write_is_zero(idx) {
             // Only whole-request zero writes are converted (partial ones go out as written).
@@ -39,8 +62,12 @@ impl QueueWorker {
                 len_bytes: len,
                 unmap,
             });
-            return self.submit_zero_ranges(idx);
+            return Checked::Zero;
         }
+        Checked::Data
+    }
+
+    fn plan_and_submit_write(&mut self, idx: u16, offset: u64, len: u64) -> io::Result<bool> {
         match self.dev.image.plan_write(offset, len, self.dev.writeback()) {
             Ok(WritePlan::Engine(w)) => self.engine_write(idx, w),
             Ok(WritePlan::Format(offload)) => Ok(self.format_write(idx, offload)),

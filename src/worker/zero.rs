@@ -20,12 +20,15 @@ use super::QueueWorker;
 
 impl QueueWorker {
     /// detect-zeroes: is the whole write all zero? Reads guest memory in place.
+    /// Memory that went away during the scan reads as zero pages: then the write is not
+    /// zero (it goes to the engine, which finds the memory missing and fails it).
     pub(super) fn write_is_zero(&self, idx: u16) -> bool {
         let slot = &self.slots[usize::from(idx)];
         let Some(r) = slot.busy_ref() else {
             return false;
         };
-        slot.req.data.iter().all(|seg| {
+        let lost = crate::guest_memory::lost_pages();
+        let zero = slot.req.data.iter().all(|seg| {
             r.mem
                 .get_slices(seg.addr, seg.len as usize)
                 .all(|vs| match vs {
@@ -36,7 +39,8 @@ impl QueueWorker {
                     },
                     Err(_) => false,
                 })
-        })
+        });
+        zero && crate::guest_memory::lost_pages() == lost
     }
 
     /// Zero the request's ranges. Ok(false) when there is nothing to wait for.
