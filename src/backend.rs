@@ -23,6 +23,10 @@ use crate::worker::QueueWorker;
 
 type Mem = GuestMemoryMmap<()>;
 
+#[cfg(any(test, feature = "testing"))]
+#[path = "backend_fuzz.rs"]
+pub mod fuzz;
+
 /// Event id of a queue's engine completion eventfd. vhost-user-backend reserves
 /// 0..=num_queues on every worker thread (queues, then the exit event).
 pub fn completion_event_id(num_queues: u16) -> u64 {

@@ -557,3 +557,50 @@ fn aligned_buffers_are_never_bounced() {
     assert!(logged_count(&log, "requests") >= 32, "{log}");
     assert_eq!(logged_count(&log, " bounced"), 0, "{log}");
 }
+
+/// A daemon serves one frontend after another for as long as it runs: no connection may
+/// leave a descriptor behind (vhost-user-backend leaked one per queue thread per connection
+/// before its vendored patch, vendor/PATCHES.md).
+#[test]
+fn reconnects_leave_no_descriptors_behind() {
+    if skip_unless_vublk("counts vublk's descriptors") {
+        return;
+    }
+    let dir = TestDir::new("fd-leak");
+    let img = dir.join("disk.img");
+    create_sparse_image(&img, 16 * MIB);
+    let opts = BackendOpts {
+        num_queues: Some(2),
+        ..BackendOpts::default()
+    };
+    let backend = Backend::start(&dir, &img, &opts);
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", backend.pid()))
+            .unwrap()
+            .count()
+    };
+    // One full session first (its lasting state, e.g. the logger's, is not a leak).
+    drop(connect_queues(&backend.socket, 2));
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let before = fds();
+    for _ in 0..10 {
+        let mut c = connect_queues(&backend.socket, 2);
+        assert_eq!(c.write_at(0, 0, &[1u8; 4096]), 0);
+        drop(c);
+    }
+    for _ in 0..20 {
+        let mut s = std::os::unix::net::UnixStream::connect(&backend.socket).unwrap();
+        use std::io::{Read, Write};
+        // GET_FEATURES, version 1, no payload; read the reply, hang up.
+        s.write_all(&[1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]).unwrap();
+        let mut reply = [0u8; 20];
+        let _ = s.read(&mut reply);
+    }
+    // The last session is torn down after its frontend hangs up.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while fds() > before && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(fds(), before, "descriptors leaked over 30 connections");
+    backend.assert_running();
+}

@@ -18,6 +18,8 @@
 
 mod complete;
 mod failure;
+#[cfg(any(test, feature = "testing"))]
+pub mod fuzz;
 mod read;
 mod slot;
 mod submit;
