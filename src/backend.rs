@@ -12,7 +12,7 @@ use vhost_user_backend::{VhostUserBackend, VringRwLock};
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
@@ -40,9 +40,6 @@ pub struct VhostUserBlkBackend {
     /// Per queue: ask a busy-polling queue thread to let go of its worker.
     poll_abort: Vec<Arc<AtomicBool>>,
     acked_features: AtomicU64,
-    /// The last memory table that passed `guest_memory::check`, put back when a frontend
-    /// sends one that does not.
-    good_mem: Mutex<Mem>,
 }
 
 impl VhostUserBlkBackend {
@@ -64,7 +61,6 @@ impl VhostUserBlkBackend {
             workers,
             poll_abort,
             acked_features: AtomicU64::new(0),
-            good_mem: Mutex::new(Mem::new()),
         }
     }
 
@@ -196,23 +192,19 @@ impl VhostUserBackend for VhostUserBlkBackend {
             .map_err(|m| io::Error::new(io::ErrorKind::InvalidInput, m))
     }
 
-    fn update_memory(&self, mem: GuestMemoryAtomic<Mem>) -> io::Result<()> {
-        // vhost-user-backend has installed the new table already: a bad one is replaced by
-        // the last good one at once, and the message fails.
-        let new = mem.memory().into_inner();
-        let mut good = self.good_mem.lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = crate::guest_memory::check(&new) {
+    /// Called by the (patched) handler before a new table is installed: a table whose
+    /// regions lie beyond their files, or with too many regions, is refused.
+    fn check_memory(&self, mem: &Mem) -> io::Result<()> {
+        crate::guest_memory::check(mem).map_err(|e| {
             crate::log_limited!(
                 log::Level::Error,
                 "refused the frontend's memory table: {e}"
             );
-            mem.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .replace(good.clone());
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, e));
-        }
-        *good = (*new).clone();
-        drop(good);
+            io::Error::new(io::ErrorKind::InvalidInput, e)
+        })
+    }
+
+    fn update_memory(&self, mem: GuestMemoryAtomic<Mem>) -> io::Result<()> {
         for i in 0..self.workers.len() {
             if let Some(mut w) = self.worker(i) {
                 w.set_memory(mem.clone());

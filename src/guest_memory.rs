@@ -4,8 +4,9 @@
 //! more regions than it was told it may.
 //!
 //! Two defences. [`check`] refuses a memory table whose regions are not inside their files
-//! or that has too many regions (the backend puts the last good table back and the message
-//! fails). And [`install_sigbus_guard`] handles SIGBUS from memory that went away after it
+//! or that has too many regions, before any vring can see it (the backend's `check_memory`,
+//! a hook of the vendored vhost-user-backend: vendor/PATCHES.md); the message fails and the
+//! table in use stays. And [`install_sigbus_guard`] handles SIGBUS from memory that went away after it
 //! was checked: the faulting page is replaced by a private zero page, so the access that
 //! faulted completes (reads zeroes, writes go nowhere), the daemon lives on, and
 //! [`lost_pages`] counts it for the log. vublk maps no file of its own, so every

@@ -29,6 +29,7 @@ use vhost::vhost_user::message::{
 };
 use vhost::vhost_user::Backend;
 use vm_memory::bitmap::Bitmap;
+use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{EventConsumer, EventNotifier};
 
@@ -81,6 +82,14 @@ pub trait VhostUserBackend: Send + Sync {
     /// A default implementation is provided as we cannot expect all backends to implement this
     /// function.
     fn set_config(&self, _offset: u32, _buf: &[u8]) -> Result<()> {
+        Ok(())
+    }
+
+    /// Check a new guest memory table before it is installed (vublk patch). An error
+    /// refuses the SET_MEM_TABLE or ADD_MEM_REG message and keeps the table in use, so the
+    /// vrings never see memory the backend would refuse (e.g. a region larger than its file,
+    /// whose first access raises SIGBUS). The default accepts every table.
+    fn check_memory(&self, _mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
         Ok(())
     }
 
@@ -243,6 +252,14 @@ pub trait VhostUserBackendMut: Send + Sync {
         Ok(())
     }
 
+    /// Check a new guest memory table before it is installed (vublk patch). An error
+    /// refuses the SET_MEM_TABLE or ADD_MEM_REG message and keeps the table in use, so the
+    /// vrings never see memory the backend would refuse (e.g. a region larger than its file,
+    /// whose first access raises SIGBUS). The default accepts every table.
+    fn check_memory(&self, _mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
+        Ok(())
+    }
+
     /// Update guest memory regions.
     fn update_memory(&mut self, mem: GM<Self::Bitmap>) -> Result<()>;
 
@@ -396,6 +413,10 @@ impl<T: VhostUserBackend> VhostUserBackend for Arc<T> {
         self.deref().set_config(offset, buf)
     }
 
+    fn check_memory(&self, mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
+        self.deref().check_memory(mem)
+    }
+
     fn update_memory(&self, mem: GM<Self::Bitmap>) -> Result<()> {
         self.deref().update_memory(mem)
     }
@@ -491,6 +512,10 @@ impl<T: VhostUserBackendMut> VhostUserBackend for Mutex<T> {
 
     fn set_config(&self, offset: u32, buf: &[u8]) -> Result<()> {
         self.lock().unwrap().set_config(offset, buf)
+    }
+
+    fn check_memory(&self, mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
+        self.lock().unwrap().check_memory(mem)
     }
 
     fn update_memory(&self, mem: GM<Self::Bitmap>) -> Result<()> {
@@ -593,6 +618,10 @@ impl<T: VhostUserBackendMut> VhostUserBackend for RwLock<T> {
         self.write().unwrap().set_config(offset, buf)
     }
 
+    fn check_memory(&self, mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
+        self.read().unwrap().check_memory(mem)
+    }
+
     fn update_memory(&self, mem: GM<Self::Bitmap>) -> Result<()> {
         self.write().unwrap().update_memory(mem)
     }
@@ -659,7 +688,7 @@ pub mod tests {
     use crate::VringRwLock;
     use std::sync::Mutex;
     use uuid::Uuid;
-    use vm_memory::{GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
+    use vm_memory::{GuestAddress, GuestMemoryAtomic};
     use vmm_sys_util::event::{new_event_consumer_and_notifier, EventFlag};
 
     pub struct MockVhostBackend {

@@ -421,6 +421,12 @@ where
             return Ok(Some(bases));
         }
 
+        // The backend refuses tables it cannot use before any vring can see them (vublk
+        // patch).
+        self.backend
+            .check_memory(&mem)
+            .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
+
         // Updating the inner GuestMemory object here will cause all our vrings to
         // see the new one the next time they call to `atomic_mem.memory()`.
         self.atomic_mem.lock().unwrap().replace(mem);
@@ -731,6 +737,11 @@ where
             .atomic_mem
             .memory()
             .insert_region(guest_region)
+            .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
+
+        // As in set_mem_table (vublk patch).
+        self.backend
+            .check_memory(&mem)
             .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
 
         self.atomic_mem.lock().unwrap().replace(mem);
