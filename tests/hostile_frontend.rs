@@ -277,7 +277,21 @@ fn hostile_frontends_never_take_the_daemon_down() {
         still_serving(&backend, &img, &original, "too many regions");
     }
 
-    // 6. Garbage and truncated messages.
+    // 6. A ring size that is not a power of two is refused, not silently ignored.
+    {
+        let g = guest();
+        let mut fe = frontend(&backend.socket);
+        fe.set_mem_table(&[g.region()]).unwrap();
+        // Refused (and, as every refused message, the session ends).
+        assert!(
+            fe.set_vring_num(0, 3).is_err(),
+            "SET_VRING_NUM 3 was accepted"
+        );
+        drop(fe);
+        still_serving(&backend, &img, &original, "ring size 3");
+    }
+
+    // 7. Garbage and truncated messages.
     for junk in [
         &[0xffu8; 64][..],
         &[1, 0, 0, 0, 1, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f][..],

@@ -445,9 +445,12 @@ where
             .get(index as usize)
             .ok_or(VhostUserError::InvalidParam)?;
 
-        if num == 0 || num as usize > self.max_queue_size {
+        // A split ring's size is a power of two (virtio 1.2, 2.7); virtio-queue ignores any
+        // other size and keeps the old one, so the frontend would believe in a size the
+        // device does not use (vublk patch: refused instead).
+        if num == 0 || num as usize > self.max_queue_size || !num.is_power_of_two() {
             log::error!(
-                "vring {index} requested queue size {num} out of range (1-{})",
+                "vring {index} requested queue size {num}: not a power of two in 1-{}",
                 self.max_queue_size
             );
             return Err(VhostUserError::InvalidParam);
