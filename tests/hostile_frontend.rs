@@ -280,7 +280,7 @@ fn hostile_frontends_never_take_the_daemon_down() {
     // 6. A ring size that is not a power of two is refused, not silently ignored.
     {
         let g = guest();
-        let mut fe = frontend(&backend.socket);
+        let fe = frontend(&backend.socket);
         fe.set_mem_table(&[g.region()]).unwrap();
         // Refused (and, as every refused message, the session ends).
         assert!(
