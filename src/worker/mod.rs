@@ -301,13 +301,14 @@ impl QueueWorker {
                     Ok(mut chains) => chains.next(),
                     Err(_) => None,
                 };
+                // `None` is the end of what the driver had published when `iter` read its
+                // index. It is not a broken ring: the driver may publish more at any moment
+                // (re-reading the index here would race with it), and everything that can
+                // be wrong with the ring was checked against this same memory snapshot at
+                // the top of the loop, which checks it again before `enable_notification`
+                // says there is more. (`iter` fails on an index that jumped meanwhile; the
+                // check at the top then stops the queue.)
                 let Some(chain) = popped else {
-                    // Nothing although the driver says there is more: the entry is not in
-                    // guest memory (the ring was checked a moment ago; memory may have
-                    // changed since).
-                    if avail_ahead(state.get_queue(), &mem) {
-                        self.mark_broken("an available ring entry is not in guest memory");
-                    }
                     break;
                 };
                 let head = chain.head_index();
@@ -500,12 +501,6 @@ fn ring_problem(q: &virtio_queue::Queue, mem: &Mem) -> Option<&'static str> {
         Ok(_) => None,
         Err(_) => Some("the available index is not readable"),
     }
-}
-
-/// Does the driver's available index differ from where the device is?
-fn avail_ahead(q: &virtio_queue::Queue, mem: &Mem) -> bool {
-    q.avail_idx(mem, Ordering::Acquire)
-        .is_ok_and(|i| i.0 != q.next_avail())
 }
 
 /// Has the driver made chains available that we have not popped?
