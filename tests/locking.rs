@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::io::Read;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,40 +22,6 @@ fn have_qemu_tools() -> bool {
     }
     skip_or_fail::<()>("qemu-img, qemu-io or qemu-storage-daemon not installed");
     false
-}
-
-/// Start vublk on `img` expecting it to refuse: its exit code and stderr.
-fn refused(dir: &TestDir, img: &Path, extra: &[&str]) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .arg("--socket-path")
-        .arg(dir.join("second.sock"))
-        .arg("--blk-file")
-        .arg(img)
-        .args(extra)
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("a second vublk started serving {}", img.display());
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    (status.code(), err)
 }
 
 /// `qemu-io` with `cmds` on `img`: success and stderr.
@@ -127,13 +92,13 @@ fn a_served_image_keeps_qemu_writers_and_a_second_vublk_out() {
         assert!(out.contains("Failed to get \"write\" lock"), "{fmt}: {out}");
         run_ok(Command::new("qemu-img").args(["info", "-U"]).arg(&img));
 
-        let (code, err) = refused(&dir, &img, &[]);
+        let (code, err) = vublk_refuses(&dir, &img, &[]);
         assert_eq!(code, Some(1), "{fmt}: {err}");
         assert!(
             err.contains("in use by another process") && err.contains("\"write\" lock"),
             "{fmt}: {err}"
         );
-        let (code, err) = refused(&dir, &img, &["--read-only"]);
+        let (code, err) = vublk_refuses(&dir, &img, &["--read-only"]);
         assert_eq!(code, Some(1), "{fmt}: {err}");
         assert!(err.contains("shared \"write\" lock"), "{fmt}: {err}");
 
@@ -205,28 +170,14 @@ fn vublk_refuses_an_image_qemu_storage_daemon_holds() {
         }
         assert!(sock.exists(), "qemu-storage-daemon did not start");
 
-        let (code, err) = refused(&dir, &img, &[]);
+        let (code, err) = vublk_refuses(&dir, &img, &[]);
         assert_eq!(code, Some(1), "QSD writable={qsd_writable}: {err}");
         assert!(err.contains("in use by another process"), "{err}");
         if qsd_writable {
-            let (code, err) = refused(&dir, &img, &["--read-only"]);
+            let (code, err) = vublk_refuses(&dir, &img, &["--read-only"]);
             assert_eq!(code, Some(1), "{err}");
         } else {
-            let opts = BackendOpts {
-                read_only: true,
-                ..BackendOpts::default()
-            };
-            let reader = Backend::start(&dir, &img, &opts);
-            let mut c = connect(
-                &reader.socket,
-                ClientOpts {
-                    read_only: true,
-                    ..ClientOpts::default()
-                },
-            );
-            assert!(c.read_at(0, 0, 4096).is_ok());
-            drop(c);
-            assert_eq!(reader.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+            serve_read_only_once(&dir, &img);
         }
         // SAFETY: plain kill of our own child, by its PID.
         unsafe { libc::kill(qsd.0.id() as i32, libc::SIGTERM) };
@@ -333,4 +284,35 @@ fn locking_off_auto_and_on() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("cannot lock image"), "{err}");
+}
+
+/// A block device is locked like a file (QEMU locks host devices too): while vublk serves a
+/// loop device, qemu-io cannot write it and a second vublk is refused; after a clean exit
+/// qemu-io writes it again.
+#[test]
+fn a_served_block_device_is_locked_too() {
+    if skip_unless_vublk("vublk's locking") || !have_qemu_tools() {
+        return;
+    }
+    let dir = TestDir::new("lock-blockdev");
+    let backing = dir.join("backing.raw");
+    std::fs::write(&backing, vec![0x22u8; 8 << 20]).unwrap();
+    let Some(dev) = LoopDev::new(&backing, 512) else {
+        return;
+    };
+    let dev = Path::new(&dev.0).to_path_buf();
+    let backend = Backend::start(&dir, &dev, &BackendOpts::default());
+    let c = connect(&backend.socket, ClientOpts::default());
+
+    let (ok, out) = qemu_io(&dev, "raw", false, "write -P 0x55 0 64k");
+    assert!(!ok, "qemu-io wrote a served block device:\n{out}");
+    assert!(out.contains("Failed to get"), "{out}");
+    let (code, err) = vublk_refuses(&dir, &dev, &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("in use by another process"), "{err}");
+
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    let (ok, out) = qemu_io(&dev, "raw", false, "write -P 0x55 0 64k");
+    assert!(ok, "the locks outlived vublk:\n{out}");
 }

@@ -7,10 +7,9 @@
 
 mod common;
 
-use std::fs::{self, File};
+use std::fs;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
 
 use common::*;
 
@@ -235,41 +234,6 @@ fn read_through_vublk(dir: &TestDir, img: &Path, expected: &[u8], extra: &str, w
     stop(&backend, what);
     let unchanged = read_file(img) == before;
     assert!(unchanged, "{what}: serving read-only modified the file");
-}
-
-/// Starts vublk on `img` expecting a refusal (it must exit by itself within 10 s, never
-/// serve): the exit status and everything it printed.
-fn refusal(dir: &TestDir, img: &Path, extra: &str) -> (Option<i32>, String) {
-    let out = dir.join("refused.log");
-    let log = File::create(&out).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .arg("--socket-path")
-        .arg(dir.join("refused.sock"))
-        .arg("--blk-file")
-        .arg(img)
-        .args(extra.split_whitespace())
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            let log = fs::read_to_string(&out).unwrap_or_default();
-            panic!(
-                "vublk {extra} served {} instead of refusing it:\n{log}",
-                img.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    (status.code(), fs::read_to_string(&out).unwrap_or_default())
 }
 
 #[test]
@@ -574,7 +538,8 @@ fn corrupt_bats_are_refused_and_read_only_changes_nothing() {
         bytes[64 + 4 * 5..64 + 4 * 6].copy_from_slice(&entry.to_le_bytes());
         fs::write(&img, &bytes).unwrap();
         for extra in ["--format parallels", "--read-only"] {
-            let (code, out) = refusal(&dir, &img, extra);
+            let (code, out) =
+                vublk_refuses(&dir, &img, &extra.split_whitespace().collect::<Vec<_>>());
             let what = format!("{name} {extra}: exit {code:?}");
             let failed = code.is_some_and(|c| c != 0);
             assert!(failed, "{what}, expected a failure:\n{out}");

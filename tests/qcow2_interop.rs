@@ -1228,21 +1228,7 @@ fn persistent_dirty_bitmaps_are_marked_inconsistent_by_a_writer() {
     assert!(info(&img).0.contains("\"bm0\""));
 
     // Read-only: nothing changes.
-    let opts = BackendOpts {
-        read_only: true,
-        ..BackendOpts::default()
-    };
-    let backend = Backend::start(&dir, &img, &opts);
-    let mut c = connect(
-        &backend.socket,
-        ClientOpts {
-            read_only: true,
-            ..ClientOpts::default()
-        },
-    );
-    assert!(c.read_at(0, 0, 4096).is_ok());
-    drop(c);
-    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    serve_read_only_once(&dir, &img);
     assert_eq!(
         autoclear(&img) & 1,
         1,

@@ -325,36 +325,25 @@ mod tests {
         (p.clone(), rw(), rw())
     }
 
+    /// `e` says the write permission (bit 1) is taken, as a permission held (`shared: false`)
+    /// or as one another user refuses to share (`shared: true`).
+    fn assert_write_in_use(e: &LockError, shared: bool) {
+        assert!(
+            matches!(e, LockError::InUse { bit: 1, shared: s, .. } if *s == shared),
+            "{e}"
+        );
+    }
+
     #[test]
     fn two_writers_refuse_each_other_and_readers_coexist() {
         let (p, a, b) = file("writers");
         let (_la, done) = ImageLock::take(&a, &p, Perms::READ_WRITE, Locking::On).unwrap();
         assert_eq!(done, Locked::Yes);
         let e = ImageLock::take(&b, &p, Perms::READ_WRITE, Locking::On).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                LockError::InUse {
-                    bit: 1,
-                    shared: false,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_write_in_use(&e, false);
         assert!(e.to_string().contains("in use by another process"), "{e}");
         let e = ImageLock::take(&b, &p, Perms::READ_ONLY, Locking::On).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                LockError::InUse {
-                    bit: 1,
-                    shared: true,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_write_in_use(&e, true);
         // Sharing everything goes alongside a writer.
         ImageLock::take(&b, &p, Perms::FORCE_SHARE, Locking::On).unwrap();
         std::fs::remove_file(p).unwrap();
@@ -367,17 +356,7 @@ mod tests {
         let (_lb, _) = ImageLock::take(&b, &p, Perms::READ_ONLY, Locking::On).unwrap();
         let c = File::options().read(true).write(true).open(&p).unwrap();
         let e = ImageLock::take(&c, &p, Perms::READ_WRITE, Locking::On).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                LockError::InUse {
-                    bit: 1,
-                    shared: false,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert_write_in_use(&e, false);
         std::fs::remove_file(p).unwrap();
     }
 

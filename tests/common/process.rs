@@ -274,6 +274,61 @@ impl Drop for Backend {
     }
 }
 
+/// Starts vublk on `image` expecting a refusal: it must exit by itself within 15 s, never
+/// serve. Returns the exit code and everything it printed (stdout and stderr).
+pub fn vublk_refuses(dir: &TestDir, image: &Path, extra: &[&str]) -> (Option<i32>, String) {
+    let out = dir.join("refused.log");
+    let log = File::create(&out).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .arg("--socket-path")
+        .arg(dir.join("refused.sock"))
+        .arg("--blk-file")
+        .arg(image)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "vublk {extra:?} served {} instead of refusing it:\n{}",
+                image.display(),
+                fs::read_to_string(&out).unwrap_or_default()
+            );
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    (status.code(), fs::read_to_string(&out).unwrap_or_default())
+}
+
+/// Serves `image` read-only, reads its first 4 KiB through libblkio, and stops the backend;
+/// panics unless the read works and the backend exits 0 on SIGTERM.
+pub fn serve_read_only_once(dir: &TestDir, image: &Path) {
+    let opts = BackendOpts {
+        read_only: true,
+        ..BackendOpts::default()
+    };
+    let backend = Backend::start(dir, image, &opts);
+    let mut c = connect(
+        &backend.socket,
+        ClientOpts {
+            read_only: true,
+            ..ClientOpts::default()
+        },
+    );
+    assert!(c.read_at(0, 0, 4096).is_ok(), "read-only read failed");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
 /// Sum of the per-queue statistics vublk logs at disconnect, e.g. `logged_count(log, " bounced")`
 /// over lines like "queue 0: 32 requests, 0 errors, 2 bounced, ...".
 pub fn logged_count(log: &str, what: &str) -> u64 {
