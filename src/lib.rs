@@ -9,6 +9,8 @@
 //! - `worker`: the per-queue data plane: pop, parse, plan, submit, reap, complete.
 //! - `device`: the virtio-blk device model (limits, config space, write cache) over an image.
 //! - `guest_memory`: the frontend's memory checked when it changes, and the SIGBUS guard.
+//! - `inflight`: the inflight region (vhost-user INFLIGHT_SHMFD): which requests a queue has
+//!   taken, kept by the frontend across restarts, and their recovery.
 //! - `virtio_blk`: request parsing and the status of guest faults (no image, no io_uring).
 //! - `zero`: all-zero detection over guest memory (detect-zeroes).
 //! - `image`: disk images behind one `Image` interface (raw, qcow2, parallels, backing files).
@@ -24,6 +26,7 @@ pub mod daemon;
 pub mod device;
 pub mod guest_memory;
 pub mod image;
+pub mod inflight;
 pub mod io;
 pub mod logging;
 pub mod offload;

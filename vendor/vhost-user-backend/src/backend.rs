@@ -24,8 +24,8 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex, RwLock};
 
 use vhost::vhost_user::message::{
-    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserProtocolFeatures,
-    VhostUserShMemConfig, VhostUserSharedMsg,
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserInflight,
+    VhostUserProtocolFeatures, VhostUserShMemConfig, VhostUserSharedMsg,
 };
 use vhost::vhost_user::Backend;
 use vm_memory::bitmap::Bitmap;
@@ -91,6 +91,22 @@ pub trait VhostUserBackend: Send + Sync {
     /// whose first access raises SIGBUS). The default accepts every table.
     fn check_memory(&self, _mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
         Ok(())
+    }
+
+    /// Allocate the inflight I/O tracking region (`GET_INFLIGHT_FD`) for `inflight.num_queues`
+    /// queues of `inflight.queue_size` entries: returns its description (`mmap_size`,
+    /// `mmap_offset`) and the file the frontend keeps and hands back with `SET_INFLIGHT_FD`
+    /// (after a back-end restart too). Only called when the back-end offers
+    /// `VhostUserProtocolFeatures::INFLIGHT_SHMFD`; the default refuses.
+    fn get_inflight_fd(&self, _inflight: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
+        Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
+    }
+
+    /// Use `file` (`SET_INFLIGHT_FD`) as the inflight I/O tracking region described by
+    /// `inflight`: a region from this back-end's `get_inflight_fd`, or one a previous back-end
+    /// process filled in, whose in-flight requests are to be resubmitted. The default refuses.
+    fn set_inflight_fd(&self, _inflight: &VhostUserInflight, _file: File) -> Result<()> {
+        Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
     }
 
     /// Update guest memory regions.
@@ -260,6 +276,25 @@ pub trait VhostUserBackendMut: Send + Sync {
         Ok(())
     }
 
+    /// Allocate the inflight I/O tracking region (`GET_INFLIGHT_FD`) for `inflight.num_queues`
+    /// queues of `inflight.queue_size` entries: returns its description (`mmap_size`,
+    /// `mmap_offset`) and the file the frontend keeps and hands back with `SET_INFLIGHT_FD`
+    /// (after a back-end restart too). Only called when the back-end offers
+    /// `VhostUserProtocolFeatures::INFLIGHT_SHMFD`; the default refuses.
+    fn get_inflight_fd(
+        &mut self,
+        _inflight: &VhostUserInflight,
+    ) -> Result<(VhostUserInflight, File)> {
+        Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
+    }
+
+    /// Use `file` (`SET_INFLIGHT_FD`) as the inflight I/O tracking region described by
+    /// `inflight`: a region from this back-end's `get_inflight_fd`, or one a previous back-end
+    /// process filled in, whose in-flight requests are to be resubmitted. The default refuses.
+    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> Result<()> {
+        Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
+    }
+
     /// Update guest memory regions.
     fn update_memory(&mut self, mem: GM<Self::Bitmap>) -> Result<()>;
 
@@ -417,6 +452,14 @@ impl<T: VhostUserBackend> VhostUserBackend for Arc<T> {
         self.deref().check_memory(mem)
     }
 
+    fn get_inflight_fd(&self, inflight: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
+        self.deref().get_inflight_fd(inflight)
+    }
+
+    fn set_inflight_fd(&self, inflight: &VhostUserInflight, file: File) -> Result<()> {
+        self.deref().set_inflight_fd(inflight, file)
+    }
+
     fn update_memory(&self, mem: GM<Self::Bitmap>) -> Result<()> {
         self.deref().update_memory(mem)
     }
@@ -516,6 +559,14 @@ impl<T: VhostUserBackendMut> VhostUserBackend for Mutex<T> {
 
     fn check_memory(&self, mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
         self.lock().unwrap().check_memory(mem)
+    }
+
+    fn get_inflight_fd(&self, inflight: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
+        self.lock().unwrap().get_inflight_fd(inflight)
+    }
+
+    fn set_inflight_fd(&self, inflight: &VhostUserInflight, file: File) -> Result<()> {
+        self.lock().unwrap().set_inflight_fd(inflight, file)
     }
 
     fn update_memory(&self, mem: GM<Self::Bitmap>) -> Result<()> {
@@ -620,6 +671,14 @@ impl<T: VhostUserBackendMut> VhostUserBackend for RwLock<T> {
 
     fn check_memory(&self, mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
         self.read().unwrap().check_memory(mem)
+    }
+
+    fn get_inflight_fd(&self, inflight: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
+        self.write().unwrap().get_inflight_fd(inflight)
+    }
+
+    fn set_inflight_fd(&self, inflight: &VhostUserInflight, file: File) -> Result<()> {
+        self.write().unwrap().set_inflight_fd(inflight, file)
     }
 
     fn update_memory(&self, mem: GM<Self::Bitmap>) -> Result<()> {
