@@ -1,13 +1,16 @@
 //! vhost-user glue: features, protocol features, config space, and event dispatch to the
 //! per-queue workers.
 
+use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use log::{error, info};
-use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::message::{
+    VhostUserInflight, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+};
 use vhost_user_backend::{VhostUserBackend, VringRwLock};
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
@@ -19,6 +22,7 @@ use vmm_sys_util::event::{
 };
 
 use crate::device::Device;
+use crate::inflight::{InflightRegion, QueueInflight};
 use crate::worker::QueueWorker;
 
 type Mem = GuestMemoryMmap<()>;
@@ -85,16 +89,32 @@ impl VhostUserBlkBackend {
         }
     }
 
-    /// Take queue `i`'s worker (ending a busy-poll loop if one holds it) and complete its
-    /// in-flight requests.
-    fn drain_queue(&self, i: usize) {
-        let Some(abort) = self.poll_abort.get(i) else {
-            return;
-        };
+    /// Run `f` on queue `i`'s worker, ending a busy-poll loop that holds it first.
+    fn with_worker<R>(&self, i: usize, f: impl FnOnce(&mut QueueWorker) -> R) -> Option<R> {
+        let abort = self.poll_abort.get(i)?;
         abort.store(true, Ordering::Relaxed);
-        if let Some(mut w) = self.worker(i) {
-            w.drain();
+        let r = self.worker(i).map(|mut w| f(&mut w));
+        abort.store(false, Ordering::Relaxed);
+        r
+    }
+
+    /// A graceful stop: every queue stops taking requests and completes those in flight
+    /// (their completions reach the guest before the connection closes).
+    pub fn quiesce(&self) {
+        for i in 0..self.workers.len() {
+            self.with_worker(i, |w| w.quiesce());
         }
+        if let Err(e) = self.dev.image.write_back() {
+            error!(
+                "writing back image metadata: {}",
+                crate::logging::error_chain(&e)
+            );
+        }
+    }
+
+    /// Complete queue `i`'s in-flight requests.
+    fn drain_queue(&self, i: usize) {
+        self.with_worker(i, |w| w.drain());
         // The front end may be going away: leave the image's metadata complete on disk.
         if let Err(e) = self.dev.image.write_back() {
             error!(
@@ -102,7 +122,6 @@ impl VhostUserBlkBackend {
                 crate::logging::error_chain(&e)
             );
         }
-        abort.store(false, Ordering::Relaxed);
     }
 
     pub fn log_stats(&self) {
@@ -177,6 +196,63 @@ impl VhostUserBackend for VhostUserBlkBackend {
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+    }
+
+    /// GET_INFLIGHT_FD: a new region for the frontend to keep (QEMU asks when it holds none:
+    /// at its first start and after a guest reset).
+    fn get_inflight_fd(&self, req: &VhostUserInflight) -> io::Result<(VhostUserInflight, File)> {
+        let refuse = |e: String| {
+            crate::log_limited!(log::Level::Error, "refused GET_INFLIGHT_FD: {e}");
+            io::Error::new(io::ErrorKind::InvalidInput, e)
+        };
+        if usize::from(req.num_queues) > self.workers.len() {
+            return Err(refuse(format!(
+                "{} queues asked for, {} offered",
+                req.num_queues,
+                self.workers.len()
+            )));
+        }
+        let (file, size) = InflightRegion::create(req.num_queues, req.queue_size)
+            .map_err(|e| refuse(crate::logging::error_chain(&e)))?;
+        log::debug!(
+            "inflight region: {} queues of {} entries, {size} bytes",
+            req.num_queues,
+            req.queue_size
+        );
+        Ok((
+            VhostUserInflight::new(size, 0, req.num_queues, req.queue_size),
+            file,
+        ))
+    }
+
+    /// SET_INFLIGHT_FD: track requests in this region from now on; at each queue's start,
+    /// resubmit what a previous process left marked in it.
+    fn set_inflight_fd(&self, msg: &VhostUserInflight, file: File) -> io::Result<()> {
+        let refuse = |e: String| {
+            crate::log_limited!(log::Level::Error, "refused SET_INFLIGHT_FD: {e}");
+            io::Error::new(io::ErrorKind::InvalidInput, e)
+        };
+        let region = InflightRegion::map(
+            &file,
+            msg.mmap_size,
+            msg.mmap_offset,
+            msg.num_queues,
+            msg.queue_size,
+        )
+        .map_err(|e| refuse(crate::logging::error_chain(&e)))?;
+        // Each queue's tracker holds the region: it is unmapped when the last goes.
+        let region = Arc::new(region);
+        if (0..self.workers.len()).any(|i| self.with_worker(i, |w| w.started()) == Some(true)) {
+            return Err(refuse("the queues are running".into()));
+        }
+        for i in 0..self.workers.len() {
+            let t = QueueInflight::new(&region, i as u16);
+            if let Some(Err(e)) = self.with_worker(i, |w| w.set_inflight(t)) {
+                return Err(refuse(e.into()));
+            }
+        }
+        Ok(())
     }
 
     fn set_event_idx(&self, _enabled: bool) {}

@@ -193,7 +193,7 @@ fn listen(socket: &Socket) -> Result<Listener, DaemonError> {
 #[derive(Default)]
 struct Phase {
     stop: bool,
-    connection: Option<ShutdownHandle>,
+    connection: Option<(ShutdownHandle, Arc<VhostUserBlkBackend>)>,
 }
 
 /// Run until SIGTERM/SIGINT. Returns Ok on a clean shutdown.
@@ -221,7 +221,14 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
         let mut p = phase.lock().unwrap_or_else(|e| e.into_inner());
         p.stop = true;
         match p.connection.take() {
-            Some(h) => h.shutdown(),
+            Some((h, backend)) => {
+                // Complete what is in flight and tell the guest while the connection is
+                // up; only then close it. (Closing first would leave completions the
+                // frontend never sees: the next process would run them again and the
+                // guest would wait for them for ever.)
+                backend.quiesce();
+                h.shutdown();
+            }
             None => {
                 // Idle: nothing in flight. Flush and leave; the serving thread may be blocked
                 // in accept().
@@ -305,7 +312,7 @@ fn serve_loop(
             if p.stop {
                 daemon.request_shutdown();
             } else {
-                p.connection = daemon.shutdown_handle();
+                p.connection = daemon.shutdown_handle().map(|h| (h, backend.clone()));
             }
         }
         info!("frontend connected");

@@ -5,143 +5,33 @@
 
 mod common;
 
-use std::fs::File;
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures};
-use vhost::vhost_user::{Frontend, VhostUserFrontend};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
-use vm_memory::{
-    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
-};
-use vmm_sys_util::eventfd::EventFd;
+use vhost::vhost_user::VhostUserFrontend;
+use vhost::VhostBackend;
 
 use common::*;
 
-const GPA: u64 = 0x10_0000;
-const MEM_LEN: u64 = 32 << 20;
-const QSIZE: u16 = 16;
-/// Ring layout inside guest memory (offsets from GPA).
-const DESC: u64 = 0;
-const AVAIL: u64 = 0x1000;
-const USED: u64 = 0x2000;
 const HDR: u64 = 0x3000;
 const STATUS: u64 = 0x3100;
 const DATA: u64 = 0x10_0000;
 
-fn memfd(len: u64) -> File {
-    // SAFETY: plain system call with a valid C string; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"hostile".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: a fresh descriptor nothing else owns.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(len).unwrap();
-    f
-}
-
-/// One region of a memory table.
-fn region(gpa: u64, len: u64, hva: u64, fd: i32) -> VhostUserMemoryRegionInfo {
-    VhostUserMemoryRegionInfo {
-        guest_phys_addr: gpa,
-        memory_size: len,
-        userspace_addr: hva,
-        mmap_offset: 0,
-        mmap_handle: fd,
-    }
-}
-
-/// Guest memory the test shares: one memfd region at GPA.
-struct Guest {
-    mem: GuestMemoryMmap<()>,
-    file: File,
-    hva: u64,
-}
-
-fn guest() -> Guest {
-    let file = memfd(MEM_LEN);
-    let mem = GuestMemoryMmap::<()>::from_ranges_with_files(&[(
-        GuestAddress(GPA),
-        MEM_LEN as usize,
-        Some(FileOffset::new(file.try_clone().unwrap(), 0)),
-    )])
-    .unwrap();
-    let hva = mem.get_host_address(GuestAddress(GPA)).unwrap() as u64;
-    Guest { mem, file, hva }
-}
-
-impl Guest {
-    fn region(&self) -> VhostUserMemoryRegionInfo {
-        let r = self.mem.find_region(GuestAddress(GPA)).unwrap();
-        let fd = r.file_offset().unwrap().file().as_raw_fd();
-        region(GPA, MEM_LEN, self.hva, fd)
-    }
-
-    fn w<T: vm_memory::ByteValued>(&self, off: u64, v: T) {
-        let _ = self.mem.write_obj(v, GuestAddress(GPA + off));
-    }
-
-    fn desc(&self, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
-        let at = DESC + u64::from(i) * 16;
-        self.w(at, addr);
-        self.w(at + 8, len);
-        self.w(at + 12, flags);
-        self.w(at + 14, next);
-    }
-
-    /// A 4 KiB request of `type_` at sector 0 with its data at `data` (a guest address) and
-    /// its status at `status`; published as avail entry 0 with avail index `idx`.
-    fn request(&self, type_: u32, data: u64, status: u64, idx: u16) {
-        self.w(HDR, type_);
-        self.w(HDR + 4, 0u32);
-        self.w(HDR + 8, 0u64);
-        let write_flag = if type_ == 0 { 2 } else { 0 };
-        self.desc(0, GPA + HDR, 16, 1, 1);
-        self.desc(1, data, 4096, 1 | write_flag, 2);
-        self.desc(2, status, 1, 2, 0);
-        self.w(AVAIL + 4, 0u16);
-        self.w(AVAIL + 2, idx);
-    }
-}
-
-/// A connected frontend with its features and protocol features set (REPLY_ACK: every
-/// message is answered, so a refusal is seen).
-fn frontend(socket: &Path) -> Frontend {
-    let mut fe = Frontend::connect(socket, 1).unwrap();
-    fe.set_owner().unwrap();
-    let features = fe.get_features().unwrap();
-    fe.set_features(features).unwrap();
-    let proto = fe.get_protocol_features().unwrap();
-    fe.set_protocol_features(proto & VhostUserProtocolFeatures::REPLY_ACK | proto)
-        .unwrap();
-    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
-    fe
-}
-
-/// Queue 0 set up over `g` (ring addresses are the frontend's virtual addresses), then kicked.
-fn start_queue(fe: &mut Frontend, g: &Guest, used_off: u64) -> (EventFd, EventFd) {
-    let _ = fe.set_vring_num(0, QSIZE);
-    let config = VringConfigData {
-        queue_max_size: QSIZE,
-        queue_size: QSIZE,
-        flags: 0,
-        desc_table_addr: g.hva + DESC,
-        used_ring_addr: g.hva + used_off,
-        avail_ring_addr: g.hva + AVAIL,
-        log_addr: None,
-    };
-    let _ = fe.set_vring_addr(0, &config);
-    let _ = fe.set_vring_base(0, 0);
-    let kick = EventFd::new(0).unwrap();
-    let call = EventFd::new(0).unwrap();
-    let _ = fe.set_vring_call(0, &call);
-    let _ = fe.set_vring_kick(0, &kick);
-    let _ = fe.set_vring_enable(0, true);
-    kick.write(1).unwrap();
-    (kick, call)
+/// A 4 KiB request of `type_` at sector 0 with its data at `data` (a guest address) and
+/// its status at `status`; published as avail entry 0 with avail index `idx`.
+fn request(g: &Guest, type_: u32, data: u64, status: u64, idx: u16) {
+    g.w(HDR, type_);
+    g.w(HDR + 4, 0u32);
+    g.w(HDR + 8, 0u64);
+    let write_flag = if type_ == 0 { 2 } else { 0 };
+    g.desc(0, GPA + HDR, 16, 1, 1);
+    g.desc(1, data, 4096, 1 | write_flag, 2);
+    g.desc(2, status, 1, 2, 0);
+    g.w(AVAIL + 4, 0u16);
+    g.w(AVAIL + 2, idx);
 }
 
 /// After a probe: the daemon is alive, serves an honest client, and the image holds what
@@ -190,7 +80,7 @@ fn hostile_frontends_never_take_the_daemon_down() {
             fe.set_mem_table(&[r]).is_err(),
             "a region beyond its file was accepted"
         );
-        g.request(1, GPA + (40 << 20), GPA + STATUS, 1);
+        request(&g, 1, GPA + (40 << 20), GPA + STATUS, 1);
         let _kicks = start_queue(&mut fe, &g, USED);
         drop(fe);
         still_serving(&backend, &img, &original, "region beyond its file");
@@ -202,7 +92,7 @@ fn hostile_frontends_never_take_the_daemon_down() {
         let g = guest();
         let mut fe = frontend(&backend.socket);
         fe.set_mem_table(&[g.region()]).unwrap();
-        g.request(1, GPA + DATA, GPA + DATA + 8192, 1);
+        request(&g, 1, GPA + DATA, GPA + DATA + 8192, 1);
         g.file.set_len(0x4000).unwrap();
         let (_k, call) = start_queue(&mut fe, &g, USED);
         let _ = call;
@@ -222,7 +112,7 @@ fn hostile_frontends_never_take_the_daemon_down() {
         let g = guest();
         let mut fe = frontend(&backend.socket);
         fe.set_mem_table(&[g.region()]).unwrap();
-        g.request(1, GPA + DATA, GPA + STATUS, idx);
+        request(&g, 1, GPA + DATA, GPA + STATUS, idx);
         let (kick, _call) = start_queue(&mut fe, &g, USED);
         for _ in 0..100 {
             kick.write(1).unwrap();
@@ -239,7 +129,7 @@ fn hostile_frontends_never_take_the_daemon_down() {
         let g = guest();
         let mut fe = frontend(&backend.socket);
         fe.set_mem_table(&[g.region()]).unwrap();
-        g.request(1, GPA + DATA, GPA + STATUS, 1);
+        request(&g, 1, GPA + DATA, GPA + STATUS, 1);
         let _kicks = start_queue(&mut fe, &g, MEM_LEN - 16);
         std::thread::sleep(Duration::from_millis(100));
         drop(fe);

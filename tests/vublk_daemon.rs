@@ -601,6 +601,12 @@ fn reconnects_leave_no_descriptors_behind() {
     while fds() > before && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    assert_eq!(fds(), before, "descriptors leaked over 30 connections");
+    // At most as many as before (the first session may still have been going away when
+    // `before` was counted, on a busy machine).
+    let after = fds();
+    assert!(
+        after <= before,
+        "descriptors leaked over 30 connections: {before} -> {after}"
+    );
     backend.assert_running();
 }

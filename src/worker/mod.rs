@@ -40,6 +40,7 @@ use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 
 use crate::device::Device;
 use crate::image::ReadPlan;
+use crate::inflight::QueueInflight;
 use crate::io::bounce::BouncePool;
 use crate::io::{Completion, Engine};
 use crate::log_limited;
@@ -49,6 +50,7 @@ use slot::Slot;
 
 type Mem = GuestMemoryMmap<()>;
 type Vring = VringRwLock<GuestMemoryAtomic<Mem>>;
+type VringState = vhost_user_backend::VringState<GuestMemoryAtomic<Mem>>;
 
 /// How long a wait for another request (a fill, a pool job) sleeps before this queue
 /// reaps its own completions again: the request waited for is often this queue's own.
@@ -101,6 +103,18 @@ pub struct QueueWorker {
     broken: Option<&'static str>,
     /// Guest memory pages lost to bus errors when this queue last looked.
     lost_pages: u64,
+    /// This queue's part of the frontend's inflight region (INFLIGHT_SHMFD), if it gave one.
+    inflight: Option<QueueInflight>,
+    /// The queue has started in this connection (see `start`); false again once stopped.
+    started: bool,
+    /// Heads the inflight region says were in flight when the previous process ended, to
+    /// resubmit before anything new (last first: popped from the end).
+    resubmit: Vec<u16>,
+    /// Signal the guest once after a start, for completions a previous process put on the
+    /// used ring without signalling.
+    signal_on_start: bool,
+    /// The daemon is stopping: take no more requests (the next process will).
+    quiesced: bool,
 }
 
 impl QueueWorker {
@@ -124,6 +138,11 @@ impl QueueWorker {
             inbox,
             offloaded: 0,
             broken: None,
+            inflight: None,
+            started: false,
+            resubmit: Vec::new(),
+            signal_on_start: false,
+            quiesced: false,
             lost_pages: crate::guest_memory::lost_pages(),
             poll: Duration::ZERO,
             poll_abort: Arc::new(AtomicBool::new(false)),
@@ -160,6 +179,30 @@ impl QueueWorker {
 
     pub fn set_memory(&mut self, mem: GuestMemoryAtomic<Mem>) {
         self.mem = mem;
+    }
+
+    /// Track this queue's requests in `t` from its next start (SET_INFLIGHT_FD comes before
+    /// the rings are set up). Refused while the queue runs: requests in flight would be
+    /// recorded in one region and completed in another.
+    pub fn set_inflight(&mut self, t: Option<QueueInflight>) -> Result<(), &'static str> {
+        if self.started {
+            return Err("the queue is running");
+        }
+        self.inflight = t;
+        Ok(())
+    }
+
+    /// Take no new request from now on and complete those in flight, signalling the guest,
+    /// while the connection is still up (a graceful stop: the next process starts from the
+    /// used ring, where everything taken has been put back).
+    pub fn quiesce(&mut self) {
+        self.quiesced = true;
+        self.drain();
+    }
+
+    /// Has the queue started in this connection?
+    pub fn started(&self) -> bool {
+        self.started
     }
 
     /// The guest kicked: process every available chain.
@@ -244,8 +287,103 @@ impl QueueWorker {
         }
         self.stalled = false;
         // The frontend stops a queue before it sets it up again: a broken ring gets a new
-        // chance then.
+        // chance then, and the next start reads the rings (and the inflight region) anew.
+        // Requests not yet resubmitted stay marked in the region for that start.
         self.broken = None;
+        self.started = false;
+        self.resubmit.clear();
+    }
+
+    /// The queue's first processing after it was set up: the device's used index is the
+    /// used ring's (SET_VRING_BASE sets only the available side, and a previous process
+    /// may have published more than the frontend knows); with an inflight region, its
+    /// last batch is repaired, the available position is the used index plus the requests
+    /// still marked, and those are queued for resubmission in the order they were taken.
+    fn start(&mut self, q: &mut virtio_queue::Queue, mem: &Mem) {
+        self.started = true;
+        self.signal_on_start = true;
+        if let Some(why) = ring_problem(q, mem) {
+            self.mark_broken(why);
+            return;
+        }
+        let used = match q.used_idx(mem, Ordering::Acquire) {
+            Ok(u) => u.0,
+            Err(_) => {
+                self.mark_broken("the used ring is not in guest memory");
+                return;
+            }
+        };
+        q.set_next_used(used);
+        let Some(t) = self.inflight.as_mut() else {
+            return;
+        };
+        if q.size() > t.desc_num() {
+            log::error!(
+                "queue {}: the inflight region tracks {} entries but the ring has {}: \
+                 requests on this queue are not tracked",
+                self.index,
+                t.desc_num(),
+                q.size()
+            );
+            self.inflight = None;
+            return;
+        }
+        let r = t.recover(used, q.size());
+        if !r.resubmit.is_empty() || r.repaired > 0 {
+            log::info!(
+                "queue {}: resubmitting {} requests the previous process had in flight \
+                 ({} completions it had published accounted)",
+                self.index,
+                r.resubmit.len(),
+                r.repaired
+            );
+        }
+        q.set_next_avail(used.wrapping_add(r.resubmit.len() as u16));
+        self.resubmit = r.resubmit;
+        self.resubmit.reverse();
+    }
+
+    /// Start the requests recovery found in flight, oldest first, as far as slots allow.
+    fn resubmit_recovered(&mut self, q: &virtio_queue::Queue, mem: &Arc<Mem>) {
+        while !self.resubmit.is_empty() && !self.free.is_empty() {
+            let Some(head) = self.resubmit.pop() else {
+                break;
+            };
+            let chain = virtio_queue::DescriptorChain::new(
+                &**mem,
+                vm_memory::GuestAddress(q.desc_table()),
+                q.size(),
+                head,
+            );
+            let descs = chain.map(|d| Desc {
+                addr: d.addr().0,
+                len: d.len(),
+                write_only: d.is_write_only(),
+            });
+            if let Some(used) = self.start_request(head, descs, mem) {
+                self.deferred_used.push((head, used));
+            }
+        }
+    }
+
+    /// Put finished requests on the used ring, each accounted in the inflight region.
+    fn publish_used(&mut self, state: &mut VringState) {
+        let index = self.index;
+        for (head, len) in self.deferred_used.drain(..) {
+            let mut publish = || match state.add_used(head, len) {
+                Ok(()) => Some(state.get_queue().next_used()),
+                Err(e) => {
+                    log_limited!(log::Level::Warn, "queue {index}: add_used: {e}");
+                    None
+                }
+            };
+            match self.inflight.as_mut() {
+                Some(t) => t.complete(head, publish),
+                None => {
+                    publish();
+                }
+            }
+        }
     }
 
     /// Block until something in flight may have completed; false if waiting failed.
@@ -272,8 +410,14 @@ impl QueueWorker {
     /// Pop and start every available chain. With `rearm`, guest notifications are enabled
     /// again at the end (closing the race with EVENT_IDX); while polling they stay off.
     fn process_queue(&mut self, vring: &Vring, rearm: bool) {
+        if self.quiesced {
+            return;
+        }
         let mem = self.mem.memory().into_inner();
         let mut state = vring.get_mut();
+        if !self.started && state.get_queue().ready() {
+            self.start(state.get_queue_mut(), &mem);
+        }
         loop {
             if self.broken.is_some() || self.memory_lost() {
                 break;
@@ -289,8 +433,11 @@ impl QueueWorker {
                     self.index
                 );
             }
+            if !self.resubmit.is_empty() {
+                self.resubmit_recovered(state.get_queue(), &mem);
+            }
             loop {
-                if self.free.is_empty() {
+                if self.free.is_empty() || !self.resubmit.is_empty() {
                     self.stalled = true;
                     break;
                 }
@@ -312,6 +459,9 @@ impl QueueWorker {
                     break;
                 };
                 let head = chain.head_index();
+                if let Some(t) = self.inflight.as_mut() {
+                    t.taken(head);
+                }
                 let descs = chain.map(|d| Desc {
                     addr: d.addr().0,
                     len: d.len(),
@@ -340,13 +490,9 @@ impl QueueWorker {
         }
         self.submit_engine();
         let completed = !self.deferred_used.is_empty();
-        for (head, used) in self.deferred_used.drain(..) {
-            if let Err(e) = state.add_used(head, used) {
-                log_limited!(log::Level::Warn, "queue {}: add_used: {e}", self.index);
-            }
-        }
+        self.publish_used(&mut state);
         drop(state);
-        if completed {
+        if completed || std::mem::take(&mut self.signal_on_start) {
             self.signal(vring);
         }
         // The blocking engine has finished already; complete without waiting for an event.
@@ -405,11 +551,7 @@ impl QueueWorker {
             return;
         }
         let mut state = vring.get_mut();
-        for (head, used) in self.deferred_used.drain(..) {
-            if let Err(e) = state.add_used(head, used) {
-                log_limited!(log::Level::Warn, "queue {}: add_used: {e}", self.index);
-            }
-        }
+        self.publish_used(&mut state);
         drop(state);
         self.signal(vring);
     }

@@ -11,6 +11,7 @@
 
 mod client;
 mod files;
+mod frontend;
 mod loopdev;
 mod process;
 mod qemu_img;
@@ -21,6 +22,8 @@ mod seccomp;
 pub use client::*;
 #[allow(unused_imports)]
 pub use files::*;
+#[allow(unused_imports)]
+pub use frontend::*;
 #[allow(unused_imports)]
 pub use loopdev::*;
 #[allow(unused_imports)]
