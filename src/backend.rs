@@ -246,6 +246,11 @@ impl VhostUserBackend for VhostUserBlkBackend {
         if (0..self.workers.len()).any(|i| self.with_worker(i, |w| w.started()) == Some(true)) {
             return Err(refuse("the queues are running".into()));
         }
+        info!(
+            "inflight tracking: {} queues of {} entries (requests in flight survive a \
+             restart of vublk)",
+            msg.num_queues, msg.queue_size
+        );
         for i in 0..self.workers.len() {
             let t = QueueInflight::new(&region, i as u16);
             if let Some(Err(e)) = self.with_worker(i, |w| w.set_inflight(t)) {

@@ -28,70 +28,17 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{find_program, parse_size, read_log, skip, ChildGuard, LineCollector, ScratchDir};
+use vm::{
+    build_guest, env_or, find_program, markers, parse_size, read_log, skip, ChildGuard,
+    LineCollector, ScratchDir, MARK,
+};
 
-const MARK: &str = "VUBLK-E2E: ";
 const NUM_QUEUES: u32 = 2;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Backend {
     Vublk,
     Qsd,
-}
-
-struct Guest {
-    kver: String,
-    kernel: PathBuf,
-    kernel_kind: String,
-    initrd: PathBuf,
-    pattern: PathBuf,
-}
-
-/// Build (or reuse) the guest kernel + initramfs. `Err` = skip reason.
-fn build_guest(out_dir: &Path) -> Result<Guest, String> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("contrib/guest/build-initramfs.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg(out_dir)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("running {}: {e}", script.display()))?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    for l in stderr.lines() {
-        println!("[build] {l}");
-    }
-    match out.status.code() {
-        Some(0) => {}
-        Some(77) => return Err(format!("guest prerequisites missing: {}", stderr.trim())),
-        _ => panic!("{} failed ({}):\n{stderr}", script.display(), out.status),
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let get = |key: &str| -> String {
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
-            .unwrap_or_else(|| panic!("build script printed no {key}=:\n{stdout}"))
-            .to_owned()
-    };
-    Ok(Guest {
-        kver: get("KVER"),
-        kernel: get("KERNEL").into(),
-        kernel_kind: get("KERNEL_KIND"),
-        initrd: get("INITRD").into(),
-        pattern: get("PATTERN").into(),
-    })
-}
-
-fn env_or(key: &str, default: &str) -> String {
-    env::var(key).unwrap_or_else(|_| default.to_owned())
-}
-
-/// The guest's marker lines (text after "VUBLK-E2E: "), wherever they start in a line.
-fn markers(lines: &[String]) -> Vec<String> {
-    lines
-        .iter()
-        .filter_map(|l| l.find(MARK).map(|i| l[i + MARK.len()..].to_owned()))
-        .collect()
 }
 
 /// "uptime=12.34s" in the marker starting with `prefix`.

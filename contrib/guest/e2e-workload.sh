@@ -122,6 +122,89 @@ zero-mkfs)
 	phase
 	exit 0
 	;;
+restart)
+	# E2E_WRITERS writers (default 4) write 4 KiB blocks of pattern.bin with O_DIRECT and
+	# O_DSYNC (a FLUSH after each) for E2E_SECONDS (default 60) while the host kills and
+	# restarts the backend. Block i of writer w goes to device block (i * writers + w) * 16
+	# (one per 64 KiB: every write allocates on a fresh qcow2) and holds pattern block
+	# (i * writers + w) % 6144. Each writer reports how many blocks it wrote and its longest
+	# write; the host checks the image, the guest re-reads its last blocks and checks dmesg.
+	phase restart-writes
+	writers=${E2E_WRITERS:-4}
+	seconds=${E2E_SECONDS:-60}
+	pat_blocks=$(($(stat -c %s "$PAT") / 4096))
+	max_blocks=$((DEV_BYTES / (64 * 1024) / writers))
+	writer() { # writer W
+		local w=$1 i=0 t0 t1 lat max=0 end b
+		end=$(($(now_cs) + seconds * 100))
+		while [ "$(now_cs)" -lt "$end" ] && [ $i -lt $max_blocks ]; do
+			b=$((i * writers + w))
+			t0=$(now_cs)
+			if ! "$DD" if="$PAT" of="$DEV" bs=4096 count=1 skip=$((b % pat_blocks)) \
+				seek=$((b * 16)) oflag=direct,dsync conv=notrunc status=none; then
+				echo "error $i" >"/tmp/writer.$w"
+				return 1
+			fi
+			t1=$(now_cs)
+			lat=$((t1 - t0))
+			[ $lat -gt $max ] && max=$lat
+			i=$((i + 1))
+		done
+		echo "ok $i $max" >"/tmp/writer.$w"
+	}
+	# Two bulk writers keep 1 MiB writes in the backend's hands most of the time (a kill
+	# then finds requests in flight): 1 MiB pattern slices to the upper half of the disk,
+	# block j of bulk writer k at MiB (DEV_BYTES / 2 / MiB) + (2j + k) % (half the disk's
+	# MiB), pattern MiB j % 24; they wrap around until the time is up.
+	bulk() { # bulk K
+		local k=$1 j=0 end half_mib=$((DEV_BYTES / 2 / MIB))
+		end=$(($(now_cs) + seconds * 100))
+		while [ "$(now_cs)" -lt "$end" ]; do
+			if ! "$DD" if="$PAT" of="$DEV" bs=1M count=1 skip=$((j % 24)) \
+				seek=$((half_mib + (2 * j + k) % half_mib)) oflag=direct conv=notrunc \
+				status=none; then
+				echo "error $j" >"/tmp/bulk.$k"
+				return 1
+			fi
+			j=$((j + 1))
+		done
+		echo "ok $j" >"/tmp/bulk.$k"
+	}
+	say "RESTART-START writers=$writers seconds=$seconds"
+	for w in $(seq 0 $((writers - 1))); do
+		writer "$w" &
+	done
+	bulk 0 &
+	bulk 1 &
+	wait
+	for k in 0 1; do
+		read -r st n <"/tmp/bulk.$k" || fail restart-bulk "bulk writer $k left no result"
+		[ "$st" = ok ] || fail restart-bulk-write "bulk writer $k: write of block $n failed"
+		say "BULK writer=$k blocks=$n"
+	done
+	phase restart-verify
+	worst=0
+	for w in $(seq 0 $((writers - 1))); do
+		read -r st n max <"/tmp/writer.$w" || fail restart-writer "writer $w left no result"
+		[ "$st" = ok ] || fail restart-write "writer $w: write of block $n failed"
+		say "WROTE writer=$w blocks=$n longest_write_cs=$max"
+		[ "$max" -gt "$worst" ] && worst=$max
+		# Read back the writer's last 16 blocks through the device.
+		echo 3 >/proc/sys/vm/drop_caches
+		i=$((n > 16 ? n - 16 : 0))
+		while [ $i -lt "$n" ]; do
+			b=$((i * writers + w))
+			"$CMP" -s -n 4096 -i "$(((b % pat_blocks) * 4096)):$((b * 16 * 4096))" "$PAT" "$DEV" ||
+				fail restart-readback "writer $w block $i"
+			i=$((i + 1))
+		done
+	done
+	say "STALL longest_write=$(fmt_cs "$worst")s"
+	errors=$(/bin/busybox dmesg | grep -i -E 'i/o error|blk_update_request|timed out|timeout|reset' || true)
+	[ -z "$errors" ] || fail restart-dmesg "$(echo "$errors" | head -n 3 | tr '\n' ' ')"
+	phase
+	exit 0
+	;;
 "") ;;
 *) fail mode "unknown E2E_MODE=$E2E_MODE" ;;
 esac

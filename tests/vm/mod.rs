@@ -302,3 +302,62 @@ pub fn read_log(path: &Path) -> String {
         .map(|b| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default()
 }
+
+/// What the guest prints before each of its marker lines.
+pub const MARK: &str = "VUBLK-E2E: ";
+
+/// The guest kernel, initramfs and the pattern file baked into it.
+pub struct Guest {
+    pub kver: String,
+    pub kernel: PathBuf,
+    pub kernel_kind: String,
+    pub initrd: PathBuf,
+    pub pattern: PathBuf,
+}
+
+/// Build (or reuse) the guest kernel + initramfs. `Err` = skip reason.
+pub fn build_guest(out_dir: &Path) -> Result<Guest, String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("contrib/guest/build-initramfs.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(out_dir)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("running {}: {e}", script.display()))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for l in stderr.lines() {
+        println!("[build] {l}");
+    }
+    match out.status.code() {
+        Some(0) => {}
+        Some(77) => return Err(format!("guest prerequisites missing: {}", stderr.trim())),
+        _ => panic!("{} failed ({}):\n{stderr}", script.display(), out.status),
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let get = |key: &str| -> String {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+            .unwrap_or_else(|| panic!("build script printed no {key}=:\n{stdout}"))
+            .to_owned()
+    };
+    Ok(Guest {
+        kver: get("KVER"),
+        kernel: get("KERNEL").into(),
+        kernel_kind: get("KERNEL_KIND"),
+        initrd: get("INITRD").into(),
+        pattern: get("PATTERN").into(),
+    })
+}
+
+pub fn env_or(key: &str, default: &str) -> String {
+    env::var(key).unwrap_or_else(|_| default.to_owned())
+}
+
+/// The guest's marker lines (text after "VUBLK-E2E: "), wherever they start in a line.
+pub fn markers(lines: &[String]) -> Vec<String> {
+    lines
+        .iter()
+        .filter_map(|l| l.find(MARK).map(|i| l[i + MARK.len()..].to_owned()))
+        .collect()
+}
