@@ -565,6 +565,17 @@ impl Image {
         }
     }
 
+    /// Metadata that requests about to complete depend on, put into the file (not synced):
+    /// what a new process finds after this one is killed. A no-op for raw images and when
+    /// nothing changed.
+    pub fn publish(&self) -> Result<(), ImageError> {
+        match &self.kind {
+            Kind::Raw => Ok(()),
+            Kind::Parallels(p) => p.publish(&self.file),
+            Kind::Qcow2(d) => d.q.publish(&self.file),
+        }
+    }
+
     /// Everything completed so far durable: format metadata, then the file.
     pub fn sync(&self) -> Result<(), ImageError> {
         self.write_back()?;

@@ -366,9 +366,21 @@ impl QueueWorker {
         }
     }
 
-    /// Put finished requests on the used ring, each accounted in the inflight region.
+    /// Put finished requests on the used ring, each accounted in the inflight region; the
+    /// image's metadata they depend on reaches the file first (a process killed after this
+    /// leaves nothing the guest was told is written only in its memory).
     fn publish_used(&mut self, state: &mut VringState) {
         let index = self.index;
+        if self.deferred_used.is_empty() {
+            return;
+        }
+        if let Err(e) = self.dev.image.publish() {
+            log_limited!(
+                log::Level::Error,
+                "queue {index}: writing image metadata: {}",
+                crate::logging::error_chain(&e)
+            );
+        }
         for (head, len) in self.deferred_used.drain(..) {
             let mut publish = || match state.add_used(head, len) {
                 Ok(()) => Some(state.get_queue().next_used()),

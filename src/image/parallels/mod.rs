@@ -110,6 +110,8 @@ pub struct ParallelsImage {
     /// Metadata write granularity (the file's direct-I/O alignment).
     chunk: u64,
     state: Mutex<State>,
+    /// BAT entries changed in memory and not yet in the file (see [`ParallelsImage::publish`]).
+    unpublished: std::sync::atomic::AtomicBool,
     pub stats: ParallelsStats,
     /// The image was not closed cleanly (in-use set at open).
     pub was_in_use: bool,
@@ -292,6 +294,7 @@ impl ParallelsImage {
                 prealloc: prealloc.map(|(m, n)| (m, n.max(cluster))),
                 falloc_unsupported: false,
             }),
+            unpublished: Default::default(),
             stats: ParallelsStats::default(),
             was_in_use,
             trimmed_at_open: 0,
@@ -336,6 +339,8 @@ impl ParallelsImage {
         let at = HEADER_LEN as usize + g * 4;
         st.meta[at..at + 4].copy_from_slice(&v.to_le_bytes());
         st.dirty.mark(at as u64 / self.chunk * self.chunk);
+        self.unpublished
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// The host offset of guest cluster `g`, if allocated.
@@ -601,6 +606,27 @@ impl ParallelsImage {
             pos += n;
         }
         Ok(())
+    }
+
+    /// Put the changed BAT chunks into the file, without a sync: called before requests
+    /// whose writes changed the BAT complete, so that a new vublk process after a crash
+    /// finds them. (A cluster is reused only after the BAT write that freed it was synced,
+    /// so an early BAT write never makes two guest clusters share one.)
+    pub fn publish(&self, file: &dyn Storage) -> Result<(), ImageError> {
+        if !self.writable
+            || !self
+                .unpublished
+                .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        let r = self.write_dirty(&mut st, file);
+        if r.is_err() {
+            self.unpublished
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+        r
     }
 
     /// Write the changed BAT chunks (the caller syncs for durability); clusters freed before

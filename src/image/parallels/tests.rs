@@ -272,3 +272,49 @@ fn broken_bats_are_refused() {
         }
     }
 }
+
+/// A killed vublk: every write and discard that completed (published, as the worker does
+/// before it completes them) is found by the next process, without a flush or a close.
+#[test]
+fn completed_writes_survive_a_killed_process() {
+    let size = 8 << 20;
+    let disk = MemStorage::new(new_image(size, C).unwrap());
+    let p = rw(&disk, Some((PreallocMode::Falloc, 1 << 20)));
+    let mut model = vec![0u8; size as usize];
+    let mut seed = 11u64;
+    let mut next = || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        seed >> 33
+    };
+    for round in 0..120 {
+        let off = (next() % (size / 512)) * 512;
+        let len = ((next() % 256 + 1) * 512).min(size - off);
+        if round % 5 == 0 {
+            p.zero_range(&disk, off, len, ZeroMode::Unmap).unwrap();
+            model[off as usize..(off + len) as usize].fill(0);
+        } else {
+            let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ (round as u8)).collect();
+            p.write(&disk, off, &data).unwrap();
+            model[off as usize..(off + len) as usize].copy_from_slice(&data);
+        }
+        p.publish(&disk).unwrap();
+    }
+    // The process is gone: what it wrote stays (no flush, no close).
+    let after = MemStorage::new(disk.lock().clone());
+    drop(p);
+    let q = ParallelsImage::open(
+        &after,
+        ParallelsOptions {
+            chunk: 512,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(q.was_in_use);
+    assert!(
+        read_guest(&q, &after, 0, size) == model,
+        "a completed write was lost with the process"
+    );
+}

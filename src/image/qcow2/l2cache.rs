@@ -116,6 +116,8 @@ impl Qcow2Image {
                     .ok_or(ImageError::Corrupt("L2 index out of range"))?;
                 *slot = entry;
                 t.dirty[index / per_chunk] = true;
+                self.unpublished
+                    .store(true, std::sync::atomic::Ordering::Release);
                 return Ok(());
             }
             if !cache.make_room() {

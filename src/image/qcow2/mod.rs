@@ -196,6 +196,9 @@ struct WriteState {
     /// Host clusters that lost a reference in an L2 change not yet durable: decremented
     /// after the L2 tables are written and synced (a crash before leaks, never corrupts).
     pending_decs: crate::image::durable::AfterDurable<u64>,
+    /// Refcount chunks (or the file's new length) were written since the last sync: an L2
+    /// chunk that may name what they describe must wait for a sync.
+    unsynced_refcounts: bool,
 }
 
 /// An open qcow2 image.
@@ -228,6 +231,8 @@ pub struct Qcow2Image {
     prealloc_bg: Background,
     /// Punch the host range of clusters whose refcount drops to 0 (`--discard unmap`).
     punch_freed: bool,
+    /// L2 entries changed in the cache and not yet in the file (see [`Qcow2Image::publish`]).
+    unpublished: std::sync::atomic::AtomicBool,
     pub stats: Qcow2Stats,
 }
 

@@ -104,6 +104,7 @@ impl Qcow2Image {
                 refcount_chunks: Default::default(),
                 dirty_chunks: Default::default(),
                 pending_decs: Default::default(),
+                unsynced_refcounts: false,
             })
         } else {
             None
@@ -138,6 +139,7 @@ impl Qcow2Image {
             comp: compress::CompCache::new(opts.compress),
             prealloc_bg: Background::default(),
             punch_freed: opts.punch_freed,
+            unpublished: Default::default(),
             stats: Qcow2Stats::default(),
         };
         img.find_data_end(file)?;

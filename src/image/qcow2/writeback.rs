@@ -82,6 +82,40 @@ impl Qcow2Image {
         ws: &mut WriteState,
         file: &dyn Storage,
     ) -> Result<(), ImageError> {
+        self.write_back_ordered(ws, file, true)
+    }
+
+    /// Put every L2 change made so far into the file (after what it depends on, in the
+    /// order `write_back` keeps), without the final release of freed clusters: called
+    /// before requests whose writes changed the mapping complete, so that a new vublk
+    /// process after a crash finds them (the host's page cache holds the metadata as it
+    /// holds the data; FLUSH still makes both durable). Cheap when nothing changed.
+    pub fn publish(&self, file: &dyn Storage) -> Result<(), ImageError> {
+        if !self
+            .unpublished
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            return Ok(());
+        }
+        let Ok(mut ws) = self.lock_write() else {
+            return Ok(());
+        };
+        let r = self.write_back_ordered(&mut ws, file, false);
+        if r.is_err() {
+            self.unpublished
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+        r
+    }
+
+    /// `write_back`; `release`: also apply the decrements the written L2 changes allow
+    /// (one more sync).
+    fn write_back_ordered(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        release: bool,
+    ) -> Result<(), ImageError> {
         // Compressed chunks reach the file before any L2 entry that names them; after a
         // failed cache write, nothing may claim durability again.
         self.write_back_cache(file)?;
@@ -91,14 +125,24 @@ impl Qcow2Image {
                 let end = ws.next_free.next_multiple_of(SIZE_STEP);
                 if file.size().map_err(ImageError::Io)? < ws.next_free {
                     file.set_len(end).map_err(ImageError::Io)?;
+                    ws.unsynced_refcounts = true;
                 }
                 ws.covered = ws.covered.max(ws.next_free);
             }
             self.write_dirty_refcounts(ws, file)?;
         }
         if l2_dirty {
-            file.sync_data().map_err(ImageError::Io)?;
+            // The barrier: no L2 chunk on disk may name a cluster whose refcount (or the
+            // file length covering it) is not durable. Nothing to wait for when those were
+            // synced already.
+            if ws.unsynced_refcounts {
+                file.sync_data().map_err(ImageError::Io)?;
+                ws.unsynced_refcounts = false;
+            }
             self.write_dirty_tables(file)?;
+        }
+        if !release {
+            return Ok(());
         }
         for host in ws.pending_decs.release(file).map_err(ImageError::Io)? {
             if self.set_refcount(ws, file, host, RefChange::Dec)? == 0 {
@@ -120,6 +164,10 @@ impl Qcow2Image {
         ws: &mut WriteState,
         file: &dyn Storage,
     ) -> Result<(), ImageError> {
+        if ws.dirty_chunks.is_empty() {
+            return Ok(());
+        }
+        ws.unsynced_refcounts = true;
         let chunks = &ws.refcount_chunks;
         ws.dirty_chunks
             .write_back(file, |at| chunks.get(&at).map(Vec::as_slice))
