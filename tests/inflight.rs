@@ -396,3 +396,41 @@ fn bad_regions_are_refused() {
     let mut c = connect_queues(&backend.socket, 1);
     assert!(c.read_at(0, 0, 4096).is_ok());
 }
+
+/// SET_VRING_ENABLE 0: the ring takes no new request, even from a queue that busy-polls,
+/// until it is enabled again; then the request is served once.
+#[test]
+fn a_disabled_ring_takes_no_requests() {
+    if skip_unless_vublk("vublk's ring handling") {
+        return;
+    }
+    let dir = TestDir::new("ring-disabled");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, 16 * MIB, 9);
+    let opts = BackendOpts {
+        extra_args: vec!["--poll-us".into(), "10000".into()],
+        ..BackendOpts::default()
+    };
+    let backend = Backend::start(&dir, &img, &opts);
+    let mut fe = frontend(&backend.socket);
+    let g = guest();
+    fe.set_mem_table(&[g.region()]).unwrap();
+    let h0 = write_request(&g, 0, 0, 0x51);
+    publish(&g, &[h0]);
+    let (kick, _call) = start_queue(&mut fe, &g, USED);
+    wait_used(&g, 1, "enabled");
+    // Disabled: a second request published and kicked is not taken.
+    fe.set_vring_enable(0, false).unwrap();
+    let h1 = write_request(&g, 1, 8, 0x52);
+    publish(&g, &[h0, h1]);
+    kick.write(1).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(used_idx(&g), 1, "a disabled ring was processed");
+    assert_eq!(status(&g, 1), 0xff);
+    fe.set_vring_enable(0, true).unwrap();
+    kick.write(1).unwrap();
+    wait_used(&g, 2, "enabled again");
+    assert_eq!(status(&g, 1), 0);
+    drop(fe);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}

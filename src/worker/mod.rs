@@ -430,8 +430,10 @@ impl QueueWorker {
         if !self.started && state.get_queue().ready() {
             self.start(state.get_queue_mut(), &mem);
         }
+        // A disabled ring passes no data (vhost-user): nothing new is taken from it.
+        let enabled = state.is_enabled();
         loop {
-            if self.broken.is_some() || self.memory_lost() {
+            if self.broken.is_some() || self.memory_lost() || !enabled {
                 break;
             }
             if let Some(why) = ring_problem(state.get_queue(), &mem) {

@@ -165,8 +165,9 @@ pub trait VhostUserBackend: Send + Sync {
     /// Stop processing requests from the specified vring.
     ///
     /// This is called for `GET_VRING_BASE` after the vring is marked not ready and
-    /// unregistered. Asynchronous backends should block until previously accepted requests
-    /// have completed. Wrapper implementations may hold their backend lock during this call.
+    /// unregistered, and for `SET_VRING_ENABLE` 0 after it is marked disabled. Asynchronous
+    /// backends should block until previously accepted requests have completed. Wrapper
+    /// implementations may hold their backend lock during this call.
     fn stop_vring(&self, _queue_index: u32) -> Result<()> {
         Ok(())
     }

@@ -622,6 +622,13 @@ where
         // with parameter 0.
         vring.set_enabled(enable);
         self.update_vring_registration(vring, index as u8)?;
+        if !enable {
+            // A disabled ring passes no more data: let an asynchronous backend finish the
+            // requests it has accepted before the frontend is told the ring is disabled.
+            self.backend
+                .stop_vring(index)
+                .map_err(VhostUserError::ReqHandlerError)?;
+        }
 
         Ok(())
     }
