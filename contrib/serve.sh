@@ -16,7 +16,9 @@ cat >&2 <<MSG
 vublk is serving $img on $sock. Attach it to a guest with:
   qemu-system-x86_64 -machine q35,accel=kvm:tcg -m 2G \\
     -object memory-backend-memfd,id=mem,size=2G,share=on -numa node,memdev=mem \\
-    -chardev socket,id=vublk0,path=$sock -device vhost-user-blk-pci,chardev=vublk0,num-queues=2 ...
+    -chardev socket,id=vublk0,path=$sock,reconnect-ms=1000 \\
+    -device vhost-user-blk-pci,chardev=vublk0,num-queues=2 ...
+(reconnect-ms: a restarted vublk picks the guest up again; see README "Restarts".)
 Stop with Ctrl-C (in-flight requests finish and the image is flushed).
 MSG
 exec "$here/target/release/vublk" --socket-path "$sock" --blk-file "$img" --num-queues 2 "$@"

@@ -12,6 +12,6 @@ exec qemu-system-x86_64 \
     -machine q35,accel=kvm:tcg -cpu max -smp "${SMP:-2}" -m "$mem" \
     -object memory-backend-memfd,id=mem,size="$mem",share=on -numa node,memdev=mem \
     -drive file="$boot",if=virtio \
-    -chardev socket,id=vublk0,path="$sock" \
+    -chardev socket,id=vublk0,path="$sock",reconnect-ms=1000 \
     -device vhost-user-blk-pci,chardev=vublk0,num-queues="${QUEUES:-2}" \
     "$@"
