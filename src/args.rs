@@ -47,6 +47,13 @@ pub struct Args {
     #[arg(long)]
     pub read_only: bool,
 
+    /// Be the destination of a live migration: listen and answer the frontend's set-up, but
+    /// take no lock, read nothing beyond the image's header and write nothing until the
+    /// frontend starts the queues (after the source vublk has handed the image over); then
+    /// take the locks and open the image.
+    #[arg(long)]
+    pub incoming: bool,
+
     /// Print the backend's capabilities as JSON and exit.
     #[arg(long)]
     pub print_capabilities: bool,

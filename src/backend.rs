@@ -15,7 +15,7 @@ use vhost_user_backend::{VhostUserBackend, VringRwLock};
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
@@ -25,7 +25,7 @@ use crate::device::Device;
 use crate::inflight::{InflightRegion, QueueInflight};
 use crate::worker::QueueWorker;
 
-type Mem = GuestMemoryMmap<()>;
+use crate::guest_memory::Mem;
 
 #[cfg(any(test, feature = "testing"))]
 #[path = "backend_fuzz.rs"]
@@ -60,6 +60,8 @@ impl VhostUserBlkBackend {
                 Mutex::new(w)
             })
             .collect();
+        // A new connection: logging is off until its frontend asks for it.
+        dev.dirty_log.store(false, Ordering::Release);
         VhostUserBlkBackend {
             dev,
             workers,
@@ -104,7 +106,7 @@ impl VhostUserBlkBackend {
         for i in 0..self.workers.len() {
             self.with_worker(i, |w| w.quiesce());
         }
-        if let Err(e) = self.dev.image.write_back() {
+        if let Err(e) = self.dev.image.get().write_back() {
             error!(
                 "writing back image metadata: {}",
                 crate::logging::error_chain(&e)
@@ -116,7 +118,7 @@ impl VhostUserBlkBackend {
     fn drain_queue(&self, i: usize) {
         self.with_worker(i, |w| w.drain());
         // The front end may be going away: leave the image's metadata complete on disk.
-        if let Err(e) = self.dev.image.write_back() {
+        if let Err(e) = self.dev.image.get().write_back() {
             error!(
                 "queue {i}: writing back image metadata: {}",
                 crate::logging::error_chain(&e)
@@ -157,6 +159,7 @@ impl VhostUserBlkBackend {
             | (1 << VIRTIO_BLK_F_MQ)
             | (1 << VIRTIO_BLK_F_DISCARD)
             | (1 << VIRTIO_BLK_F_WRITE_ZEROES)
+            | VhostUserVirtioFeatures::LOG_ALL.bits()
             | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         if self.dev.params.read_only {
             f |= 1 << VIRTIO_BLK_F_RO;
@@ -166,7 +169,7 @@ impl VhostUserBlkBackend {
 }
 
 impl VhostUserBackend for VhostUserBlkBackend {
-    type Bitmap = ();
+    type Bitmap = vhost_user_backend::bitmap::BitmapMmapRegion;
     type Vring = VringRwLock<GuestMemoryAtomic<Mem>>;
 
     fn num_queues(&self) -> usize {
@@ -189,6 +192,16 @@ impl VhostUserBackend for VhostUserBlkBackend {
         // durable, so it gets write-through (5.2.5.1).
         let flush = features & (1 << VIRTIO_BLK_F_FLUSH) != 0;
         self.dev.reset_writeback(flush);
+        // VHOST_F_LOG_ALL: the frontend is migrating the guest and wants every page vublk
+        // writes in its log, including those the kernel writes for us.
+        let log = features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0;
+        if self.dev.dirty_log.swap(log, Ordering::AcqRel) != log {
+            info!(
+                "dirty-page logging {} (the frontend {} migrating the guest)",
+                if log { "on" } else { "off" },
+                if log { "is" } else { "stopped" }
+            );
+        }
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
@@ -197,6 +210,7 @@ impl VhostUserBackend for VhostUserBlkBackend {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::LOG_SHMFD
     }
 
     /// GET_INFLIGHT_FD: a new region for the frontend to keep (QEMU asks when it holds none:
@@ -262,6 +276,13 @@ impl VhostUserBackend for VhostUserBlkBackend {
 
     fn set_event_idx(&self, _enabled: bool) {}
 
+    /// SET_VRING_ADDR with VHOST_VRING_F_LOG: the used ring's writes are logged at this
+    /// guest address too (the frontend's own idea of where the used ring is).
+    fn set_vring_log(&self, queue_index: u32, log_guest_addr: Option<u64>) -> io::Result<()> {
+        self.with_worker(queue_index as usize, |w| w.set_used_log(log_guest_addr));
+        Ok(())
+    }
+
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
         self.dev.read_config(offset, size)
     }
@@ -304,8 +325,28 @@ impl VhostUserBackend for VhostUserBlkBackend {
     }
 
     /// GET_VRING_BASE: answer only after the queue's in-flight requests have completed.
+    /// While the frontend logs dirty pages it is migrating the guest, and a stop is the
+    /// switch-over: the image is handed over to the destination's vublk (`image::handover`)
+    /// before the reply, with every queue drained.
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
-        self.drain_queue(queue_index as usize);
+        if !self.dev.dirty_log.load(Ordering::Acquire) {
+            self.drain_queue(queue_index as usize);
+            return Ok(());
+        }
+        let drain = || {
+            for i in 0..self.workers.len() {
+                self.with_worker(i, |w| w.drain());
+            }
+        };
+        match self.dev.image.hand_over(drain) {
+            Ok(true) => {}
+            // Handed over at an earlier queue's stop (or never taken): this one has drained.
+            Ok(false) => self.drain_queue(queue_index as usize),
+            Err(e) => error!(
+                "handing the image over: {} (nothing more is written here)",
+                crate::logging::error_chain(&e)
+            ),
+        }
         Ok(())
     }
 

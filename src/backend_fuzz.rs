@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use vhost_user_backend::VhostUserDaemon;
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::args::CacheMode;
@@ -75,7 +75,7 @@ pub fn messages(data: &[u8]) {
         is_block_device: false,
     };
     let dev = Arc::new(Device::new(Image::raw(image, 1 << 20, false), params));
-    let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
+    let mem = GuestMemoryAtomic::new(crate::guest_memory::Mem::new());
     let worker = QueueWorker::new(0, dev.clone(), Engine::Sync(SyncEngine::new()), mem.clone());
     let backend = Arc::new(VhostUserBlkBackend::new(dev, vec![worker], Duration::ZERO));
     let Ok(mut daemon) = VhostUserDaemon::new("vublk-fuzz".into(), backend.clone(), mem) else {

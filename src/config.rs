@@ -36,6 +36,8 @@ pub struct Config {
     pub locking: crate::image::lock::Locking,
     pub force_share: bool,
     pub read_only: bool,
+    /// `--incoming`: a migration destination (see `image::handover`).
+    pub incoming: bool,
     pub num_queues: u16,
     pub queue_size: u16,
     pub logical_block_size: u32,
@@ -225,6 +227,7 @@ impl Config {
             },
             force_share: args.force_share,
             read_only: args.read_only,
+            incoming: args.incoming,
             num_queues: args.num_queues as u16,
             queue_size: args.queue_size as u16,
             logical_block_size: args.logical_block_size,
@@ -295,7 +298,7 @@ impl Config {
 
 /// The JSON printed by `--print-capabilities` (QEMU vhost-user backend program conventions).
 pub fn capabilities_json() -> &'static str {
-    "{\n  \"type\": \"block\",\n  \"features\": [\n    \"read-only\",\n    \"blk-file\"\n  ]\n}"
+    "{\n  \"type\": \"block\",\n  \"features\": [\n    \"read-only\",\n    \"blk-file\",\n    \"migration\"\n  ]\n}"
 }
 
 #[cfg(test)]

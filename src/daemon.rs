@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use log::{error, info, warn};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 
 use crate::args::AioMode;
@@ -65,7 +65,13 @@ pub enum DaemonError {
 
 /// Open the image and build the shared device.
 pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
-    let (image, dio, facts) = match Image::open(&cfg.image_options()) {
+    let opts = cfg.image_options();
+    let opened = if cfg.incoming {
+        Image::incoming(&opts)
+    } else {
+        Image::open(&opts)
+    };
+    let (image, dio, facts) = match opened {
         Ok(x) => x,
         Err(ImageOpenError::Option(msg)) => return Err(DaemonError::Usage(msg)),
         Err(e) => return Err(e.into()),
@@ -114,7 +120,7 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
             "read-write"
         }
     );
-    Ok(Arc::new(Device::new(image, params)))
+    Ok(Arc::new(Device::with_reopen(image, params, Some(opts))))
 }
 
 /// Serial derived from the file's identity: stable across restarts, distinct per file.
@@ -251,7 +257,7 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
 /// Log the counters that outlive connections.
 fn log_device_stats(dev: &Device) {
     info!("detect-zeroes/discard: {}", dev.zero_stats.summary());
-    for line in dev.image.stats_lines() {
+    for line in dev.image.get().stats_lines() {
         info!("{line}");
     }
 }
@@ -260,11 +266,11 @@ fn log_device_stats(dev: &Device) {
 /// up (before the process is gone: its io_uring rings may hold the file a little longer).
 fn flush(dev: &Device) {
     if !dev.params.read_only {
-        if let Err(e) = dev.image.close() {
+        if let Err(e) = dev.image.get().close() {
             error!("final flush failed: {}", crate::logging::error_chain(&e));
         }
     }
-    dev.image.release_locks();
+    dev.image.get().release_locks();
 }
 
 fn serve_loop(
@@ -276,7 +282,7 @@ fn serve_loop(
     let mut warned = false;
     let mut first = true;
     loop {
-        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
+        let mem = GuestMemoryAtomic::new(crate::guest_memory::Mem::new());
         let mut workers = Vec::with_capacity(usize::from(cfg.num_queues));
         for q in 0..cfg.num_queues {
             let engine = make_engine(cfg.aio, u32::from(cfg.queue_size) * 2, &mut warned)?;

@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::args::CacheMode;
-use crate::image::{Image, ImageError};
+use crate::image::handover::ImageSlot;
+use crate::image::{Image, ImageError, ImageOptions};
 use crate::io::align::DioAlign;
 use crate::io::ranges::RangeLocks;
 use crate::virtio_blk::{DeviceLimits, ID_BYTES, SECTOR_SHIFT};
@@ -67,8 +68,8 @@ impl ZeroStats {
 /// The block device as the guest sees it.
 #[derive(Debug)]
 pub struct Device {
-    /// The disk image behind it.
-    pub image: Image,
+    /// The disk image behind it (handed over between processes in a live migration).
+    pub image: ImageSlot,
     pub params: DeviceParams,
     pub limits: DeviceLimits,
     /// Guest-visible volatile write cache (WCE). Off means every write is durable on completion.
@@ -80,11 +81,20 @@ pub struct Device {
     /// Present when a guest block is smaller than the file's direct-I/O block, so sub-block
     /// writes are read-modify-written and must be serialised against overlapping writes.
     pub write_ranges: Option<RangeLocks>,
+    /// The frontend negotiated VHOST_F_LOG_ALL (it migrates the guest): guest pages the
+    /// kernel writes for a request are marked in its dirty log by hand.
+    pub dirty_log: AtomicBool,
 }
 
 impl Device {
-    /// The device over `image`; its capacity is the image's size.
+    /// The device over `image`; its capacity is the image's size. `reopen`: how the image
+    /// is opened again when it is taken over after a handover (None: never).
     pub fn new(image: Image, params: DeviceParams) -> Self {
+        Self::with_reopen(image, params, None)
+    }
+
+    /// [`Device::new`], with the options that open the image again (see `image::handover`).
+    pub fn with_reopen(image: Image, params: DeviceParams, reopen: Option<ImageOptions>) -> Self {
         let lbs = u64::from(params.logical_block_size);
         let capacity_sectors = (image.size_bytes() / lbs * lbs) >> SECTOR_SHIFT;
         let limits = DeviceLimits {
@@ -103,17 +113,23 @@ impl Device {
         Device {
             write_ranges: rmw_possible.then(RangeLocks::default),
             zero_stats: ZeroStats::default(),
-            image,
+            image: ImageSlot::new(image, reopen),
             params,
             limits,
             writeback: AtomicBool::new(writeback),
             no_zero_range: AtomicBool::new(false),
+            dirty_log: AtomicBool::new(false),
         }
     }
 
     /// Everything completed so far durable: format metadata, then the file.
     pub fn sync(&self) -> Result<(), ImageError> {
-        self.image.sync()
+        self.image.get().sync()
+    }
+
+    /// The guest-visible size in bytes.
+    pub fn size_bytes(&self) -> u64 {
+        self.limits.capacity_sectors << SECTOR_SHIFT
     }
 
     /// Direct I/O: the file is opened O_DIRECT.

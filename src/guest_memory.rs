@@ -15,7 +15,14 @@
 use std::io;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::bitmap::Bitmap;
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+
+/// Guest memory as vublk maps it: every region carries a dirty-page bitmap that logs into
+/// the frontend's log while it migrates the guest (`SET_LOG_BASE`); writes through
+/// vm-memory mark it themselves, writes by the kernel (io_uring reads into guest buffers)
+/// are marked with [`mark_dirty`].
+pub type Mem = GuestMemoryMmap<vhost_user_backend::bitmap::BitmapMmapRegion>;
 
 /// Most memory regions a frontend may share: what vhost-user-backend answers to
 /// GET_MAX_MEM_SLOTS.
@@ -45,7 +52,7 @@ pub enum MemoryError {
 }
 
 /// Is every region of `mem` inside its file, and are there few enough of them?
-pub fn check(mem: &GuestMemoryMmap<()>) -> Result<(), MemoryError> {
+pub fn check(mem: &Mem) -> Result<(), MemoryError> {
     if mem.num_regions() > MAX_REGIONS {
         return Err(MemoryError::TooManyRegions(mem.num_regions()));
     }
@@ -70,6 +77,14 @@ pub fn check(mem: &GuestMemoryMmap<()>) -> Result<(), MemoryError> {
         }
     }
     Ok(())
+}
+
+/// Mark [addr, addr + len) of guest memory dirty in the migration log (a no-op while the
+/// frontend is not logging; parts outside guest memory are skipped).
+pub fn mark_dirty(mem: &Mem, addr: GuestAddress, len: usize) {
+    for vs in mem.get_slices(addr, len).flatten() {
+        vs.bitmap().mark_dirty(0, vs.len());
+    }
 }
 
 /// Pages lost to bus errors so far (see the module docs).
@@ -152,7 +167,7 @@ mod tests {
         f
     }
 
-    fn mem_over(file: File, offset: u64, len: usize) -> GuestMemoryMmap<()> {
+    fn mem_over(file: File, offset: u64, len: usize) -> Mem {
         let region = MmapRegion::build(
             Some(FileOffset::new(file, offset)),
             len,

@@ -8,13 +8,15 @@
 //! Rooms: `open` (options, probing by magic, opening a format), `raw`, `qcow2/`,
 //! `parallels/`, `chain` (backing files), `prealloc` (the preallocation planner, executor
 //! and background thread), `durable` (metadata written back later, releases after it is
-//! durable), `create` (`vublk create`), `fuzz` (fuzzing entry points).
+//! durable), `handover` (giving the image to another process during a live migration and
+//! taking it back), `create` (`vublk create`), `fuzz` (fuzzing entry points).
 
 pub mod chain;
 pub mod create;
 pub mod durable;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
+pub mod handover;
 pub mod lock;
 mod open;
 pub mod parallels;
@@ -52,6 +54,11 @@ pub enum ImageError {
     Full,
     #[error("an earlier write of the compressed-write cache failed: compressed data was lost")]
     CompressedDataLost,
+    #[error(
+        "the image is not active here (handed over to another process, or not yet taken over \
+         from one: live migration)"
+    )]
+    Inactive,
 }
 
 impl From<io::Error> for ImageError {
@@ -161,6 +168,9 @@ pub struct Image {
     guard_header: bool,
     /// The image's locks, held while `file` is open (or until `release_locks`).
     lock: std::sync::Mutex<lock::ImageLock>,
+    /// False for an image handed over to another process, or not yet taken over from one
+    /// (`handover`): nothing is read, planned or written through it, not even on drop.
+    active: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Image {
@@ -169,6 +179,7 @@ impl std::fmt::Debug for Image {
             .field("format", &self.format())
             .field("size_bytes", &self.size_bytes)
             .field("read_only", &self.read_only)
+            .field("active", &self.is_active())
             .finish()
     }
 }
@@ -183,6 +194,25 @@ impl Image {
             read_only,
             guard_header: false,
             lock: std::sync::Mutex::new(lock::ImageLock::unlocked()),
+            active: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+
+    /// Is the image served by this process (see `handover`)?
+    pub fn is_active(&self) -> bool {
+        self.active.load(Ordering::Acquire)
+    }
+
+    /// From now on nothing is read, planned or written through this handle.
+    fn deactivate(&self) {
+        self.active.store(false, Ordering::Release);
+    }
+
+    fn check_active(&self) -> Result<(), ImageError> {
+        if self.is_active() {
+            Ok(())
+        } else {
+            Err(ImageError::Inactive)
         }
     }
 
@@ -263,6 +293,7 @@ impl Image {
         plan: &mut ReadPlan,
     ) -> Result<Option<u64>, ImageError> {
         plan.pieces.clear();
+        self.check_active()?;
         match &self.kind {
             Kind::Raw => return Ok(Some(offset)),
             Kind::Parallels(p) => p.map(offset, len, &mut plan.pieces),
@@ -329,6 +360,7 @@ impl Image {
         len: u64,
         writeback: bool,
     ) -> Result<WritePlan, ImageError> {
+        self.check_active()?;
         let engine = |host, overwrite| {
             WritePlan::Engine(EngineWrite {
                 host,
@@ -471,6 +503,7 @@ impl Image {
         data: &[u8],
         durable: bool,
     ) -> Result<(), ImageError> {
+        self.check_active()?;
         match &self.kind {
             Kind::Raw => crate::io::aligned::write_all_aligned(&self.file, offset, data)?,
             Kind::Parallels(p) => p.write(&self.file, offset, data)?,
@@ -539,6 +572,7 @@ impl Image {
 
     /// Zero or discard [offset, offset + len) through the format, synchronously.
     pub fn zero_range(&self, offset: u64, len: u64, mode: ZeroMode) -> Result<(), ImageError> {
+        self.check_active()?;
         match &self.kind {
             Kind::Raw => Err(ImageError::Corrupt("raw images are zeroed by the engine")),
             Kind::Parallels(p) => p.zero_range(&self.file, offset, len, mode),
@@ -558,6 +592,9 @@ impl Image {
 
     /// Write back format metadata (without syncing: FLUSH syncs after it).
     pub fn write_back(&self) -> Result<(), ImageError> {
+        if !self.is_active() {
+            return Ok(());
+        }
         match &self.kind {
             Kind::Raw => Ok(()),
             Kind::Parallels(p) => p.flush(&self.file),
@@ -569,6 +606,9 @@ impl Image {
     /// what a new process finds after this one is killed. A no-op for raw images and when
     /// nothing changed.
     pub fn publish(&self) -> Result<(), ImageError> {
+        if !self.is_active() {
+            return Ok(());
+        }
         match &self.kind {
             Kind::Raw => Ok(()),
             Kind::Parallels(p) => p.publish(&self.file),
@@ -578,6 +618,9 @@ impl Image {
 
     /// Everything completed so far durable: format metadata, then the file.
     pub fn sync(&self) -> Result<(), ImageError> {
+        if !self.is_active() {
+            return Ok(());
+        }
         self.write_back()?;
         Ok(self.file.sync_data()?)
     }
@@ -585,6 +628,9 @@ impl Image {
     /// Clean shutdown: metadata written back, the file trimmed to its data (formats keep
     /// their files ahead of allocations while serving), everything synced.
     pub fn close(&self) -> Result<(), ImageError> {
+        if !self.is_active() {
+            return Ok(());
+        }
         match &self.kind {
             Kind::Raw => {}
             Kind::Parallels(p) => p.close(&self.file)?,
@@ -650,6 +696,9 @@ impl Drop for Image {
     /// Never leave format metadata only in memory: whatever path ends the daemon, the image
     /// on disk describes every completed write (made durable only by FLUSH or a sync).
     fn drop(&mut self) {
+        if !self.is_active() {
+            return;
+        }
         if let Kind::Qcow2(d) = &self.kind {
             if let Err(e) = d.q.close(&self.file) {
                 log::error!(

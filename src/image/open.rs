@@ -191,6 +191,60 @@ impl Image {
                 read_only: opts.read_only,
                 guard_header: opts.format.is_none() && format == Format::Raw,
                 lock: std::sync::Mutex::new(lock),
+                active: std::sync::atomic::AtomicBool::new(true),
+            },
+            dio,
+            facts,
+        ))
+    }
+}
+
+impl Image {
+    /// The image as a migration destination (`--incoming`) holds it before its frontend
+    /// starts the queues: opened read-only without locks, only the header read (for the size
+    /// the guest is shown), inactive (`handover`): it serves nothing until taken over.
+    pub fn incoming(opts: &ImageOptions) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
+        let img = open_raw(&opts.path, true, opts.direct, opts.logical_block_size)?;
+        let (dio, _) = align::probe(&img.file, opts.direct);
+        let facts = RawFacts {
+            is_block_device: img.is_block_device,
+            dev_ino: img.dev_ino,
+            file_size_bytes: img.size_bytes,
+        };
+        let format = opts
+            .format
+            .unwrap_or_else(|| probe(&img.file).unwrap_or(Format::Raw));
+        let header = |len| {
+            crate::io::aligned::read_aligned(&img.file, 0, len).map_err(|source| OpenError::Open {
+                path: opts.path.clone(),
+                source,
+            })
+        };
+        let bad = |what: &str| ImageOpenError::Option(format!("{}: {what}", opts.path.display()));
+        let size_bytes = match format {
+            Format::Raw => img.size_bytes,
+            Format::Qcow2 => {
+                qcow2::header::Header::parse(&header(4096)?)
+                    .map_err(|e| bad(&format!("not a qcow2 header ({e})")))?
+                    .size_bytes
+            }
+            Format::Parallels => ParallelsImage::header_size(&header(4096)?)
+                .ok_or_else(|| bad("not a parallels header"))?,
+        };
+        info!(
+            "incoming: {} ({format:?}, {size_bytes} bytes) not locked and not read beyond its \
+             header until the frontend starts the queues",
+            opts.path.display()
+        );
+        Ok((
+            Image {
+                file: img.file,
+                kind: Kind::Raw,
+                size_bytes,
+                read_only: true,
+                guard_header: false,
+                lock: std::sync::Mutex::new(ImageLock::unlocked()),
+                active: std::sync::atomic::AtomicBool::new(false),
             },
             dio,
             facts,

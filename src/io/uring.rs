@@ -72,6 +72,9 @@ impl UringEngine {
     /// Register the file this engine serves; operations on it then use the fixed slot.
     /// Best effort: on failure, operations use the plain descriptor.
     pub fn register_file(&mut self, fd: RawFd) {
+        if self.fixed_fd.take().is_some() {
+            let _ = self.ring.submitter().unregister_files();
+        }
         if self.ring.submitter().register_files(&[fd]).is_ok() {
             self.fixed_fd = Some(fd);
         }

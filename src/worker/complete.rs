@@ -23,7 +23,7 @@ impl QueueWorker {
         if kind == Some(OpKind::Offload) {
             self.offloaded = self.offloaded.saturating_sub(1);
         }
-        let short_reads_are_zeroes = self.dev.image.short_reads_are_zeroes();
+        let short_reads_are_zeroes = self.image.short_reads_are_zeroes();
         let slot = self.slots.get_mut(usize::from(idx))?;
         let SlotState::Busy(r) = &mut slot.state else {
             log_limited!(
@@ -104,7 +104,7 @@ impl QueueWorker {
                     self.dev.no_zero_range.store(true, Ordering::Relaxed);
                 }
                 use std::os::fd::AsRawFd;
-                let fd = self.dev.image.file().as_raw_fd();
+                let fd = self.image.file().as_raw_fd();
                 res = match slot.req.ranges.get(range as usize) {
                     Some(z) => {
                         sys::zero_fallback(fd, z.offset_bytes, z.len_bytes, &mut self.bounce)
@@ -172,6 +172,14 @@ impl QueueWorker {
             return 0;
         };
         let is_read = slot.req.kind == RequestType::In;
+        if is_read && self.dev.dirty_log.load(Ordering::Acquire) {
+            // The kernel (or a piece read) wrote these buffers, not vm-memory: log them for
+            // a migrating frontend. (Bounced data is copied below through vm-memory, which
+            // logs it itself.)
+            for seg in &slot.req.data {
+                crate::guest_memory::mark_dirty(&r.mem, seg.addr, seg.len as usize);
+            }
+        }
         if let Some(b) = r.bounce.take() {
             if is_read && r.status == status::OK {
                 let mut done = b.skip;
@@ -198,7 +206,7 @@ impl QueueWorker {
         if let Some(t) = r.ticket.take() {
             // The data is in the file: now new clusters may replace what was there (before
             // the guest sees the write complete).
-            if let Err(e) = self.dev.image.end_write(t, r.status == status::OK) {
+            if let Err(e) = self.image.end_write(t, r.status == status::OK) {
                 r.status = status::IOERR;
                 failure = Some(Failure::Image {
                     what: "installing new clusters",

@@ -11,7 +11,7 @@ use std::os::fd::FromRawFd;
 use std::sync::Arc;
 
 use vhost_user_backend::{VringRwLock, VringT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic};
 
 use super::QueueWorker;
 use crate::args::CacheMode;
@@ -58,7 +58,7 @@ pub fn queue(data: &[u8]) -> u16 {
     ]);
     let read_only = flags & 1 != 0;
     let unmap = flags & 2 != 0;
-    let Ok(mem) = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM)]) else {
+    let Ok(mem) = crate::guest_memory::Mem::from_ranges(&[(GuestAddress(0), MEM)]) else {
         return 0;
     };
     let n = guest.len().min(MEM);

@@ -36,10 +36,10 @@ use std::time::{Duration, Instant};
 use log::warn;
 use vhost_user_backend::{VringRwLock, VringT};
 use virtio_queue::{QueueOwnedT, QueueT};
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 
 use crate::device::Device;
-use crate::image::ReadPlan;
+use crate::image::{Image, ReadPlan};
 use crate::inflight::QueueInflight;
 use crate::io::bounce::BouncePool;
 use crate::io::{Completion, Engine};
@@ -48,7 +48,7 @@ use crate::offload::Inbox;
 use crate::virtio_blk::Desc;
 use slot::Slot;
 
-type Mem = GuestMemoryMmap<()>;
+use crate::guest_memory::Mem;
 type Vring = VringRwLock<GuestMemoryAtomic<Mem>>;
 type VringState = vhost_user_backend::VringState<GuestMemoryAtomic<Mem>>;
 
@@ -72,6 +72,9 @@ pub struct QueueStats {
 pub struct QueueWorker {
     index: u16,
     dev: Arc<Device>,
+    /// The image this queue serves: the device's, taken again at each start (it changes when
+    /// a live migration hands it over and back: `image::handover`).
+    image: Arc<Image>,
     engine: Engine,
     mem: GuestMemoryAtomic<Mem>,
     slots: Vec<Slot>,
@@ -115,6 +118,8 @@ pub struct QueueWorker {
     signal_on_start: bool,
     /// The daemon is stopping: take no more requests (the next process will).
     quiesced: bool,
+    /// Where the frontend logs this queue's used-ring writes (VHOST_VRING_F_LOG).
+    used_log: Option<u64>,
 }
 
 impl QueueWorker {
@@ -127,14 +132,11 @@ impl QueueWorker {
         use std::os::fd::AsRawFd;
         let n = usize::from(dev.params.queue_size);
         let bounce = BouncePool::new(dev.params.align.bounce_align());
-        engine.register_file(dev.image.file().as_raw_fd());
-        let inbox = match (dev.image.has_pools(), engine.event_fd()) {
-            (true, Some(fd)) => Inbox::new(fd)
-                .map_err(|e| warn!("queue {index}: format writes on the queue thread ({e})"))
-                .ok(),
-            _ => None,
-        };
+        let image = dev.image.get();
+        engine.register_file(image.file().as_raw_fd());
+        let inbox = new_inbox(index, &image, &engine);
         QueueWorker {
+            image,
             inbox,
             offloaded: 0,
             broken: None,
@@ -143,6 +145,7 @@ impl QueueWorker {
             resubmit: Vec::new(),
             signal_on_start: false,
             quiesced: false,
+            used_log: None,
             lost_pages: crate::guest_memory::lost_pages(),
             poll: Duration::ZERO,
             poll_abort: Arc::new(AtomicBool::new(false)),
@@ -198,6 +201,11 @@ impl QueueWorker {
     pub fn quiesce(&mut self) {
         self.quiesced = true;
         self.drain();
+    }
+
+    /// SET_VRING_ADDR's log address of the used ring (None: not logged there).
+    pub fn set_used_log(&mut self, addr: Option<u64>) {
+        self.used_log = addr;
     }
 
     /// Has the queue started in this connection?
@@ -302,6 +310,7 @@ impl QueueWorker {
     fn start(&mut self, q: &mut virtio_queue::Queue, mem: &Mem) {
         self.started = true;
         self.signal_on_start = true;
+        self.take_image();
         if let Some(why) = ring_problem(q, mem) {
             self.mark_broken(why);
             return;
@@ -343,6 +352,28 @@ impl QueueWorker {
         self.resubmit.reverse();
     }
 
+    /// Serve the device's active image, taking it over first if it is inactive (a migration
+    /// destination, or a source whose migration failed after it handed the image over).
+    fn take_image(&mut self) {
+        use std::os::fd::AsRawFd;
+        match self.dev.image.take_over(self.dev.size_bytes()) {
+            Ok(image) if Arc::ptr_eq(&image, &self.image) => {}
+            Ok(image) => {
+                self.engine.register_file(image.file().as_raw_fd());
+                if self.inbox.is_none() {
+                    self.inbox = new_inbox(self.index, &image, &self.engine);
+                }
+                self.image = image;
+            }
+            Err(e) => log::error!(
+                "queue {}: cannot take the image over: {}; requests fail until a start \
+                 succeeds",
+                self.index,
+                crate::logging::error_chain(&e)
+            ),
+        }
+    }
+
     /// Start the requests recovery found in flight, oldest first, as far as slots allow.
     fn resubmit_recovered(&mut self, q: &virtio_queue::Queue, mem: &Arc<Mem>) {
         while !self.resubmit.is_empty() && !self.free.is_empty() {
@@ -374,7 +405,7 @@ impl QueueWorker {
         if self.deferred_used.is_empty() {
             return;
         }
-        if let Err(e) = self.dev.image.publish() {
+        if let Err(e) = self.image.publish() {
             log_limited!(
                 log::Level::Error,
                 "queue {index}: writing image metadata: {}",
@@ -394,6 +425,15 @@ impl QueueWorker {
                 None => {
                     publish();
                 }
+            }
+        }
+        // The used ring's writes went through guest memory, which logged them at the ring's
+        // address; the frontend may have asked for them at another.
+        if let Some(at) = self.used_log {
+            if self.dev.dirty_log.load(Ordering::Acquire) {
+                let (_, _, used_bytes) = ring_bytes(state.get_queue().size());
+                let mem = self.mem.memory();
+                crate::guest_memory::mark_dirty(&mem, vm_memory::GuestAddress(at), used_bytes);
             }
         }
     }
@@ -430,8 +470,9 @@ impl QueueWorker {
         if !self.started && state.get_queue().ready() {
             self.start(state.get_queue_mut(), &mem);
         }
-        // A disabled ring passes no data (vhost-user): nothing new is taken from it.
-        let enabled = state.is_enabled();
+        // A disabled ring passes no data (vhost-user): nothing new is taken from it; nor is
+        // anything once the image was handed over (the destination takes what is left).
+        let enabled = state.is_enabled() && !self.dev.image.handed_over();
         loop {
             if self.broken.is_some() || self.memory_lost() || !enabled {
                 break;
@@ -622,6 +663,17 @@ impl Drop for QueueWorker {
                 break;
             }
         }
+    }
+}
+
+/// Where pool threads report this queue's writes through `image`, if it has pools and the
+/// engine an eventfd.
+fn new_inbox(index: u16, image: &Image, engine: &Engine) -> Option<Arc<Inbox>> {
+    match (image.has_pools(), engine.event_fd()) {
+        (true, Some(fd)) => Inbox::new(fd)
+            .map_err(|e| warn!("queue {index}: format writes on the queue thread ({e})"))
+            .ok(),
+        _ => None,
     }
 }
 

@@ -20,9 +20,9 @@ impl QueueWorker {
         offset: u64,
         len: u64,
     ) -> Result<u64, io::Result<bool>> {
-        let dev = self.dev.clone();
+        let image = self.image.clone();
         let mut plan = std::mem::take(&mut self.read_plan);
-        let r = match dev.image.plan_read(offset, len, &mut plan) {
+        let r = match image.plan_read(offset, len, &mut plan) {
             Ok(Some(host)) => Ok(host),
             Ok(None) => Err(self.submit_pieces(idx, &plan.pieces)),
             Err(e) => {
@@ -46,7 +46,7 @@ impl QueueWorker {
     /// it here; `finish` copies the buffer to the guest.
     fn submit_pieces(&mut self, idx: u16, pieces: &[Piece]) -> io::Result<bool> {
         use std::os::fd::AsRawFd;
-        let dev = self.dev.clone();
+        let image = self.image.clone();
         let len = self.slots[usize::from(idx)].req.data_len as usize;
         if pieces.iter().map(|p| p.len()).sum::<u64>() != len as u64 {
             // Never index the buffer with a plan that does not cover the request exactly.
@@ -68,7 +68,7 @@ impl QueueWorker {
                 Piece::Data {
                     layer, host_offset, ..
                 } => {
-                    let Some(file) = dev.image.layer_file(layer) else {
+                    let Some(file) = image.layer_file(layer) else {
                         failed = Some(Failure::BadPlan);
                         break;
                     };
@@ -81,7 +81,7 @@ impl QueueWorker {
                 }
                 _ => {
                     let dst = &mut buf.as_mut_slice()[pos..pos + n];
-                    if let Err(e) = dev.image.read_piece(piece, dst, &mut cluster_buf) {
+                    if let Err(e) = image.read_piece(piece, dst, &mut cluster_buf) {
                         failed = Some(Failure::Image {
                             what: "read of a compressed cluster",
                             offset: host_offset_of(piece),

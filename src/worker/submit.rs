@@ -42,6 +42,20 @@ impl QueueWorker {
             return Some(used);
         }
         slot.state = SlotState::Busy(InFlight::new(head, mem.clone()));
+        if !self.image.is_active() && slot.req.kind != RequestType::GetId {
+            // The image could not be taken over (a migration destination whose source did
+            // not let go): the guest gets an error, not a hang.
+            let offset = slot.req.offset_bytes();
+            self.fail(
+                idx,
+                Failure::Image {
+                    what: "serving the request",
+                    offset,
+                    source: crate::image::ImageError::Inactive,
+                },
+            );
+            return Some(self.finish(idx));
+        }
         match self.submit_request(idx) {
             Ok(true) => None,
             // Nothing to submit (or failed before any operation): complete now.
@@ -81,7 +95,7 @@ impl QueueWorker {
             // Write-through: every completed write is already durable.
             return Ok(false);
         }
-        if let Err(e) = self.dev.image.write_back() {
+        if let Err(e) = self.image.write_back() {
             self.fail(
                 idx,
                 Failure::Image {
@@ -98,7 +112,7 @@ impl QueueWorker {
 
     /// One fdatasync of the image file for the request in slot `idx`.
     pub(super) fn push_sync(&mut self, idx: u16) -> io::Result<()> {
-        let fd = self.dev.image.file().as_raw_fd();
+        let fd = self.image.file().as_raw_fd();
         // SAFETY: no buffers.
         unsafe {
             self.engine
@@ -171,11 +185,11 @@ impl QueueWorker {
         file_offset: u64,
         whole: Option<(u64, u64)>,
     ) -> io::Result<bool> {
-        let fd = self.dev.image.file().as_raw_fd();
+        let fd = self.image.file().as_raw_fd();
         let direct = self.dev.direct();
         let align = self.dev.params.align;
         let writeback = self.dev.writeback();
-        let host_limit = self.dev.image.host_limit();
+        let host_limit = self.image.host_limit();
         let block = align.offset as u64;
         let slot = &mut self.slots[usize::from(idx)];
         let is_read = slot.req.kind == RequestType::In;

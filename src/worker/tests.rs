@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use vhost_user_backend::{VringRwLock, VringT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic};
+
+use crate::guest_memory::Mem;
 
 use super::QueueWorker;
 use crate::args::CacheMode;
@@ -30,9 +32,9 @@ const VIRTQ_DESC_F_INDIRECT: u16 = 4;
 
 /// The driver side of one split virtqueue.
 struct Driver {
-    mem: GuestMemoryMmap<()>,
-    atomic: GuestMemoryAtomic<GuestMemoryMmap<()>>,
-    vring: VringRwLock<GuestMemoryAtomic<GuestMemoryMmap<()>>>,
+    mem: Mem,
+    atomic: GuestMemoryAtomic<Mem>,
+    vring: VringRwLock<GuestMemoryAtomic<Mem>>,
     next_desc: u16,
     avail_idx: u16,
     hdr_next: u64,
@@ -40,7 +42,7 @@ struct Driver {
 
 impl Driver {
     fn new() -> Self {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM)]).unwrap();
+        let mem = Mem::from_ranges(&[(GuestAddress(0), MEM)]).unwrap();
         let atomic = GuestMemoryAtomic::new(mem.clone());
         let vring = VringRwLock::new(atomic.clone(), QSIZE).unwrap();
         vring.set_queue_size(QSIZE);

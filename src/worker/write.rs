@@ -45,7 +45,7 @@ impl QueueWorker {
 
     /// The header guard and detect-zeroes (both read the guest's data in place).
     fn check_write(&mut self, idx: u16, offset: u64, len: u64) -> Checked {
-        if offset == 0 && self.dev.image.guards_format_header() && self.plants_format_header(idx) {
+        if offset == 0 && self.image.guards_format_header() && self.plants_format_header(idx) {
             self.fail(idx, Failure::PlantedHeader);
             return Checked::Refused;
         }
@@ -68,7 +68,7 @@ impl QueueWorker {
     }
 
     fn plan_and_submit_write(&mut self, idx: u16, offset: u64, len: u64) -> io::Result<bool> {
-        match self.dev.image.plan_write(offset, len, self.dev.writeback()) {
+        match self.image.plan_write(offset, len, self.dev.writeback()) {
             Ok(WritePlan::Engine(w)) => self.engine_write(idx, w),
             Ok(WritePlan::Format(offload)) => Ok(self.format_write(idx, offload)),
             Err(e) => {
@@ -106,7 +106,7 @@ impl QueueWorker {
             // Smaller than the file's direct-I/O block: not through the engine after all.
             if let Some(t) = w.ticket {
                 // Whatever the image set aside for it (new clusters) goes back.
-                if let Err(e) = self.dev.image.end_write(t, false) {
+                if let Err(e) = self.image.end_write(t, false) {
                     self.fail(
                         idx,
                         Failure::Image {
@@ -118,7 +118,7 @@ impl QueueWorker {
                     return Ok(false);
                 }
             }
-            return match self.dev.image.sub_block_fallback() {
+            return match self.image.sub_block_fallback() {
                 Some(offload) => Ok(self.format_write(idx, offload)),
                 None => {
                     self.read_modify_write(idx);
@@ -135,7 +135,7 @@ impl QueueWorker {
                 r.range_key = key;
             }
         }
-        if w.overwrite && self.dev.image.fills_in_flight() {
+        if w.overwrite && self.image.fills_in_flight() {
             // A fill of these clusters may be in flight (its L2 entries are visible before
             // its write lands): never let its zeroes land over this write.
             let held = self.hold_overwrite(w.host, w.host + len);
@@ -150,11 +150,11 @@ impl QueueWorker {
     /// (this queue's own operations are reaped meanwhile: the fill may be ours).
     fn hold_overwrite(&mut self, start: u64, end: u64) -> crate::image::WriteTicket {
         loop {
-            if let Some(t) = self.dev.image.try_hold_overwrite(start, end) {
+            if let Some(t) = self.image.try_hold_overwrite(start, end) {
                 return t;
             }
             self.pump();
-            self.dev.image.wait_fill_change(SELF_WAIT);
+            self.image.wait_fill_change(SELF_WAIT);
         }
     }
 
@@ -186,9 +186,9 @@ impl QueueWorker {
         // No fill may be in flight while the format writes: it could land over bytes
         // written in place in the same cluster. The gate keeps new fills from starting
         // until the write is done; the drain waits for those in flight.
-        let gate = self.dev.image.raise_fill_gate();
+        let gate = self.image.raise_fill_gate();
         self.drain_fills(gate.as_ref());
-        let (Some(inbox), Some(_)) = (self.inbox.clone(), self.dev.image.pool(offload)) else {
+        let (Some(inbox), Some(_)) = (self.inbox.clone(), self.image.pool(offload)) else {
             self.format_write_inline(idx, offset, len, durable);
             drop(gate);
             return false;
@@ -204,11 +204,11 @@ impl QueueWorker {
             );
             return false;
         }
-        let dev = self.dev.clone();
+        let image = self.image.clone();
         let ud = user_data(idx, OpKind::Offload, 0);
         let queue = self.index;
         let job: crate::offload::Job = Box::new(move || {
-            let result = match dev.image.write_through_format(offset, &data, durable) {
+            let result = match image.write_through_format(offset, &data, durable) {
                 Ok(()) => 0,
                 Err(e) => {
                     report_offloaded(
@@ -229,13 +229,12 @@ impl QueueWorker {
             });
         });
         let submitted = self
-            .dev
             .image
             .pool(offload)
             .is_some_and(|pool| pool.submit(job).is_ok());
         if !submitted {
             // Every pool thread is gone (the job and its gate were dropped): here, then.
-            let gate = self.dev.image.raise_fill_gate();
+            let gate = self.image.raise_fill_gate();
             self.drain_fills(gate.as_ref());
             self.format_write_inline(idx, offset, len, durable);
             return false;
@@ -269,8 +268,7 @@ impl QueueWorker {
                 source,
             })
             .and_then(|()| {
-                self.dev
-                    .image
+                self.image
                     .write_through_format(offset, &buf.as_slice()[..len], durable)
                     .map_err(|source| Failure::Image {
                         what: "write",
@@ -319,7 +317,7 @@ impl QueueWorker {
             (r.offset_bytes(), r.data_len)
         };
         let (start, end) = block_span(offset, len, block);
-        if self.dev.image.host_limit().is_some_and(|limit| end > limit) {
+        if self.image.host_limit().is_some_and(|limit| end > limit) {
             self.fail(
                 idx,
                 Failure::PastEnd {
@@ -333,7 +331,7 @@ impl QueueWorker {
         let key = self.acquire_range(start, end, Holder::Rmw);
         let mut data = vec![0u8; len as usize];
         let r = self.copy_request_data(idx, &mut data).and_then(|()| {
-            let file = self.dev.image.file();
+            let file = self.image.file();
             crate::io::aligned::write_unaligned(file, offset, &data, block)?;
             if self.dev.writeback() {
                 Ok(())

@@ -51,7 +51,7 @@ impl QueueWorker {
             // --discard ignore: DISCARD is a hint the device may ignore (5.2.6.2).
             return Ok(false);
         }
-        if self.dev.image.zeroes_through_format() {
+        if self.image.zeroes_through_format() {
             self.zero_through_format(idx, discard, discard_unmap);
             return Ok(false);
         }
@@ -68,7 +68,7 @@ impl QueueWorker {
                 r.range_key = key;
             }
         }
-        let fd = self.dev.image.file().as_raw_fd();
+        let fd = self.image.file().as_raw_fd();
         let no_zero_range = self.dev.no_zero_range.load(Ordering::Relaxed);
         let block_device = self.dev.params.is_block_device;
         let writeback = self.dev.writeback();
@@ -119,9 +119,10 @@ impl QueueWorker {
     /// Zeroing through the format: zero flags and unallocation for whole clusters, zero
     /// data for partial ones (synchronous), durable before completion in write-through mode.
     fn zero_through_format(&mut self, idx: u16, discard: bool, discard_unmap: bool) {
-        let gate = self.dev.image.raise_fill_gate();
+        let gate = self.image.raise_fill_gate();
         self.drain_fills(gate.as_ref());
         let dev = self.dev.clone();
+        let image = self.image.clone();
         let ranges = std::mem::take(&mut self.slots[usize::from(idx)].req.ranges);
         let mut failed = None;
         for range in &ranges {
@@ -132,10 +133,7 @@ impl QueueWorker {
             } else {
                 ZeroMode::Keep
             };
-            if let Err(e) = dev
-                .image
-                .zero_range(range.offset_bytes, range.len_bytes, mode)
-            {
+            if let Err(e) = image.zero_range(range.offset_bytes, range.len_bytes, mode) {
                 failed = Some(Failure::Image {
                     what: "zeroing",
                     offset: range.offset_bytes,
@@ -152,7 +150,7 @@ impl QueueWorker {
         self.slots[usize::from(idx)].req.ranges = ranges;
         drop(gate);
         if failed.is_none() && !dev.writeback() {
-            if let Err(e) = dev.image.sync() {
+            if let Err(e) = image.sync() {
                 failed = Some(Failure::Image {
                     what: "sync after zeroing",
                     offset: 0,

@@ -153,6 +153,23 @@ pub struct ParallelsOptions {
 impl ParallelsImage {
     /// Open and validate. Read-write opens set the in-use field (durably) and cut off a tail
     /// no cluster uses.
+    /// The disk size a header (`HEADER_LEN` bytes from the file's start) states, if it is a
+    /// parallels header (nothing else is checked: a migration destination shows the size
+    /// before it may read the rest).
+    pub fn header_size(h: &[u8]) -> Option<u64> {
+        if h.len() < HEADER_LEN as usize {
+            return None;
+        }
+        let sectors = if h[..16] == MAGIC_OLD[..] {
+            u64::from(le32(h, 36))
+        } else if h[..16] == MAGIC_EXT[..] {
+            le64(h, 36)
+        } else {
+            return None;
+        };
+        sectors.checked_mul(512)
+    }
+
     pub fn open(file: &dyn Storage, opts: ParallelsOptions) -> Result<Self, ParallelsError> {
         let ParallelsOptions {
             writable,

@@ -162,6 +162,13 @@ pub trait VhostUserBackend: Send + Sync {
         None
     }
 
+    /// The frontend set queue `queue_index`'s addresses with `VHOST_VRING_F_LOG`
+    /// (`log_guest_addr`: Some, the guest physical address at which writes to the used ring
+    /// are to be logged while `VHOST_F_LOG_ALL` is on) or without it (None) (vublk patch).
+    fn set_vring_log(&self, _queue_index: u32, _log_guest_addr: Option<u64>) -> Result<()> {
+        Ok(())
+    }
+
     /// Stop processing requests from the specified vring.
     ///
     /// This is called for `GET_VRING_BASE` after the vring is marked not ready and
@@ -350,6 +357,13 @@ pub trait VhostUserBackendMut: Send + Sync {
         None
     }
 
+    /// The frontend set queue `queue_index`'s addresses with `VHOST_VRING_F_LOG`
+    /// (`log_guest_addr`: Some, the guest physical address at which writes to the used ring
+    /// are to be logged while `VHOST_F_LOG_ALL` is on) or without it (None) (vublk patch).
+    fn set_vring_log(&mut self, _queue_index: u32, _log_guest_addr: Option<u64>) -> Result<()> {
+        Ok(())
+    }
+
     /// Stop processing requests from the specified vring.
     ///
     /// This is called for `GET_VRING_BASE` after the vring is marked not ready and
@@ -489,6 +503,10 @@ impl<T: VhostUserBackend> VhostUserBackend for Arc<T> {
         self.deref().stop_vring(queue_index)
     }
 
+    fn set_vring_log(&self, queue_index: u32, log_guest_addr: Option<u64>) -> Result<()> {
+        self.deref().set_vring_log(queue_index, log_guest_addr)
+    }
+
     fn handle_event(
         &self,
         device_event: u16,
@@ -596,6 +614,10 @@ impl<T: VhostUserBackendMut> VhostUserBackend for Mutex<T> {
 
     fn stop_vring(&self, queue_index: u32) -> Result<()> {
         self.lock().unwrap().stop_vring(queue_index)
+    }
+
+    fn set_vring_log(&self, queue_index: u32, log_guest_addr: Option<u64>) -> Result<()> {
+        self.lock().unwrap().set_vring_log(queue_index, log_guest_addr)
     }
 
     fn handle_event(
@@ -708,6 +730,10 @@ impl<T: VhostUserBackendMut> VhostUserBackend for RwLock<T> {
 
     fn stop_vring(&self, queue_index: u32) -> Result<()> {
         self.write().unwrap().stop_vring(queue_index)
+    }
+
+    fn set_vring_log(&self, queue_index: u32, log_guest_addr: Option<u64>) -> Result<()> {
+        self.write().unwrap().set_vring_log(queue_index, log_guest_addr)
     }
 
     fn handle_event(

@@ -23,6 +23,10 @@ pub trait BitmapReplace: Bitmap {
 
     /// Replace the internal `Bitmap`
     fn replace(&self, bitmap: Self::InnerBitmap);
+
+    /// Stop logging: drop the internal `Bitmap`, if any (vublk patch). The default does
+    /// nothing.
+    fn clear(&self) {}
 }
 
 /// A bitmap relative to a memory region
@@ -101,6 +105,10 @@ impl BitmapReplace for BitmapMmapRegion {
     fn replace(&self, bitmap: AtomicBitmapMmap) {
         let mut inner = self.inner.write().unwrap();
         inner.replace(bitmap);
+    }
+
+    fn clear(&self) {
+        self.inner.write().unwrap().take();
     }
 }
 
@@ -236,6 +244,13 @@ impl MmapLogReg {
         // Let's uphold the safety contract for `std::ptr::offset()`.
         if len > isize::MAX as usize {
             return Err(io::Error::from(io::ErrorKind::InvalidData));
+        }
+
+        // A log beyond the end of its file would raise SIGBUS at the first page marked
+        // dirty there (vublk patch): refuse it, and an empty one.
+        let file_len = std::fs::File::from(fd.try_clone_to_owned()?).metadata()?.len();
+        if len == 0 || (offset as u64).checked_add(len as u64).is_none_or(|end| end > file_len) {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
 
         // SAFETY: `fd` is a valid file descriptor and we are not using `libc::MAP_FIXED`.

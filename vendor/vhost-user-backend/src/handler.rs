@@ -110,6 +110,9 @@ pub struct VhostUserHandler<T: VhostUserBackend> {
     #[cfg(feature = "postcopy")]
     pending_mem: Option<GuestMemoryMmap<T::Bitmap>>,
     worker_threads: Vec<thread::JoinHandle<VringEpollResult<()>>>,
+    // The dirty-page log of SET_LOG_BASE while it is in use (vublk patch): regions of a
+    // memory table set later log into it too.
+    log: Option<Arc<MmapLogReg>>,
 }
 
 // Ensure VhostUserHandler: Clone + Send + Sync + 'static.
@@ -173,6 +176,7 @@ where
             #[cfg(feature = "postcopy")]
             pending_mem: None,
             worker_threads,
+            log: None,
         })
     }
 }
@@ -290,6 +294,30 @@ where
         Ok(())
     }
 
+    /// Bitmaps over `logmem` for every region of `mem`, all made before any is installed
+    /// (vublk patch: shared by SET_LOG_BASE and memory tables set while logging).
+    fn attach_log(
+        mem: &GuestMemoryMmap<T::Bitmap>,
+        logmem: &Arc<MmapLogReg>,
+    ) -> VhostUserResult<()>
+    where
+        T::Bitmap: BitmapReplace,
+    {
+        let mut bitmaps = Vec::new();
+        for region in mem.iter() {
+            let bitmap = <<T as VhostUserBackend>::Bitmap as BitmapReplace>::InnerBitmap::new(
+                region,
+                Arc::clone(logmem),
+            )
+            .map_err(VhostUserError::ReqHandlerError)?;
+            bitmaps.push((region, bitmap));
+        }
+        for (region, bitmap) in bitmaps {
+            (*region).bitmap().replace(bitmap);
+        }
+        Ok(())
+    }
+
     /// Helper to check if VirtioFeature enabled
     fn check_feature(&self, feat: VhostUserVirtioFeatures) -> VhostUserResult<()> {
         if self.acked_features & feat.bits() != 0 {
@@ -345,6 +373,14 @@ where
 
         self.acked_features = features;
         self.features_acked = true;
+
+        // Logging switched off (migration done or cancelled): stop marking pages and let the
+        // log go (vublk patch; the frontend sends SET_LOG_BASE again for the next one).
+        if features & VhostUserVirtioFeatures::LOG_ALL.bits() == 0 && self.log.take().is_some() {
+            for region in self.atomic_mem.memory().iter() {
+                region.bitmap().clear();
+            }
+        }
 
         // Upon receiving a `VHOST_USER_SET_FEATURES` message from the front-end without
         // `VHOST_USER_F_PROTOCOL_FEATURES` set, the back-end must enable all rings immediately.
@@ -426,6 +462,10 @@ where
         self.backend
             .check_memory(&mem)
             .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
+        // While logging, the new regions log too (vublk patch).
+        if let Some(log) = &self.log {
+            Self::attach_log(&mem, log)?;
+        }
 
         // Updating the inner GuestMemory object here will cause all our vrings to
         // see the new one the next time they call to `atomic_mem.memory()`.
@@ -462,11 +502,11 @@ where
     fn set_vring_addr(
         &mut self,
         index: u32,
-        _flags: VhostUserVringAddrFlags,
+        flags: VhostUserVringAddrFlags,
         descriptor: u64,
         used: u64,
         available: u64,
-        _log: u64,
+        log: u64,
     ) -> VhostUserResult<()> {
         let vring = self
             .vrings
@@ -501,6 +541,14 @@ where
                 .queue_used_idx()
                 .map_err(|_| VhostUserError::BackendInternalError)?;
             vring.set_queue_next_used(idx);
+
+            // Where used-ring writes are logged (vublk patch).
+            let log = flags
+                .contains(VhostUserVringAddrFlags::VHOST_VRING_F_LOG)
+                .then_some(log);
+            self.backend
+                .set_vring_log(index, log)
+                .map_err(VhostUserError::ReqHandlerError)?;
 
             Ok(())
         } else {
@@ -754,6 +802,9 @@ where
         self.backend
             .check_memory(&mem)
             .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
+        if let Some(log) = &self.log {
+            Self::attach_log(&mem, log)?;
+        }
 
         self.atomic_mem.lock().unwrap().replace(mem);
 
@@ -911,9 +962,7 @@ where
     // the size and offset of shared memory area are provided in the `VhostUserLog` message.
     //
     // See https://qemu-project.gitlab.io/qemu/interop/vhost-user.html#migration.
-    // TODO: We ignore the `LOG_ALL` flag on `SET_FEATURES`, so we will continue marking pages as
-    // dirty even if the migration fails. We need to disable the logging after receiving  a
-    // `SET_FEATURE` without the `LOG_ALL` flag.
+    // A `SET_FEATURES` without the `LOG_ALL` flag stops the logging again (vublk patch).
     fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VhostUserResult<()> {
         let mem = self.atomic_mem.memory();
 
@@ -922,21 +971,10 @@ where
                 .map_err(VhostUserError::ReqHandlerError)?,
         );
 
-        // Let's create all bitmaps first before replacing them, in case any of them fails
-        let mut bitmaps = Vec::new();
-        for region in mem.iter() {
-            let bitmap = <<T as VhostUserBackend>::Bitmap as BitmapReplace>::InnerBitmap::new(
-                region,
-                Arc::clone(&logmem),
-            )
-            .map_err(VhostUserError::ReqHandlerError)?;
-
-            bitmaps.push((region, bitmap));
-        }
-
-        for (region, bitmap) in bitmaps {
-            (*region).bitmap().replace(bitmap);
-        }
+        // All bitmaps are made before any replaces the old one, in case one fails.
+        Self::attach_log(&mem, &logmem)?;
+        // Kept for memory tables set while logging (vublk patch).
+        self.log = Some(logmem);
 
         Ok(())
     }

@@ -1,0 +1,136 @@
+//! Handing the image over between two vublk processes while QEMU migrates the guest.
+//!
+//! Both processes serve the same image file, one at a time. The one whose frontend is
+//! migrating away (it negotiated `VHOST_F_LOG_ALL`) hands the image over when its queues
+//! stop for the switch-over (`GET_VRING_BASE`): every request drained, metadata written back,
+//! the file trimmed and synced, its locks released, and from then on nothing is written
+//! through that handle again, not at disconnect and not at exit. The other process
+//! (started with `--incoming`, or one that handed the image over earlier) holds an
+//! *inactive* image: it read the size from the header and nothing else, holds no lock, and
+//! writes nothing; when its frontend starts a queue, it takes the image: opens it afresh
+//! (locks, metadata read now, after the source wrote its last) and serves it. The same
+//! happens on the source when a migration fails and its guest runs on.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use log::info;
+
+use super::lock::LockError;
+use super::{Image, ImageError, ImageOpenError, ImageOptions};
+
+/// How long taking the image waits for the other process to give up its lock: QEMU starts
+/// the destination's queues after the source's have stopped, so a lock still held this long
+/// is somebody else's.
+const TAKE_OVER_WAIT: Duration = Duration::from_secs(10);
+
+/// Why the image cannot be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum TakeOverError {
+    #[error("the image cannot be opened again (it was not opened from a path)")]
+    NoPath,
+    #[error(transparent)]
+    Open(#[from] ImageOpenError),
+    #[error("the image is {now} bytes now, but the guest was shown {shown} bytes: not serving it")]
+    SizeChanged { shown: u64, now: u64 },
+}
+
+/// The image a device serves: active, or waiting for (or after) a handover.
+#[derive(Debug)]
+pub struct ImageSlot {
+    current: Mutex<Arc<Image>>,
+    /// How to open the image again.
+    opts: Option<ImageOptions>,
+    /// Handed over to another process: queues take no request until it is taken back.
+    handed_over: AtomicBool,
+}
+
+impl ImageSlot {
+    /// `image` (active, or [`Image::incoming`]); `opts` say how to open it again.
+    pub fn new(image: Image, opts: Option<ImageOptions>) -> Self {
+        ImageSlot {
+            current: Mutex::new(Arc::new(image)),
+            opts,
+            handed_over: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Arc<Image>> {
+        self.current.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The image as it is now (inactive ones serve nothing).
+    pub fn get(&self) -> Arc<Image> {
+        self.lock().clone()
+    }
+
+    /// Has this process handed the image over (and not taken it back)?
+    pub fn handed_over(&self) -> bool {
+        self.handed_over.load(Ordering::Acquire)
+    }
+
+    /// The active image, opened now if it is inactive; `shown` is the size the guest sees
+    /// (a different one is refused).
+    pub fn take_over(&self, shown: u64) -> Result<Arc<Image>, TakeOverError> {
+        let mut cur = self.lock();
+        if cur.is_active() {
+            return Ok(cur.clone());
+        }
+        let opts = self.opts.as_ref().ok_or(TakeOverError::NoPath)?;
+        let t0 = Instant::now();
+        let (image, _, _) = loop {
+            match Image::open(opts) {
+                Ok(x) => break x,
+                Err(ImageOpenError::Lock(LockError::InUse { .. }))
+                    if t0.elapsed() < TAKE_OVER_WAIT =>
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        if image.size_bytes() != shown {
+            // Dropping it writes nothing the open did not (nothing was served).
+            return Err(TakeOverError::SizeChanged {
+                shown,
+                now: image.size_bytes(),
+            });
+        }
+        info!(
+            "took the image over: locked and its metadata read after {} ms; serving it",
+            t0.elapsed().as_millis()
+        );
+        *cur = Arc::new(image);
+        self.handed_over.store(false, Ordering::Release);
+        Ok(cur.clone())
+    }
+
+    /// Hand the image over: queues stop taking requests, `drain` completes those they hold,
+    /// then everything is written back and synced, the locks given up, and nothing is
+    /// written through this handle again. False if it was not active (nothing done).
+    pub fn hand_over(&self, drain: impl FnOnce()) -> Result<bool, ImageError> {
+        // Not held while draining: a queue thread starting meanwhile takes this lock
+        // (`take_over`) while the drain waits for that thread.
+        let cur = self.get();
+        if !cur.is_active() {
+            return Ok(false);
+        }
+        let t0 = Instant::now();
+        // First no new request, then the last ones finished: nothing is in flight below.
+        self.handed_over.store(true, Ordering::Release);
+        drain();
+        let r = if cur.read_only() { Ok(()) } else { cur.close() };
+        // Whether or not the last write-back worked, this process must not write again: the
+        // other may start at any moment.
+        cur.deactivate();
+        cur.release_locks();
+        r?;
+        info!(
+            "handed the image over: metadata written back and synced, locks released in {} ms \
+             (a frontend starting the queues here takes it back)",
+            t0.elapsed().as_millis()
+        );
+        Ok(true)
+    }
+}
