@@ -353,25 +353,35 @@ fn read_block(g: &Guest, kick: &EventFd, k: u16, sector: u64) -> Vec<u8> {
 }
 
 /// The handover, as QEMU drives it: vublk B starts with `--incoming` beside vublk A, which
-/// serves a qcow2 image (locked); A's frontend logs, writes into new clusters and stops its
+/// serves a qcow2 (or parallels) image (locked); A's frontend logs, writes into new clusters and stops its
 /// queue (GET_VRING_BASE: the switch-over); B's frontend then starts its queue: B takes the
 /// image and reads every block A wrote; B writes more; A, told to exit afterwards, writes
 /// nothing (no stale metadata over B's): `qemu-img check` is clean and B's and A's blocks
 /// are all in the image.
 #[test]
-fn an_incoming_vublk_takes_the_image_over_at_the_switch_over() {
+fn an_incoming_vublk_takes_a_qcow2_image_over_at_the_switch_over() {
+    handover("qcow2");
+}
+
+/// The same with a parallels image (its BAT and in-use flag).
+#[test]
+fn an_incoming_vublk_takes_a_parallels_image_over_at_the_switch_over() {
+    handover("parallels");
+}
+
+fn handover(fmt: &str) {
     if skip_unless_vublk("vublk's image handover") {
         return;
     }
     if !have_qemu_img() {
         return;
     }
-    let dir_a = TestDir::new("migration-handover-a");
-    let dir_b = TestDir::new("migration-handover-b");
-    let img = dir_a.join("img.qcow2");
+    let dir_a = TestDir::new(&format!("migration-handover-{fmt}-a"));
+    let dir_b = TestDir::new(&format!("migration-handover-{fmt}-b"));
+    let img = dir_a.join(&format!("img.{fmt}"));
     run_ok(
         std::process::Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2"])
+            .args(["create", "-q", "-f", fmt])
             .arg(&img)
             .arg((64 * MIB).to_string()),
     );
@@ -470,13 +480,13 @@ fn an_incoming_vublk_takes_the_image_over_at_the_switch_over() {
     // Clean: not even a leak (exit status 0).
     run_ok(
         std::process::Command::new("qemu-img")
-            .args(["check", "-q", "-f", "qcow2"])
+            .args(["check", "-q", "-f", fmt])
             .arg(&img),
     );
     let raw = dir_a.join("converted.raw");
     run_ok(
         std::process::Command::new("qemu-img")
-            .args(["convert", "-f", "qcow2", "-O", "raw"])
+            .args(["convert", "-f", fmt, "-O", "raw"])
             .arg(&img)
             .arg(&raw),
     );

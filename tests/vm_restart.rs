@@ -15,23 +15,19 @@ mod vm;
 
 use std::env;
 use std::fs::{self, File};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use vm::{
-    build_guest, find_program, markers, read_log, skip, ChildGuard, LineCollector, ScratchDir, MARK,
+    build_guest, check_blocks, find_program, markers, read_log, skip, ChildGuard, LineCollector,
+    ScratchDir, MARK,
 };
 
 const NUM_QUEUES: u32 = 2;
 const WRITERS: u64 = 4;
 const DISK_BYTES: u64 = 1 << 30;
-/// Pattern blocks (pattern.bin is 24 MiB: build-initramfs.sh).
-const BLOCK: u64 = 4096;
-/// Device blocks between two consecutive written blocks (64 KiB: one qcow2 cluster).
-const STRIDE_BLOCKS: u64 = 16;
 
 /// Guest runs one at a time (two TCG guests on two cores slow each other down).
 static ONE_GUEST_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -424,72 +420,6 @@ fn run(
     ))
 }
 
-/// Every block each writer reported is in the image, with its pattern block.
-fn check_blocks(marks: &[String], image: &Path, pattern: &Path) -> u64 {
-    let pat = fs::read(pattern).unwrap();
-    let pat_blocks = pat.len() as u64 / BLOCK;
-    let img = File::open(image).unwrap();
-    let mut total = 0;
-    let mut buf = vec![0u8; BLOCK as usize];
-    for m in marks.iter().filter_map(|m| m.strip_prefix("WROTE ")) {
-        let field = |k: &str| -> u64 {
-            m.split_whitespace()
-                .find_map(|f| f.strip_prefix(k)?.strip_prefix('='))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("no {k} in WROTE {m}"))
-        };
-        let (w, n) = (field("writer"), field("blocks"));
-        for i in 0..n {
-            let b = i * WRITERS + w;
-            img.read_exact_at(&mut buf, b * STRIDE_BLOCKS * BLOCK)
-                .unwrap();
-            let p = ((b % pat_blocks) * BLOCK) as usize;
-            assert!(
-                buf == pat[p..p + BLOCK as usize],
-                "writer {w} block {i} (device offset {}) does not hold what the guest wrote{}",
-                b * STRIDE_BLOCKS * BLOCK,
-                if buf.iter().all(|&x| x == 0) {
-                    ": zeroes (lost)"
-                } else {
-                    ""
-                }
-            );
-        }
-        total += n;
-    }
-    assert_eq!(
-        marks.iter().filter(|m| m.starts_with("WROTE ")).count() as u64,
-        WRITERS
-    );
-    // The bulk writers' 1 MiB blocks in the upper half; only the last write of each place
-    // counts (they wrap around).
-    let mib = 1u64 << 20;
-    let half_mib = DISK_BYTES / 2 / mib;
-    let mut big = vec![0u8; mib as usize];
-    let mut bulk = 0;
-    for m in marks.iter().filter_map(|m| m.strip_prefix("BULK ")) {
-        let field = |k: &str| -> u64 {
-            m.split_whitespace()
-                .find_map(|f| f.strip_prefix(k)?.strip_prefix('='))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("no {k} in BULK {m}"))
-        };
-        let (k, n) = (field("writer"), field("blocks"));
-        for j in n.saturating_sub(half_mib / 2)..n {
-            let at = DISK_BYTES / 2 + ((2 * j + k) % half_mib) * mib;
-            img.read_exact_at(&mut big, at).unwrap();
-            let p = ((j % 24) * mib) as usize;
-            assert!(
-                big == pat[p..p + mib as usize],
-                "bulk writer {k} block {j} (device offset {at}) does not hold what the guest wrote"
-            );
-        }
-        bulk += n;
-    }
-    assert_eq!(marks.iter().filter(|m| m.starts_with("BULK ")).count(), 2);
-    total + bulk
-}
-
 fn report(name: &str, o: &Outcome, blocks: u64) {
     let stall = o
         .marks
@@ -535,7 +465,7 @@ fn raw_image_survives_kills_and_restarts_under_a_writing_guest() {
     let Some((o, image, pattern, _run)) = run("raw", "raw", 60, &EVENTS) else {
         return;
     };
-    let blocks = check_blocks(&o.marks, &image, &pattern);
+    let blocks = check_blocks(&o.marks, &image, &pattern, WRITERS, DISK_BYTES);
     report("raw", &o, blocks);
 }
 
@@ -571,7 +501,7 @@ fn qcow2_image_survives_kills_and_restarts_under_a_writing_guest() {
         .status()
         .unwrap();
     assert!(st.success());
-    let blocks = check_blocks(&o.marks, &raw, &pattern);
+    let blocks = check_blocks(&o.marks, &raw, &pattern, WRITERS, DISK_BYTES);
     report("qcow2", &o, blocks);
 }
 
@@ -584,7 +514,7 @@ fn control_run_without_restarts() {
     let Some((o, image, pattern, _run)) = run("control", "raw", 20, &[]) else {
         return;
     };
-    let blocks = check_blocks(&o.marks, &image, &pattern);
+    let blocks = check_blocks(&o.marks, &image, &pattern, WRITERS, DISK_BYTES);
     assert!(blocks > 0);
     report("control", &o, blocks);
 }

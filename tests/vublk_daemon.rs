@@ -246,7 +246,7 @@ fn print_capabilities_is_the_vhost_user_json() {
     let compact: String = out.chars().filter(|c| !c.is_whitespace()).collect();
     assert_eq!(
         compact,
-        r#"{"type":"block","features":["read-only","blk-file"]}"#
+        r#"{"type":"block","features":["read-only","blk-file","migration"]}"#
     );
 }
 

@@ -189,9 +189,18 @@ restart)
 		[ "$st" = ok ] || fail restart-write "writer $w: write of block $n failed"
 		say "WROTE writer=$w blocks=$n longest_write_cs=$max"
 		[ "$max" -gt "$worst" ] && worst=$max
-		# Read back the writer's last 16 blocks through the device.
+		# Read back the writer's last 16 blocks through the device, and its first
+		# E2E_VERIFY_FIRST (default 0; a migrated guest checks what it wrote on the source).
 		echo 3 >/proc/sys/vm/drop_caches
+		first=${E2E_VERIFY_FIRST:-0}
 		i=$((n > 16 ? n - 16 : 0))
+		j=0
+		while [ $j -lt "$first" ] && [ $j -lt "$i" ]; do
+			b=$((j * writers + w))
+			"$CMP" -s -n 4096 -i "$(((b % pat_blocks) * 4096)):$((b * 16 * 4096))" "$PAT" "$DEV" ||
+				fail restart-readback "writer $w block $j"
+			j=$((j + 1))
+		done
 		while [ $i -lt "$n" ]; do
 			b=$((i * writers + w))
 			"$CMP" -s -n 4096 -i "$(((b % pat_blocks) * 4096)):$((b * 16 * 4096))" "$PAT" "$DEV" ||

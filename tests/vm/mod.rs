@@ -361,3 +361,80 @@ pub fn markers(lines: &[String]) -> Vec<String> {
         .filter_map(|l| l.find(MARK).map(|i| l[i + MARK.len()..].to_owned()))
         .collect()
 }
+
+/// Every block each writer of the guest's `restart` workload reported (its WROTE and BULK
+/// markers) is in the image, with its pattern block; returns how many blocks were checked.
+/// Block i of writer w is at device block (i * writers + w) * 16 (4 KiB blocks).
+pub fn check_blocks(
+    marks: &[String],
+    image: &Path,
+    pattern: &Path,
+    writers: u64,
+    disk_bytes: u64,
+) -> u64 {
+    use std::os::unix::fs::FileExt;
+    const BLOCK: u64 = 4096;
+    const STRIDE_BLOCKS: u64 = 16;
+    let pat = fs::read(pattern).unwrap();
+    let pat_blocks = pat.len() as u64 / BLOCK;
+    let img = File::open(image).unwrap();
+    let mut total = 0;
+    let mut buf = vec![0u8; BLOCK as usize];
+    for m in marks.iter().filter_map(|m| m.strip_prefix("WROTE ")) {
+        let field = |k: &str| -> u64 {
+            m.split_whitespace()
+                .find_map(|f| f.strip_prefix(k)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {k} in WROTE {m}"))
+        };
+        let (w, n) = (field("writer"), field("blocks"));
+        for i in 0..n {
+            let b = i * writers + w;
+            img.read_exact_at(&mut buf, b * STRIDE_BLOCKS * BLOCK)
+                .unwrap();
+            let p = ((b % pat_blocks) * BLOCK) as usize;
+            assert!(
+                buf == pat[p..p + BLOCK as usize],
+                "writer {w} block {i} (device offset {}) does not hold what the guest wrote{}",
+                b * STRIDE_BLOCKS * BLOCK,
+                if buf.iter().all(|&x| x == 0) {
+                    ": zeroes (lost)"
+                } else {
+                    ""
+                }
+            );
+        }
+        total += n;
+    }
+    assert_eq!(
+        marks.iter().filter(|m| m.starts_with("WROTE ")).count() as u64,
+        writers
+    );
+    // The bulk writers' 1 MiB blocks in the upper half; only the last write of each place
+    // counts (they wrap around).
+    let mib = 1u64 << 20;
+    let half_mib = disk_bytes / 2 / mib;
+    let mut big = vec![0u8; mib as usize];
+    let mut bulk = 0;
+    for m in marks.iter().filter_map(|m| m.strip_prefix("BULK ")) {
+        let field = |k: &str| -> u64 {
+            m.split_whitespace()
+                .find_map(|f| f.strip_prefix(k)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {k} in BULK {m}"))
+        };
+        let (k, n) = (field("writer"), field("blocks"));
+        for j in n.saturating_sub(half_mib / 2)..n {
+            let at = disk_bytes / 2 + ((2 * j + k) % half_mib) * mib;
+            img.read_exact_at(&mut big, at).unwrap();
+            let p = ((j % 24) * mib) as usize;
+            assert!(
+                big == pat[p..p + mib as usize],
+                "bulk writer {k} block {j} (device offset {at}) does not hold what the guest wrote"
+            );
+        }
+        bulk += n;
+    }
+    assert_eq!(marks.iter().filter(|m| m.starts_with("BULK ")).count(), 2);
+    total + bulk
+}
