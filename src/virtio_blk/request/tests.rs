@@ -434,7 +434,9 @@ proptest! {
                 prop_assert!(r.status_addr.0 < MEM_SIZE as u64);
             }
         }
-        if matches!(c, Corruption::None) {
+        // An uncorrupted chain inside the device parses (one that runs past its end is
+        // refused, as checked above).
+        if matches!(c, Corruption::None) && sector + nseg as u64 <= 2048 {
             prop_assert!(parse(&m, &v, &limits()).0.is_ok());
         }
     }
