@@ -47,6 +47,15 @@ pub struct Args {
     #[arg(long)]
     pub read_only: bool,
 
+    /// Serve the control API (JSON-RPC 2.0, one object per line) on this UNIX socket, mode
+    /// 0600 (see `vublk ctl`).
+    #[arg(long, value_name = "PATH")]
+    pub control_socket: Option<PathBuf>,
+
+    /// Make the control socket 0660 and owned by this group (name or number).
+    #[arg(long, value_name = "GROUP")]
+    pub control_group: Option<String>,
+
     /// Be the destination of a live migration: listen and answer the frontend's set-up, but
     /// take no lock, read nothing beyond the image's header and write nothing until the
     /// frontend starts the queues (after the source vublk has handed the image over); then
@@ -92,6 +101,31 @@ pub struct Args {
     /// block allocated, unmap = punch holes.
     #[arg(long, value_enum, default_value_t = DiscardMode::Ignore)]
     pub discard: DiscardMode,
+
+    /// I/O limit: reads and writes per second, together (0 = unlimited; one second of
+    /// burst; requests over it wait, they do not fail).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub throttle_iops: u64,
+
+    /// I/O limit: bytes read and written per second, together (0 = unlimited).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub throttle_bps: u64,
+
+    /// I/O limit: reads per second (0 = unlimited).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub throttle_read_iops: u64,
+
+    /// I/O limit: writes per second (0 = unlimited).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub throttle_write_iops: u64,
+
+    /// I/O limit: bytes read per second (0 = unlimited).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub throttle_read_bps: u64,
+
+    /// I/O limit: bytes written per second (0 = unlimited).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub throttle_write_bps: u64,
 
     /// Busy-poll each queue this many microseconds after its last request or completion
     /// before sleeping (0-10000; 0 = never). Lowers latency at low queue depth; costs CPU.
@@ -252,6 +286,22 @@ pub enum BackingMode {
 pub enum Command {
     /// Create a new raw, qcow2 or parallels image (never overwrites).
     Create(CreateArgs),
+    /// Call a running vublk's control socket: `vublk ctl --control-socket PATH METHOD
+    /// [--name value ...]`; prints the JSON result (exit 0) or the error (exit 1).
+    Ctl(CtlArgs),
+}
+
+/// `vublk ctl` options.
+#[derive(Debug, clap::Args)]
+pub struct CtlArgs {
+    /// The daemon's `--control-socket`.
+    #[arg(long, value_name = "PATH")]
+    pub control_socket: PathBuf,
+    /// version, status, stats, flush, get-throttle, set-throttle.
+    pub method: String,
+    /// Parameters: `--iops 400`, `--read-bps 1048576`, ... (set-throttle).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
 }
 
 /// `vublk create` options.

@@ -77,6 +77,13 @@ impl VhostUserBlkBackend {
             .map(|w| w.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
+    /// Throttle timers to register with each queue's epoll loop.
+    pub fn timer_fds(&self) -> Vec<Option<i32>> {
+        (0..self.workers.len())
+            .map(|i| self.worker(i).and_then(|w| w.timer_fd()))
+            .collect()
+    }
+
     /// Engine eventfds to register with each queue's epoll loop.
     pub fn engine_event_fds(&self) -> Vec<Option<i32>> {
         (0..self.workers.len())
@@ -370,8 +377,11 @@ impl VhostUserBackend for VhostUserBlkBackend {
         let Some(mut w) = self.worker(thread_id) else {
             return Ok(());
         };
-        if u64::from(device_event) == completion_event_id(self.workers.len() as u16) {
+        let completion = completion_event_id(self.workers.len() as u16);
+        if u64::from(device_event) == completion {
             w.handle_completions();
+        } else if u64::from(device_event) == completion + 1 {
+            w.handle_timer();
         } else if let Some(vring) = vrings.get(usize::from(device_event)) {
             w.handle_kick(vring);
         }

@@ -38,6 +38,9 @@ pub struct Config {
     pub read_only: bool,
     /// `--incoming`: a migration destination (see `image::handover`).
     pub incoming: bool,
+    /// `--control-socket` and `--control-group`.
+    pub control_socket: Option<PathBuf>,
+    pub control_group: Option<String>,
     pub num_queues: u16,
     pub queue_size: u16,
     pub logical_block_size: u32,
@@ -45,6 +48,8 @@ pub struct Config {
     pub cache: CacheMode,
     pub aio: AioMode,
     pub poll_us: u32,
+    /// `--throttle-*`.
+    pub throttle: crate::throttle::Limits,
     pub detect_zeroes: DetectZeroes,
     pub discard: DiscardMode,
     pub prealloc: crate::args::PreallocArg,
@@ -228,6 +233,8 @@ impl Config {
             force_share: args.force_share,
             read_only: args.read_only,
             incoming: args.incoming,
+            control_socket: args.control_socket.clone(),
+            control_group: args.control_group.clone(),
             num_queues: args.num_queues as u16,
             queue_size: args.queue_size as u16,
             logical_block_size: args.logical_block_size,
@@ -235,6 +242,14 @@ impl Config {
             cache: args.cache,
             aio: args.aio,
             poll_us: args.poll_us,
+            throttle: crate::throttle::Limits {
+                iops: args.throttle_iops,
+                bps: args.throttle_bps,
+                read_iops: args.throttle_read_iops,
+                write_iops: args.throttle_write_iops,
+                read_bps: args.throttle_read_bps,
+                write_bps: args.throttle_write_bps,
+            },
             detect_zeroes,
             discard: args.discard,
             l2_cache_bytes,

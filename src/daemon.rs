@@ -58,6 +58,8 @@ pub enum DaemonError {
     ServeThreadPanicked,
     #[error("cannot set up signal handling")]
     Signals(#[source] io::Error),
+    #[error(transparent)]
+    Control(#[from] crate::control::ControlError),
     /// An option that does not fit the image (exit status 2, like other bad options).
     #[error("{0}")]
     Usage(String),
@@ -120,7 +122,12 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
             "read-write"
         }
     );
-    Ok(Arc::new(Device::with_reopen(image, params, Some(opts))))
+    let dev = Device::with_reopen(image, params, Some(opts));
+    if !cfg.throttle.unlimited() {
+        info!("I/O limits: {:?} (0: unlimited)", cfg.throttle);
+        dev.throttle.set(cfg.throttle);
+    }
+    Ok(Arc::new(dev))
 }
 
 /// Serial derived from the file's identity: stable across restarts, distinct per file.
@@ -210,6 +217,14 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
         warn!("no SIGBUS guard ({e}): a frontend that shrinks its guest memory kills vublk");
     }
     let dev = open_device(&cfg)?;
+    if let Some(path) = &cfg.control_socket {
+        let ctx = crate::control::Context {
+            dev: dev.clone(),
+            image_path: cfg.blk_file.clone(),
+            started: std::time::Instant::now(),
+        };
+        crate::control::serve(path, cfg.control_group.as_deref(), ctx)?;
+    }
     let mut listener = listen(&cfg.socket)?;
     let phase = Arc::new(Mutex::new(Phase::default()));
 
@@ -309,6 +324,12 @@ fn serve_loop(
                 .map_err(DaemonError::RegisterCompletions)?;
             }
         }
+        for (i, fd) in backend.timer_fds().into_iter().enumerate() {
+            if let (Some(fd), Some(h)) = (fd, handlers.get(i)) {
+                h.register_listener(fd, EventSet::IN, completion_event_id(cfg.num_queues) + 1)
+                    .map_err(DaemonError::RegisterCompletions)?;
+            }
+        }
         if let Err(e) = daemon.start(listener) {
             error!("accepting a connection failed: {e}");
             continue;
@@ -322,6 +343,8 @@ fn serve_loop(
             }
         }
         info!("frontend connected");
+        dev.frontend_connected
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         match daemon.wait() {
             Ok(()) => info!("frontend disconnected"),
             // libblkio and QEMU just close the socket when they are done.
@@ -333,6 +356,8 @@ fn serve_loop(
         // Stop the queue threads first (no new requests can start), then complete what was in
         // flight while the guest memory is still mapped.
         drop(daemon);
+        dev.frontend_connected
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         backend.drain_all();
         backend.log_stats();
         let stop = {

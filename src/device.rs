@@ -84,6 +84,12 @@ pub struct Device {
     /// The frontend negotiated VHOST_F_LOG_ALL (it migrates the guest): guest pages the
     /// kernel writes for a request are marked in its dirty log by hand.
     pub dirty_log: AtomicBool,
+    /// Request counters, one set per queue (`stats`).
+    pub queue_stats: Vec<crate::stats::QueueCounters>,
+    /// I/O limits (`--throttle-*`, `set-throttle`).
+    pub throttle: crate::throttle::Throttle,
+    /// A frontend is connected (`status`).
+    pub frontend_connected: AtomicBool,
 }
 
 impl Device {
@@ -108,6 +114,7 @@ impl Device {
             max_write_zeroes_seg: MAX_RANGES,
         };
         let writeback = params.cache != CacheMode::Writethrough;
+        let queues = params.num_queues.max(1);
         let rmw_possible = params.cache == CacheMode::None
             && params.align.offset > params.logical_block_size as usize;
         Device {
@@ -119,6 +126,11 @@ impl Device {
             writeback: AtomicBool::new(writeback),
             no_zero_range: AtomicBool::new(false),
             dirty_log: AtomicBool::new(false),
+            throttle: crate::throttle::Throttle::default(),
+            frontend_connected: AtomicBool::new(false),
+            queue_stats: (0..queues)
+                .map(|_| crate::stats::QueueCounters::default())
+                .collect(),
         }
     }
 

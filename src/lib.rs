@@ -22,6 +22,7 @@
 pub mod args;
 pub mod backend;
 pub mod config;
+pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod guest_memory;
@@ -30,8 +31,10 @@ pub mod inflight;
 pub mod io;
 pub mod logging;
 pub mod offload;
+pub mod stats;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod throttle;
 pub mod virtio_blk;
 pub mod worker;
 pub mod zero;

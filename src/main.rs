@@ -42,6 +42,28 @@ fn main() -> ExitCode {
             }
         };
     }
+    if let Some(vublk::args::Command::Ctl(c)) = &args.command {
+        let params = match vublk::control::params_from_args(&c.method, &c.args) {
+            Ok(p) => p,
+            Err(msg) => {
+                eprintln!("vublk ctl: {msg}");
+                return ExitCode::from(EXIT_USAGE);
+            }
+        };
+        return match vublk::control::client(&c.control_socket, &c.method, params) {
+            Ok(v) => {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string())
+                );
+                ExitCode::SUCCESS
+            }
+            Err(msg) => {
+                eprintln!("vublk ctl: {msg}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if args.print_capabilities {
         println!("{}", capabilities_json());
         return ExitCode::SUCCESS;

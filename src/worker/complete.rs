@@ -216,11 +216,24 @@ impl QueueWorker {
             }
         }
         let _ = r.mem.write_obj(r.status, slot.req.status_addr);
+        if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
+            let bytes = match slot.req.kind {
+                RequestType::In | RequestType::Out => slot.req.data_len,
+                _ => 0,
+            };
+            c.record(
+                slot.req.kind,
+                r.status,
+                bytes,
+                r.started.elapsed().as_micros() as u64,
+            );
+        }
         if let (Some(k), Some(ranges)) = (r.range_key.take(), self.dev.write_ranges.as_ref()) {
             ranges.release(k);
         }
         slot.iov.clear();
         self.free.push(idx);
+        self.count_in_flight();
         if let Some(f) = failure {
             self.report(&f);
         }

@@ -118,6 +118,11 @@ pub struct QueueWorker {
     signal_on_start: bool,
     /// The daemon is stopping: take no more requests (the next process will).
     quiesced: bool,
+    /// Parsed requests waiting for the device's I/O limits (`throttle`), oldest first.
+    throttled: std::collections::VecDeque<u16>,
+    /// Wakes the queue when the limits admit the first of them (None: no timer, retried on
+    /// the next event).
+    timer: Option<vmm_sys_util::timerfd::TimerFd>,
     /// Where the frontend logs this queue's used-ring writes (VHOST_VRING_F_LOG).
     used_log: Option<u64>,
 }
@@ -145,6 +150,10 @@ impl QueueWorker {
             resubmit: Vec::new(),
             signal_on_start: false,
             quiesced: false,
+            throttled: std::collections::VecDeque::new(),
+            timer: vmm_sys_util::timerfd::TimerFd::new()
+                .map_err(|e| warn!("queue {index}: no throttle timer ({e})"))
+                .ok(),
             used_log: None,
             lost_pages: crate::guest_memory::lost_pages(),
             poll: Duration::ZERO,
@@ -176,8 +185,96 @@ impl QueueWorker {
         self.engine.event_fd()
     }
 
+    /// The throttle timer's descriptor, to register with the queue's epoll loop.
+    pub fn timer_fd(&self) -> Option<i32> {
+        use std::os::fd::AsRawFd;
+        self.timer.as_ref().map(|t| t.as_raw_fd())
+    }
+
+    /// The throttle timer fired: start what the limits admit now.
+    pub fn handle_timer(&mut self) {
+        if let Some(t) = self.timer.as_mut() {
+            let _ = t.clear();
+        }
+        let Some(vring) = self.vring.clone() else {
+            return;
+        };
+        self.release_throttled();
+        self.submit_engine();
+        self.reap_and_complete(&vring);
+        if self.stalled {
+            self.process_queue(&vring, true);
+        }
+    }
+
+    /// Must request `idx` wait for the I/O limits? (Requests behind a waiting one wait too.)
+    fn must_wait_for_throttle(&mut self, idx: u16) -> bool {
+        if !self.throttled.is_empty() {
+            return true;
+        }
+        if !self.dev.throttle.on() {
+            return false;
+        }
+        match self.throttle_admit(idx) {
+            Ok(()) => false,
+            Err(wait) => {
+                self.arm_timer(wait);
+                true
+            }
+        }
+    }
+
+    fn throttle_admit(&self, idx: u16) -> Result<(), Duration> {
+        use crate::throttle::Dir;
+        use crate::virtio_blk::RequestType;
+        let req = &self.slots[usize::from(idx)].req;
+        let dir = match req.kind {
+            RequestType::In => Dir::Read,
+            RequestType::Out => Dir::Write,
+            _ => return Ok(()),
+        };
+        self.dev.throttle.admit(dir, req.data_len)
+    }
+
+    /// Wake up after `wait` (at most 50 ms: limits changed meanwhile take effect soon).
+    fn arm_timer(&mut self, wait: Duration) {
+        let wait = wait.clamp(Duration::from_micros(100), Duration::from_millis(50));
+        if let Some(t) = self.timer.as_mut() {
+            let _ = t.reset(wait, None);
+        }
+    }
+
+    /// Start the waiting requests the limits admit now, oldest first (all of them with
+    /// `force`: the queue is stopping and everything taken must complete).
+    fn release_throttled_inner(&mut self, force: bool) {
+        while let Some(&idx) = self.throttled.front() {
+            if !force && self.dev.throttle.on() {
+                if let Err(wait) = self.throttle_admit(idx) {
+                    self.arm_timer(wait);
+                    return;
+                }
+            }
+            self.throttled.pop_front();
+            let head = self.slots[usize::from(idx)].busy_ref().map(|r| r.head);
+            if let (Some(used), Some(head)) = (self.launch(idx), head) {
+                self.deferred_used.push((head, used));
+            }
+        }
+    }
+
+    fn release_throttled(&mut self) {
+        self.release_throttled_inner(false);
+    }
+
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
+    }
+
+    /// Publish the number of requests in flight to the queue's counters.
+    fn count_in_flight(&self) {
+        if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
+            c.set_in_flight(self.in_flight());
+        }
     }
 
     pub fn set_memory(&mut self, mem: GuestMemoryAtomic<Mem>) {
@@ -258,6 +355,11 @@ impl QueueWorker {
                 self.reap_and_complete(vring);
                 worked = true;
             }
+            if !self.throttled.is_empty() {
+                // The timer's wake-up is not seen while polling: retry here.
+                self.release_throttled();
+                self.submit_engine();
+            }
             if !self.free.is_empty() && self.broken.is_none() && avail_pending(vring, &mem) {
                 self.process_queue(vring, false);
                 worked = true;
@@ -282,6 +384,8 @@ impl QueueWorker {
         let Some(vring) = self.vring.clone() else {
             return;
         };
+        // Requests waiting for the limits were taken from the ring: they complete now.
+        self.release_throttled_inner(true);
         loop {
             // Completions already known (including synthetic ones) first: waiting with
             // nothing in the kernel would block for ever.
@@ -490,6 +594,9 @@ impl QueueWorker {
             }
             if !self.resubmit.is_empty() {
                 self.resubmit_recovered(state.get_queue(), &mem);
+            }
+            if !self.throttled.is_empty() {
+                self.release_throttled();
             }
             loop {
                 if self.free.is_empty() || !self.resubmit.is_empty() {

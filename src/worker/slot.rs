@@ -109,6 +109,8 @@ pub(super) struct InFlight {
     /// What the image lent this write until it completes.
     pub ticket: Option<WriteTicket>,
     pub then: Then,
+    /// When the request was taken from the ring (latency statistics).
+    pub started: std::time::Instant,
 }
 
 impl InFlight {
@@ -124,6 +126,7 @@ impl InFlight {
             range_key: None,
             ticket: None,
             then: Then::Finish,
+            started: std::time::Instant::now(),
         }
     }
 }

@@ -39,6 +39,9 @@ impl QueueWorker {
             };
             self.report_guest(head, &e);
             self.free.push(idx);
+            if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
+                c.record_refused(e.status());
+            }
             return Some(used);
         }
         slot.state = SlotState::Busy(InFlight::new(head, mem.clone()));
@@ -56,6 +59,16 @@ impl QueueWorker {
             );
             return Some(self.finish(idx));
         }
+        self.count_in_flight();
+        if self.must_wait_for_throttle(idx) {
+            self.throttled.push_back(idx);
+            return None;
+        }
+        self.launch(idx)
+    }
+
+    /// Submit a parsed request's operations; Some(used length) when it finished at once.
+    pub(super) fn launch(&mut self, idx: u16) -> Option<u32> {
         match self.submit_request(idx) {
             Ok(true) => None,
             // Nothing to submit (or failed before any operation): complete now.

@@ -86,8 +86,15 @@ impl Qcow2Image {
         if let Some(t) = hit.and_then(|pos| cache.tables.remove(pos)) {
             let e = t.entries[l2_index];
             cache.tables.push_back(t);
+            // Under the cache lock already: the counter adds no contention of its own.
+            self.stats
+                .l2_hits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return Ok(e);
         }
+        self.stats
+            .l2_misses
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // Loaded under the cache lock, so a writer cannot change the table in between.
         let entries = self.read_l2(file, l2_offset)?;
         let e = entries[l2_index];

@@ -160,6 +160,9 @@ pub struct Qcow2Stats {
     /// Preallocations done, and skipped (failed or unsupported).
     pub preallocs_done: AtomicU64,
     pub preallocs_skipped: AtomicU64,
+    /// L2 table lookups served from the cache, and read from the file.
+    pub l2_hits: AtomicU64,
+    pub l2_misses: AtomicU64,
 }
 
 /// Fills a cluster buffer with the guest disk's current contents at a cluster-aligned guest

@@ -1,0 +1,288 @@
+//! The control socket (`--control-socket`) and `vublk ctl`: stats that count what a libblkio
+//! client did, I/O limits set at start-up and at run time (measured), and bad input that
+//! leaves the daemon serving.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+fn ctl(sock: &Path, method: &str, args: &[&str]) -> (bool, Value, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .arg("ctl")
+        .arg("--control-socket")
+        .arg(sock)
+        .arg(method)
+        .args(args)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    let v = serde_json::from_str(&out).unwrap_or(Value::Null);
+    (o.status.success(), v, err)
+}
+
+fn start(dir: &TestDir, img: &Path, queues: u32, extra: &[&str]) -> (Backend, PathBuf) {
+    let sock = dir.join("ctl.sock");
+    let mut args = vec!["--control-socket".to_string(), sock.display().to_string()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let b = Backend::start(
+        dir,
+        img,
+        &BackendOpts {
+            num_queues: Some(queues),
+            extra_args: args,
+            ..BackendOpts::default()
+        },
+    );
+    (b, sock)
+}
+
+/// `stats` counts exactly the reads and writes a client made, their bytes, per queue and in
+/// total; `status` and `version` answer; `flush` answers once durable.
+#[test]
+fn stats_count_what_a_client_did() {
+    if skip_unless_vublk("vublk's control socket") {
+        return;
+    }
+    let dir = TestDir::new("control-stats");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, 16 * MIB, 1);
+    let (backend, sock) = start(&dir, &img, 2, &[]);
+    let mode = std::fs::metadata(&sock).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(mode.permissions().mode() & 0o777, 0o600);
+    let mut c = connect_queues(&backend.socket, 2);
+    let (writes, reads) = (37u64, 23u64);
+    for i in 0..writes {
+        assert_eq!(c.write_at((i % 2) as usize, i * 4096, &[7u8; 4096]), 0);
+    }
+    for i in 0..reads {
+        c.read_at(0, i * 8192, 8192).unwrap();
+    }
+    let (ok, s, err) = ctl(&sock, "stats", &[]);
+    assert!(ok, "{err}");
+    let t = &s["total"];
+    assert_eq!(t["requests"]["write"]["requests"], writes);
+    assert_eq!(t["requests"]["read"]["requests"], reads);
+    assert_eq!(t["bytes_written"], writes * 4096);
+    assert_eq!(t["bytes_read"], reads * 8192);
+    assert_eq!(t["in_flight"], 0);
+    let q = s["queues"].as_array().unwrap();
+    assert_eq!(q.len(), 2);
+    assert_eq!(q[0]["requests"]["write"]["requests"], writes.div_ceil(2));
+    assert_eq!(q[1]["requests"]["write"]["requests"], writes / 2);
+    assert_eq!(q[0]["requests"]["read"]["requests"], reads);
+    let lat = &t["requests"]["write"]["latency_us"];
+    assert!(lat["p50"].as_u64().unwrap() > 0);
+    assert!(lat["p99"].as_u64().unwrap() >= lat["p50"].as_u64().unwrap());
+    assert!(lat["max"].as_u64().unwrap() >= lat["p99"].as_u64().unwrap() / 2);
+    // Errors are counted by status: a read past the end is refused.
+    assert_eq!(
+        c.submit(
+            0,
+            Op::Read {
+                offset: 16 * MIB,
+                buf: 0,
+                len: 4096
+            }
+        ),
+        EIO
+    );
+    let (_, s, _) = ctl(&sock, "stats", &[]);
+    assert_eq!(s["total"]["statuses"]["ioerr"], 1);
+
+    let (ok, st, err) = ctl(&sock, "status", &[]);
+    assert!(ok, "{err}");
+    assert_eq!(st["format"], "raw");
+    assert_eq!(st["size_bytes"], 16 * MIB);
+    assert_eq!(st["queues"], 2);
+    assert_eq!(st["frontend_connected"], true);
+    let (ok, v, _) = ctl(&sock, "version", &[]);
+    assert!(ok && v["version"].is_string());
+    let (ok, f, err) = ctl(&sock, "flush", &[]);
+    assert!(ok && f["durable"] == true, "{err}");
+    // An unknown method: the message, exit 1.
+    let (ok, _, err) = ctl(&sock, "no-such-method", &[]);
+    assert!(!ok && err.contains("unknown method"), "{err}");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// Reads of 4 KiB at depth 8 for `secs`: completions per second.
+fn measure_iops(c: &mut Client, secs: f64) -> f64 {
+    let ops: Vec<Op> = (0..8)
+        .map(|i| Op::Read {
+            offset: i * 4096,
+            buf: i as usize * 4096,
+            len: 4096,
+        })
+        .collect();
+    let t0 = Instant::now();
+    let mut n = 0;
+    while t0.elapsed().as_secs_f64() < secs {
+        let r = c.submit_batch(0, &ops);
+        assert!(r.iter().all(|&x| x == 0), "{r:?}");
+        n += ops.len();
+    }
+    n as f64 / t0.elapsed().as_secs_f64()
+}
+
+/// A limit of 400 IOPS holds at 400 +- 15% at depth 8 (after the one-second burst); lifting
+/// it restores full speed; a limit changed at run time holds within a second.
+#[test]
+fn throttle_holds_its_rate_and_changes_at_run_time() {
+    if skip_unless_vublk("vublk's I/O limits") {
+        return;
+    }
+    let dir = TestDir::new("control-throttle");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, 16 * MIB, 2);
+    let (backend, sock) = start(&dir, &img, 1, &["--throttle-iops", "400"]);
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    // The burst (a second's worth) first.
+    measure_iops(&mut c, 1.5);
+    let limited = measure_iops(&mut c, 3.0);
+    println!("[throttle] --throttle-iops 400: {limited:.0} IOPS");
+    assert!(
+        (340.0..=460.0).contains(&limited),
+        "400 IOPS limit measured {limited:.0}"
+    );
+    let (ok, v, err) = ctl(&sock, "set-throttle", &["--iops", "0"]);
+    assert!(ok && v["iops"] == 0, "{err}");
+    let free = measure_iops(&mut c, 1.0);
+    println!("[throttle] unlimited: {free:.0} IOPS");
+    assert!(
+        free > 4.0 * limited,
+        "unlimited {free:.0} vs limited {limited:.0}"
+    );
+    // At run time: 200 IOPS, effective within a second (the burst included).
+    let (ok, _, err) = ctl(&sock, "set-throttle", &["--read-iops", "200"]);
+    assert!(ok, "{err}");
+    let t = Instant::now();
+    let first = measure_iops(&mut c, 1.0);
+    assert!(t.elapsed() < Duration::from_secs(2));
+    let later = measure_iops(&mut c, 2.0);
+    println!("[throttle] read-iops 200: {first:.0} IOPS in the first second, then {later:.0}");
+    assert!(first <= 2.0 * 200.0 * 1.15, "first second {first:.0}");
+    assert!(
+        (170.0..=230.0).contains(&later),
+        "200 IOPS limit measured {later:.0}"
+    );
+    let (_, v, _) = ctl(&sock, "get-throttle", &[]);
+    assert_eq!(v["read_iops"], 200);
+    // Bad values: refused with the name of the limit.
+    let (ok, _, err) = ctl(&sock, "set-throttle", &["--iops", "-3"]);
+    assert!(!ok && err.contains("iops"), "{err}");
+    let (ok, _, err) = ctl(&sock, "set-throttle", &["--bogus", "3"]);
+    assert!(!ok && err.contains("bogus"), "{err}");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+fn raw_call(sock: &Path, line: &[u8]) -> String {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(line).unwrap();
+    let mut r = BufReader::new(s);
+    let mut out = String::new();
+    let _ = r.read_line(&mut out);
+    out
+}
+
+/// Garbage, unknown methods, wrong parameter types, a 100 MB line and many idle clients:
+/// each gets an error (or its connection closed), and the daemon serves on, data intact.
+#[test]
+fn bad_input_gets_errors_and_harms_nothing() {
+    if skip_unless_vublk("vublk's control socket") {
+        return;
+    }
+    let dir = TestDir::new("control-bad");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, 16 * MIB, 3);
+    let (backend, sock) = start(&dir, &img, 1, &[]);
+    let err_code = |s: &str| -> i64 {
+        let v: Value = serde_json::from_str(s).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+        v["error"]["code"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no error in {s}"))
+    };
+    assert_eq!(err_code(&raw_call(&sock, b"garbage\n")), -32700);
+    assert_eq!(err_code(&raw_call(&sock, b"[1,2,3]\n")), -32600);
+    assert_eq!(
+        err_code(&raw_call(
+            &sock,
+            b"{\"jsonrpc\":\"2.0\",\"method\":\"x\",\"id\":1}\n"
+        )),
+        -32601
+    );
+    assert_eq!(
+        err_code(&raw_call(
+            &sock,
+            b"{\"jsonrpc\":\"2.0\",\"method\":\"set-throttle\",\"params\":{\"iops\":\"many\"},\"id\":1}\n"
+        )),
+        -32602
+    );
+    assert_eq!(
+        err_code(&raw_call(
+            &sock,
+            b"{\"jsonrpc\":\"2.0\",\"method\":\"stats\",\"params\":[1],\"id\":1}\n"
+        )),
+        -32602
+    );
+    assert_eq!(
+        err_code(&raw_call(
+            &sock,
+            b"{\"jsonrpc\":\"1.0\",\"method\":\"stats\",\"id\":1}\n"
+        )),
+        -32600
+    );
+    // 100 MB without a newline: an error after 64 KiB, then the connection is closed.
+    {
+        let mut s = UnixStream::connect(&sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let chunk = vec![b'x'; 1 << 20];
+        let mut sent = 0;
+        for _ in 0..100 {
+            match s.write_all(&chunk) {
+                Ok(()) => sent += 1,
+                Err(_) => break,
+            }
+        }
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        assert!(answer.contains("too large"), "{answer:?} after {sent} MiB");
+        assert!(sent < 100, "the daemon read all 100 MB");
+    }
+    // Many idle clients: those beyond the limit are closed, the daemon answers the next.
+    let idle: Vec<UnixStream> = (0..80)
+        .map(|_| UnixStream::connect(&sock).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    drop(idle);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (ok, v, _) = ctl(&sock, "version", &[]);
+        if ok {
+            assert!(v["version"].is_string());
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the control socket stopped answering"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    backend.assert_running();
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    let d = c.read_at(0, 0, 4096).unwrap();
+    assert_same(&d, &pattern(4096, 0, 3), "data after the bad input");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
