@@ -127,3 +127,63 @@ mod tests {
         assert!(r.is_empty());
     }
 }
+
+/// Which metadata changes are in the file, for `publish`: before a request that changed the
+/// mapping completes, every change made so far must have been written by a write-back that
+/// *finished*. A flag cleared when a write-back starts is not enough: a second queue seeing
+/// it cleared would complete its request while the first is still writing (and a process
+/// killed then loses that request's mapping). Changes are counted instead; a write-back
+/// records the count it started from once it has finished.
+#[derive(Debug, Default)]
+pub struct Publication {
+    changed: std::sync::atomic::AtomicU64,
+    published: std::sync::atomic::AtomicU64,
+}
+
+impl Publication {
+    /// A change was made (call after it is visible to a write-back, under the lock that
+    /// write-backs take).
+    pub fn note_change(&self) {
+        self.changed
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// Are there changes no finished write-back has covered?
+    pub fn pending(&self) -> bool {
+        use std::sync::atomic::Ordering::Acquire;
+        self.published.load(Acquire) < self.changed.load(Acquire)
+    }
+
+    /// The count a write-back starting now covers (call under the write-back lock).
+    pub fn start(&self) -> u64 {
+        self.changed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// A write-back that started at `at` (from [`Publication::start`]) has finished.
+    pub fn finished(&self, at: u64) {
+        self.published
+            .fetch_max(at, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod publication_tests {
+    use super::Publication;
+
+    #[test]
+    fn a_change_is_pending_until_a_write_back_that_started_after_it_finished() {
+        let p = Publication::default();
+        assert!(!p.pending());
+        p.note_change();
+        let at = p.start();
+        // Another queue looks while the write-back runs: still pending.
+        assert!(p.pending());
+        p.note_change();
+        p.finished(at);
+        // The second change came after the write-back started.
+        assert!(p.pending());
+        let at = p.start();
+        p.finished(at);
+        assert!(!p.pending());
+    }
+}

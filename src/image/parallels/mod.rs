@@ -111,7 +111,7 @@ pub struct ParallelsImage {
     chunk: u64,
     state: Mutex<State>,
     /// BAT entries changed in memory and not yet in the file (see [`ParallelsImage::publish`]).
-    unpublished: std::sync::atomic::AtomicBool,
+    unpublished: crate::image::durable::Publication,
     pub stats: ParallelsStats,
     /// The image was not closed cleanly (in-use set at open).
     pub was_in_use: bool,
@@ -356,8 +356,7 @@ impl ParallelsImage {
         let at = HEADER_LEN as usize + g * 4;
         st.meta[at..at + 4].copy_from_slice(&v.to_le_bytes());
         st.dirty.mark(at as u64 / self.chunk * self.chunk);
-        self.unpublished
-            .store(true, std::sync::atomic::Ordering::Release);
+        self.unpublished.note_change();
     }
 
     /// The host offset of guest cluster `g`, if allocated.
@@ -630,20 +629,15 @@ impl ParallelsImage {
     /// finds them. (A cluster is reused only after the BAT write that freed it was synced,
     /// so an early BAT write never makes two guest clusters share one.)
     pub fn publish(&self, file: &dyn Storage) -> Result<(), ImageError> {
-        if !self.writable
-            || !self
-                .unpublished
-                .swap(false, std::sync::atomic::Ordering::AcqRel)
-        {
+        if !self.writable || !self.unpublished.pending() {
             return Ok(());
         }
         let mut st = self.lock();
-        let r = self.write_dirty(&mut st, file);
-        if r.is_err() {
-            self.unpublished
-                .store(true, std::sync::atomic::Ordering::Release);
+        // Written by another queue while this one waited for the lock, perhaps.
+        if !self.unpublished.pending() {
+            return Ok(());
         }
-        r
+        self.write_dirty(&mut st, file)
     }
 
     /// Write the changed BAT chunks (the caller syncs for durability); clusters freed before
@@ -665,11 +659,13 @@ impl ParallelsImage {
 
     fn write_dirty(&self, st: &mut State, file: &dyn Storage) -> Result<(), ImageError> {
         let chunk = self.chunk;
+        let at = self.unpublished.start();
         let meta = &st.meta;
         st.dirty.write_back(file, |at| {
             let end = (at + chunk).min(meta.len() as u64);
             meta.get(at as usize..end as usize)
         })?;
+        self.unpublished.finished(at);
         Ok(())
     }
 

@@ -123,8 +123,7 @@ impl Qcow2Image {
                     .ok_or(ImageError::Corrupt("L2 index out of range"))?;
                 *slot = entry;
                 t.dirty[index / per_chunk] = true;
-                self.unpublished
-                    .store(true, std::sync::atomic::Ordering::Release);
+                self.unpublished.note_change();
                 return Ok(());
             }
             if !cache.make_room() {

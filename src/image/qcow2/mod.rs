@@ -235,7 +235,7 @@ pub struct Qcow2Image {
     /// Punch the host range of clusters whose refcount drops to 0 (`--discard unmap`).
     punch_freed: bool,
     /// L2 entries changed in the cache and not yet in the file (see [`Qcow2Image::publish`]).
-    unpublished: std::sync::atomic::AtomicBool,
+    unpublished: crate::image::durable::Publication,
     pub stats: Qcow2Stats,
 }
 

@@ -91,21 +91,17 @@ impl Qcow2Image {
     /// process after a crash finds them (the host's page cache holds the metadata as it
     /// holds the data; FLUSH still makes both durable). Cheap when nothing changed.
     pub fn publish(&self, file: &dyn Storage) -> Result<(), ImageError> {
-        if !self
-            .unpublished
-            .swap(false, std::sync::atomic::Ordering::AcqRel)
-        {
+        if !self.unpublished.pending() {
             return Ok(());
         }
         let Ok(mut ws) = self.lock_write() else {
             return Ok(());
         };
-        let r = self.write_back_ordered(&mut ws, file, false);
-        if r.is_err() {
-            self.unpublished
-                .store(true, std::sync::atomic::Ordering::Release);
+        // Written by another queue while this one waited for the lock, perhaps.
+        if !self.unpublished.pending() {
+            return Ok(());
         }
-        r
+        self.write_back_ordered(&mut ws, file, false)
     }
 
     /// `write_back`; `release`: also apply the decrements the written L2 changes allow
@@ -116,6 +112,8 @@ impl Qcow2Image {
         file: &dyn Storage,
         release: bool,
     ) -> Result<(), ImageError> {
+        // What this write-back covers: every change made so far (all under `ws`).
+        let covers = self.unpublished.start();
         // Compressed chunks reach the file before any L2 entry that names them; after a
         // failed cache write, nothing may claim durability again.
         self.write_back_cache(file)?;
@@ -141,6 +139,8 @@ impl Qcow2Image {
             }
             self.write_dirty_tables(file)?;
         }
+        // Everything changed before `covers` is in the file now.
+        self.unpublished.finished(covers);
         if !release {
             return Ok(());
         }
