@@ -52,6 +52,10 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub control_socket: Option<PathBuf>,
 
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
+
     /// Make the control socket 0660 and owned by this group (name or number).
     #[arg(long, value_name = "GROUP")]
     pub control_group: Option<String>,

@@ -41,6 +41,8 @@ pub struct Config {
     /// `--control-socket` and `--control-group`.
     pub control_socket: Option<PathBuf>,
     pub control_group: Option<String>,
+    /// `--metrics-addr`.
+    pub metrics_addr: Option<String>,
     pub num_queues: u16,
     pub queue_size: u16,
     pub logical_block_size: u32,
@@ -235,6 +237,7 @@ impl Config {
             incoming: args.incoming,
             control_socket: args.control_socket.clone(),
             control_group: args.control_group.clone(),
+            metrics_addr: args.metrics_addr.clone(),
             num_queues: args.num_queues as u16,
             queue_size: args.queue_size as u16,
             logical_block_size: args.logical_block_size,

@@ -60,6 +60,8 @@ pub enum DaemonError {
     Signals(#[source] io::Error),
     #[error(transparent)]
     Control(#[from] crate::control::ControlError),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
     /// An option that does not fit the image (exit status 2, like other bad options).
     #[error("{0}")]
     Usage(String),
@@ -224,6 +226,9 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
             started: std::time::Instant::now(),
         };
         crate::control::serve(path, cfg.control_group.as_deref(), ctx)?;
+    }
+    if let Some(addr) = &cfg.metrics_addr {
+        crate::metrics::serve(addr, dev.clone())?;
     }
     let mut listener = listen(&cfg.socket)?;
     let phase = Arc::new(Mutex::new(Phase::default()));

@@ -30,6 +30,7 @@ pub mod image;
 pub mod inflight;
 pub mod io;
 pub mod logging;
+pub mod metrics;
 pub mod offload;
 pub mod stats;
 #[cfg(any(test, feature = "testing"))]

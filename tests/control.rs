@@ -286,3 +286,109 @@ fn bad_input_gets_errors_and_harms_nothing() {
     drop(c);
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
 }
+
+/// `GET /metrics` (Prometheus text) parses, and its counters are the `stats` ones.
+#[test]
+fn metrics_parse_and_match_stats() {
+    if skip_unless_vublk("vublk's metrics") {
+        return;
+    }
+    let dir = TestDir::new("control-metrics");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, 16 * MIB, 4);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let (backend, sock) = start(&dir, &img, 2, &["--metrics-addr", &addr]);
+    let mut c = connect_queues(&backend.socket, 2);
+    for i in 0..11u64 {
+        assert_eq!(c.write_at((i % 2) as usize, i * 4096, &[9u8; 4096]), 0);
+    }
+    for i in 0..5u64 {
+        c.read_at(1, i * 4096, 4096).unwrap();
+    }
+    let (_, s, _) = ctl(&sock, "stats", &[]);
+    let text = http_get(&addr, "/metrics");
+    let m = parse_metrics(&text);
+    for q in 0..2 {
+        for op in ["read", "write", "flush"] {
+            let key = format!("vublk_requests_total{{op=\"{op}\",queue=\"{q}\"}}");
+            assert_eq!(
+                m.get(&key).copied(),
+                s["queues"][q]["requests"][op]["requests"].as_f64(),
+                "{key}\n{text}"
+            );
+        }
+    }
+    assert_eq!(
+        m["vublk_bytes_total{op=\"write\",queue=\"0\"}"],
+        6.0 * 4096.0
+    );
+    assert_eq!(
+        m["vublk_bytes_total{op=\"read\",queue=\"1\"}"],
+        5.0 * 4096.0
+    );
+    assert_eq!(m["vublk_capacity_bytes"], (16 * MIB) as f64);
+    assert_eq!(m["vublk_frontend_connected"], 1.0);
+    assert_eq!(
+        m["vublk_request_duration_seconds_count{op=\"write\"}"],
+        11.0
+    );
+    assert_eq!(
+        m["vublk_request_duration_seconds_bucket{le=\"+Inf\",op=\"write\"}"],
+        11.0
+    );
+    assert!(text.trim_end().ends_with("# EOF"), "{text}");
+    // Anything else: 404.
+    assert!(http_get(&addr, "/").is_empty() || !http_get(&addr, "/").contains("vublk_"));
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// The body of an HTTP GET (status 200), "" otherwise.
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+    if head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200") {
+        body.to_owned()
+    } else {
+        String::new()
+    }
+}
+
+/// `name{labels} value` lines of the text format, keyed by `name{labels}` (comments skipped;
+/// every other line must parse).
+fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
+    let mut m = std::collections::HashMap::new();
+    for l in text.lines() {
+        if l.starts_with('#') || l.trim().is_empty() {
+            continue;
+        }
+        let (key, value) = l
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("metrics line without a value: {l:?}"));
+        let v: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("metrics line with a bad value: {l:?}"));
+        assert!(
+            key.starts_with("vublk_")
+                && key.chars().next().is_some_and(|c| c.is_ascii_alphabetic()),
+            "{l:?}"
+        );
+        if let Some(i) = key.find('{') {
+            assert!(key.ends_with('}'), "{l:?}");
+            assert!(key[i + 1..key.len() - 1]
+                .split(',')
+                .all(|kv| kv.contains("=\"") && kv.ends_with('"')));
+        }
+        m.insert(key.to_owned(), v);
+    }
+    m
+}

@@ -1,0 +1,237 @@
+//! `--metrics-addr HOST:PORT`: the request counters ([`crate::stats`]) in the Prometheus /
+//! OpenMetrics text format at `GET /metrics`, read at each scrape (nothing is kept or
+//! computed between scrapes, and the data path does not know the endpoint exists).
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use log::{info, warn};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use crate::device::Device;
+use crate::stats::{QueueSnapshot, BUCKETS, OPS, STATUSES};
+
+/// Why the endpoint cannot be served.
+#[derive(Debug, thiserror::Error)]
+#[error("--metrics-addr {addr}: {message}")]
+pub struct MetricsError {
+    addr: String,
+    message: String,
+}
+
+/// The collector: reads the device's counters at each scrape.
+struct Vublk {
+    dev: Arc<Device>,
+}
+
+impl fmt::Debug for Vublk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Vublk")
+    }
+}
+
+/// A counter value read once (prometheus-client encodes metrics, we have numbers).
+struct Value(u64, MetricType);
+
+impl EncodeMetric for Value {
+    fn encode(&self, mut e: MetricEncoder) -> Result<(), fmt::Error> {
+        match self.1 {
+            MetricType::Counter => e.encode_counter::<NoLabelSet, _, u64>(&self.0, None),
+            _ => e.encode_gauge(&(self.0 as i64)),
+        }
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.1
+    }
+}
+
+fn family<'a>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    ty: MetricType,
+    series: impl IntoIterator<Item = (Vec<(&'a str, String)>, u64)>,
+) -> Result<(), fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, ty)?;
+    let mut series = series.into_iter().peekable();
+    if let Some((labels, v)) = series.next_if(|(l, _)| l.is_empty()) {
+        // One series without labels.
+        let _ = labels;
+        return Value(v, ty).encode(m);
+    }
+    for (labels, v) in series {
+        Value(v, ty).encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for Vublk {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), fmt::Error> {
+        let dev = &self.dev;
+        let queues: Vec<QueueSnapshot> = dev.queue_stats.iter().map(|q| q.snapshot()).collect();
+        let per_op = |pick: fn(&crate::stats::OpSnapshot) -> u64, only_rw: bool| {
+            let mut v = Vec::new();
+            for (qi, q) in queues.iter().enumerate() {
+                for (oi, op) in OPS.iter().enumerate() {
+                    if only_rw && oi > 1 {
+                        continue;
+                    }
+                    v.push((
+                        vec![("op", (*op).to_owned()), ("queue", qi.to_string())],
+                        pick(&q.ops[oi]),
+                    ));
+                }
+            }
+            v
+        };
+        family(
+            &mut enc,
+            "vublk_requests",
+            "Requests completed, by type and queue",
+            MetricType::Counter,
+            per_op(|o| o.requests, false),
+        )?;
+        family(
+            &mut enc,
+            "vublk_bytes",
+            "Bytes read and written by requests that completed OK",
+            MetricType::Counter,
+            per_op(|o| o.bytes, true),
+        )?;
+        let mut errors = Vec::new();
+        for (qi, q) in queues.iter().enumerate() {
+            for (si, st) in STATUSES.iter().enumerate().skip(1) {
+                errors.push((
+                    vec![("status", (*st).to_owned()), ("queue", qi.to_string())],
+                    q.statuses[si],
+                ));
+            }
+        }
+        family(
+            &mut enc,
+            "vublk_errors",
+            "Requests completed with an error status",
+            MetricType::Counter,
+            errors,
+        )?;
+        family(
+            &mut enc,
+            "vublk_in_flight",
+            "Requests taken from the ring and not completed",
+            MetricType::Gauge,
+            queues
+                .iter()
+                .enumerate()
+                .map(|(qi, q)| (vec![("queue", qi.to_string())], q.in_flight)),
+        )?;
+        family(
+            &mut enc,
+            "vublk_capacity_bytes",
+            "Size of the disk the guest sees",
+            MetricType::Gauge,
+            [(vec![], dev.size_bytes())],
+        )?;
+        family(
+            &mut enc,
+            "vublk_frontend_connected",
+            "1 while a frontend is connected",
+            MetricType::Gauge,
+            [(
+                vec![],
+                u64::from(dev.frontend_connected.load(Ordering::Relaxed)),
+            )],
+        )?;
+        let z = &dev.zero_stats;
+        family(
+            &mut enc,
+            "vublk_zero_writes",
+            "Guest writes found all-zero and turned into zero operations",
+            MetricType::Counter,
+            [(vec![], z.zero_writes.load(Ordering::Relaxed))],
+        )?;
+        // Latency: the queues' histograms summed, per request type.
+        let total = QueueSnapshot::total(&queues);
+        let mut m = enc.encode_descriptor(
+            "vublk_request_duration_seconds",
+            "Time from taking a request from the ring to completing it",
+            None,
+            MetricType::Histogram,
+        )?;
+        for (oi, op) in OPS.iter().enumerate() {
+            let o = &total.ops[oi];
+            let buckets: Vec<(f64, u64)> = (0..BUCKETS)
+                .map(|i| {
+                    let le = if i + 1 == BUCKETS {
+                        f64::MAX
+                    } else {
+                        (1u64 << i) as f64 / 1e6
+                    };
+                    (le, o.latency_buckets.get(i).copied().unwrap_or(0))
+                })
+                .collect();
+            let count = buckets.iter().map(|b| b.1).sum();
+            let labels = [("op", (*op).to_owned())];
+            m.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+                o.latency_sum_us as f64 / 1e6,
+                count,
+                &buckets,
+                None,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The text a scrape gets.
+pub fn render(dev: &Arc<Device>) -> String {
+    let mut r = Registry::default();
+    r.register_collector(Box::new(Vublk { dev: dev.clone() }));
+    let mut out = String::new();
+    if prometheus_client::encoding::text::encode(&mut out, &r).is_err() {
+        out.clear();
+    }
+    out
+}
+
+/// Serve `GET /metrics` on `addr` for the life of the process.
+pub fn serve(addr: &str, dev: Arc<Device>) -> Result<(), MetricsError> {
+    let err = |message: String| MetricsError {
+        addr: addr.to_owned(),
+        message,
+    };
+    let server = tiny_http::Server::http(addr).map_err(|e| err(e.to_string()))?;
+    info!("metrics on http://{addr}/metrics");
+    std::thread::Builder::new()
+        .name("vublk-metrics".into())
+        .spawn(move || {
+            for req in server.incoming_requests() {
+                let resp = if req.url() != "/metrics" {
+                    tiny_http::Response::from_string("not found: the metrics are at /metrics\n")
+                        .with_status_code(404)
+                } else if *req.method() != tiny_http::Method::Get {
+                    tiny_http::Response::from_string("only GET\n").with_status_code(405)
+                } else {
+                    let ct = tiny_http::Header::from_bytes(
+                        "Content-Type",
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    );
+                    let r = tiny_http::Response::from_string(render(&dev));
+                    match ct {
+                        Ok(h) => r.with_header(h),
+                        Err(()) => r,
+                    }
+                };
+                if let Err(e) = req.respond(resp) {
+                    crate::log_limited!(log::Level::Debug, "metrics: answering a scrape: {e}");
+                }
+            }
+            warn!("metrics endpoint stopped");
+        })
+        .map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
