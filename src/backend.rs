@@ -218,6 +218,17 @@ impl VhostUserBackend for VhostUserBlkBackend {
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::INFLIGHT_SHMFD
             | VhostUserProtocolFeatures::LOG_SHMFD
+            | VhostUserProtocolFeatures::BACKEND_REQ
+    }
+
+    /// SET_BACKEND_REQ_FD: the channel on which an online resize is announced
+    /// (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG).
+    fn set_backend_req_fd(&self, backend: vhost::vhost_user::Backend) {
+        self.dev
+            .frontend_channel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0 = Some(backend);
     }
 
     /// GET_INFLIGHT_FD: a new region for the frontend to keep (QEMU asks when it holds none:

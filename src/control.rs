@@ -242,6 +242,31 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                 .map_err(|e| (INTERNAL_ERROR, crate::logging::error_chain(&e)))?;
             Ok(json!({"durable": true, "seconds": t0.elapsed().as_secs_f64()}))
         }
+        "resize" => {
+            let size = match &params {
+                Value::Object(m) => match m.get("size") {
+                    None => None,
+                    Some(Value::Number(n)) => {
+                        Some(n.as_u64().ok_or_else(|| {
+                            (INVALID_PARAMS, "size: a number of bytes".to_string())
+                        })?)
+                    }
+                    Some(Value::String(s)) => {
+                        Some(crate::args::parse_size(s).ok_or_else(|| {
+                            (
+                                INVALID_PARAMS,
+                                format!("size {s:?}: bytes, or with K, M, G or T"),
+                            )
+                        })?)
+                    }
+                    Some(_) => return Err((INVALID_PARAMS, "size: a number or a string".into())),
+                },
+                Value::Null => None,
+                _ => return Err((INVALID_PARAMS, "resize takes {\"size\": SIZE}".into())),
+            };
+            let r = dev.resize(size).map_err(|e| (INTERNAL_ERROR, e))?;
+            Ok(serde_json::to_value(r).unwrap_or(Value::Null))
+        }
         "get-throttle" => {
             no_params(&params)?;
             Ok(serde_json::to_value(dev.throttle.limits()).unwrap_or(Value::Null))

@@ -363,6 +363,10 @@ fn serve_loop(
         drop(daemon);
         dev.frontend_connected
             .store(false, std::sync::atomic::Ordering::Relaxed);
+        dev.frontend_channel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0 = None;
         backend.drain_all();
         backend.log_stats();
         let stop = {

@@ -65,13 +65,38 @@ impl ZeroStats {
     }
 }
 
+/// The frontend's backend channel (VHOST_USER_PROTOCOL_F_BACKEND_REQ), when it gave one.
+pub struct FrontendChannel(pub Option<vhost::vhost_user::Backend>);
+
+impl std::fmt::Debug for FrontendChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "connected"
+        } else {
+            "none"
+        })
+    }
+}
+
+/// What an online resize did.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct ResizeOutcome {
+    pub old_size_bytes: u64,
+    pub size_bytes: u64,
+    /// The frontend was sent VHOST_USER_BACKEND_CONFIG_CHANGE_MSG (and acknowledged it).
+    pub frontend_notified: bool,
+}
+
 /// The block device as the guest sees it.
 #[derive(Debug)]
 pub struct Device {
     /// The disk image behind it (handed over between processes in a live migration).
     pub image: ImageSlot,
     pub params: DeviceParams,
-    pub limits: DeviceLimits,
+    /// Limits as at start-up; the capacity in here is the first one (see [`Device::limits`]).
+    limits: DeviceLimits,
+    /// Capacity in sectors now (it grows with an online resize).
+    capacity_sectors: AtomicU64,
     /// Guest-visible volatile write cache (WCE). Off means every write is durable on completion.
     writeback: AtomicBool,
     /// The filesystem refused FALLOC_FL_ZERO_RANGE once; use the fallback from then on.
@@ -90,6 +115,10 @@ pub struct Device {
     pub throttle: crate::throttle::Throttle,
     /// A frontend is connected (`status`).
     pub frontend_connected: AtomicBool,
+    /// The connected frontend's backend channel (BACKEND_REQ), to announce config changes.
+    pub frontend_channel: std::sync::Mutex<FrontendChannel>,
+    /// One resize at a time.
+    resizing: std::sync::Mutex<()>,
 }
 
 impl Device {
@@ -128,9 +157,73 @@ impl Device {
             dirty_log: AtomicBool::new(false),
             throttle: crate::throttle::Throttle::default(),
             frontend_connected: AtomicBool::new(false),
+            frontend_channel: std::sync::Mutex::new(FrontendChannel(None)),
+            resizing: std::sync::Mutex::new(()),
+            capacity_sectors: AtomicU64::new(capacity_sectors),
             queue_stats: (0..queues)
                 .map(|_| crate::stats::QueueCounters::default())
                 .collect(),
+        }
+    }
+
+    /// The limits requests are checked against, with the capacity as it is now.
+    pub fn limits(&self) -> DeviceLimits {
+        DeviceLimits {
+            capacity_sectors: self.capacity_sectors.load(Ordering::Acquire),
+            ..self.limits
+        }
+    }
+
+    /// Grow the disk online to `new_bytes` (see [`Image::grow`]) and tell the frontend.
+    pub fn resize(&self, new_bytes: Option<u64>) -> Result<ResizeOutcome, String> {
+        let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        if self.params.read_only {
+            return Err("the disk is served read-only".into());
+        }
+        let old = self.size_bytes();
+        let image = self.image.get();
+        let now = image.grow(new_bytes).map_err(|e| e.to_string())?;
+        let lbs = u64::from(self.params.logical_block_size);
+        let sectors = (now / lbs * lbs) >> SECTOR_SHIFT;
+        self.capacity_sectors.store(sectors, Ordering::Release);
+        let grown = now > old;
+        let notified = if grown {
+            self.announce_config_change()
+        } else {
+            None
+        };
+        if grown {
+            log::info!(
+                "resized from {old} to {now} bytes{}",
+                match notified {
+                    Some(true) => ", the frontend told",
+                    Some(false) => ", telling the frontend failed",
+                    None => " (the frontend has no backend channel: it sees the size when it reads the config space)",
+                }
+            );
+        }
+        Ok(ResizeOutcome {
+            old_size_bytes: old,
+            size_bytes: sectors << SECTOR_SHIFT,
+            frontend_notified: notified == Some(true),
+        })
+    }
+
+    /// VHOST_USER_BACKEND_CONFIG_CHANGE_MSG to the connected frontend: Some(sent), None
+    /// without a channel.
+    fn announce_config_change(&self) -> Option<bool> {
+        let ch = self
+            .frontend_channel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .clone()?;
+        match ch.config_change() {
+            Ok(_) => Some(true),
+            Err(e) => {
+                log::warn!("telling the frontend the config changed: {e}");
+                Some(false)
+            }
         }
     }
 
@@ -141,7 +234,7 @@ impl Device {
 
     /// The guest-visible size in bytes.
     pub fn size_bytes(&self) -> u64 {
-        self.limits.capacity_sectors << SECTOR_SHIFT
+        self.capacity_sectors.load(Ordering::Acquire) << SECTOR_SHIFT
     }
 
     /// Direct I/O: the file is opened O_DIRECT.
@@ -180,7 +273,7 @@ impl Device {
         let put32 = |c: &mut [u8; CONFIG_LEN], off: usize, v: u32| {
             c[off..off + 4].copy_from_slice(&v.to_le_bytes())
         };
-        c[0..8].copy_from_slice(&self.limits.capacity_sectors.to_le_bytes());
+        c[0..8].copy_from_slice(&self.limits().capacity_sectors.to_le_bytes());
         put32(&mut c, 8, SIZE_MAX_BYTES);
         put32(&mut c, 12, self.limits.seg_max);
         // geometry (16..20) left zero: not offered.
@@ -318,7 +411,7 @@ mod tests {
     #[test]
     fn capacity_rounds_down_to_logical_blocks() {
         let d = dev(CacheMode::None, 4096);
-        assert_eq!(d.limits.capacity_sectors % 8, 0);
+        assert_eq!(d.limits().capacity_sectors % 8, 0);
     }
 
     #[test]

@@ -392,3 +392,136 @@ fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
     }
     m
 }
+
+fn qemu_img(args: &[&str], img: &Path) -> std::process::Output {
+    Command::new("qemu-img")
+        .args(args)
+        .arg(img)
+        .output()
+        .unwrap()
+}
+
+/// Online resize under libblkio: raw and qcow2 grow (a new client sees the new capacity and
+/// writes and reads the new last block; the old data stays), shrinking and a bad size are
+/// refused; qcow2 is `qemu-img check` clean, also after a SIGKILL right after a resize, and
+/// keeps the new size; parallels is refused clearly.
+#[test]
+fn online_resize_under_libblkio() {
+    if skip_unless_vublk("vublk's online resize") {
+        return;
+    }
+    if !have_qemu_img() {
+        return;
+    }
+    for fmt in ["raw", "qcow2"] {
+        let dir = TestDir::new(&format!("control-resize-{fmt}"));
+        let img = dir.join(&format!("img.{fmt}"));
+        run_ok(
+            Command::new("qemu-img")
+                .args(["create", "-q", "-f", fmt])
+                .arg(&img)
+                .arg("16M"),
+        );
+        let (backend, sock) = start(&dir, &img, 1, &[]);
+        let mut c = connect(&backend.socket, ClientOpts::default());
+        assert_eq!(c.capacity(), 16 * MIB);
+        assert_eq!(c.write_at(0, 16 * MIB - 4096, &[0x11; 4096]), 0);
+        let (ok, r, err) = ctl(&sock, "resize", &["32M"]);
+        assert!(ok, "{fmt}: {err}");
+        assert_eq!(r["old_size_bytes"], 16 * MIB);
+        assert_eq!(r["size_bytes"], 32 * MIB);
+        drop(c);
+        let mut c = connect(&backend.socket, ClientOpts::default());
+        assert_eq!(c.capacity(), 32 * MIB, "{fmt}: a new client's capacity");
+        assert_eq!(c.write_at(0, 32 * MIB - 4096, &[0x22; 4096]), 0);
+        assert_eq!(
+            c.read_at(0, 32 * MIB - 4096, 4096).unwrap(),
+            vec![0x22; 4096]
+        );
+        assert_eq!(
+            c.read_at(0, 16 * MIB - 4096, 4096).unwrap(),
+            vec![0x11; 4096]
+        );
+        assert_eq!(c.read_at(0, 20 * MIB, 4096).unwrap(), vec![0; 4096]);
+        let (ok, _, err) = ctl(&sock, "resize", &["8M"]);
+        assert!(!ok && err.contains("shrinking"), "{fmt}: {err}");
+        let (ok, _, err) = ctl(&sock, "resize", &["33554433"]);
+        assert!(!ok && err.contains("512"), "{fmt}: {err}");
+        let (ok, _, err) = ctl(&sock, "resize", &["lots"]);
+        assert!(!ok && err.contains("size"), "{fmt}: {err}");
+        let (_, st, _) = ctl(&sock, "status", &[]);
+        assert_eq!(st["size_bytes"], 32 * MIB);
+        drop(c);
+        if fmt == "raw" {
+            assert_eq!(file_size(&img), 32 * MIB);
+            assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+            continue;
+        }
+        // A resize, then SIGKILL at once: the image has the new size and checks clean.
+        let (ok, _, err) = ctl(&sock, "resize", &["48M"]);
+        assert!(ok, "{err}");
+        backend.signal(libc::SIGKILL);
+        backend.wait_exit(EXIT_DEADLINE);
+        let check = qemu_img(&["check", "-f", "qcow2"], &img);
+        let text = String::from_utf8_lossy(&check.stdout).into_owned()
+            + &String::from_utf8_lossy(&check.stderr);
+        assert!(
+            matches!(check.status.code(), Some(0) | Some(3)) && !text.contains("ERROR"),
+            "qemu-img check after resize + SIGKILL:\n{text}"
+        );
+        let info = String::from_utf8_lossy(&qemu_img(&["info", "--output=json"], &img).stdout)
+            .into_owned();
+        assert!(
+            info.contains(&format!("\"virtual-size\": {}", 48 * MIB)),
+            "{info}"
+        );
+        let raw = dir.join("converted.raw");
+        run_ok(
+            Command::new("qemu-img")
+                .args(["convert", "-f", "qcow2", "-O", "raw"])
+                .arg(&img)
+                .arg(&raw),
+        );
+        assert_eq!(
+            read_file_range(&raw, 32 * MIB - 4096, 4096),
+            vec![0x22; 4096]
+        );
+        assert_eq!(
+            read_file_range(&raw, 16 * MIB - 4096, 4096),
+            vec![0x11; 4096]
+        );
+    }
+    // parallels: refused, with the reason.
+    let dir = TestDir::new("control-resize-parallels");
+    let img = dir.join("img.parallels");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "parallels"])
+            .arg(&img)
+            .arg("16M"),
+    );
+    let (backend, sock) = start(&dir, &img, 1, &[]);
+    let (ok, _, err) = ctl(&sock, "resize", &["32M"]);
+    assert!(!ok && err.contains("parallels"), "{err}");
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    // qcow2 with 512-byte clusters: an L1 table that would have to move is refused.
+    let dir = TestDir::new("control-resize-smallcl");
+    let img = dir.join("img.qcow2");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=512"])
+            .arg(&img)
+            .arg("1M"),
+    );
+    let (backend, sock) = start(&dir, &img, 1, &[]);
+    let (ok, _, err) = ctl(&sock, "resize", &["64M"]);
+    assert!(!ok && err.contains("L1"), "{err}");
+    let (ok, _, err) = ctl(&sock, "resize", &["2M"]);
+    assert!(ok, "{err}");
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    run_ok(
+        Command::new("qemu-img")
+            .args(["check", "-q", "-f", "qcow2"])
+            .arg(&img),
+    );
+}

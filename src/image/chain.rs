@@ -76,7 +76,7 @@ pub fn open_chain(
             let q = Qcow2Image::open_read_only(&file)
                 .map_err(|e| ChainError::Qcow2(path.clone(), e))?;
             next = q.backing_file.as_deref().map(|b| resolve(&path, b));
-            let size = q.size_bytes;
+            let size = q.size_bytes();
             (Some(q), size)
         } else {
             let size = file

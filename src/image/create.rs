@@ -202,11 +202,9 @@ pub fn params_from_args(a: &crate::args::CreateArgs) -> Result<CreateParams, Str
             parse_size(s).ok_or_else(|| format!("--size {s}: expected e.g. 8G, 512M or bytes"))?
         }
         None => match &backing {
-            Some((_, "qcow2", f)) => {
-                super::qcow2::Qcow2Image::open_read_only(f)
-                    .map_err(|e| format!("--backing: {}", crate::logging::error_chain(&e)))?
-                    .size_bytes
-            }
+            Some((_, "qcow2", f)) => super::qcow2::Qcow2Image::open_read_only(f)
+                .map_err(|e| format!("--backing: {}", crate::logging::error_chain(&e)))?
+                .size_bytes(),
             Some((_, _, f)) => f.metadata().map_err(|e| format!("--backing: {e}"))?.len(),
             None => return Err("--size is required (or give --backing)".into()),
         },
@@ -257,7 +255,7 @@ mod tests {
         create(&p, &params).unwrap();
         let f = File::open(&p).unwrap();
         let q = Qcow2Image::open_read_only(&f).unwrap();
-        assert_eq!(q.size_bytes, 10 << 30);
+        assert_eq!(q.size_bytes(), 10 << 30);
         assert_eq!(q.compression, Compression::Zstd);
         let mut out = Vec::new();
         q.map(&f, 0, 1 << 20, &mut out).unwrap();

@@ -34,7 +34,7 @@ pub fn qcow2_open(data: &[u8]) {
         let Ok(q) = Qcow2Image::open(&disk, opts) else {
             continue;
         };
-        let size = q.size_bytes;
+        let size = q.size_bytes();
         if size == 0 {
             continue;
         }

@@ -54,6 +54,8 @@ pub enum ImageError {
     Full,
     #[error("an earlier write of the compressed-write cache failed: compressed data was lost")]
     CompressedDataLost,
+    #[error("{0}")]
+    Unsupported(String),
     #[error(
         "the image is not active here (handed over to another process, or not yet taken over \
          from one: live migration)"
@@ -65,6 +67,35 @@ impl From<io::Error> for ImageError {
     fn from(e: io::Error) -> Self {
         ImageError::Io(e)
     }
+}
+
+/// Why an online resize was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum GrowError {
+    #[error("the image is not active here (live migration): resize it where it is served")]
+    Inactive,
+    #[error("the image is served read-only")]
+    ReadOnly,
+    #[error("no size given")]
+    NoSize,
+    #[error("shrinking is not supported ({new} bytes < {old} bytes): the guest may have data at the end")]
+    Shrink { old: u64, new: u64 },
+    #[error("{0} bytes: the size must be a multiple of 512 bytes")]
+    Unaligned(u64),
+    #[error(
+        "the image is a block device of {device} bytes: grow the device itself (e.g. \
+         lvextend), then resize without a size (or with {device}); {asked} was asked"
+    )]
+    BlockDevice { asked: u64, device: u64 },
+    #[error(
+        "parallels images cannot grow online (their BAT sits before the data clusters; QEMU \
+         cannot resize them either): convert to qcow2 or raw to grow"
+    )]
+    Parallels,
+    #[error("extending the image file: {0}")]
+    Io(#[source] io::Error),
+    #[error("growing the qcow2 image: {0}")]
+    Image(#[source] ImageError),
 }
 
 /// How DISCARD, WRITE_ZEROES and detected zero writes treat whole clusters of a format.
@@ -161,8 +192,13 @@ struct Qcow2Disk {
 pub struct Image {
     file: File,
     kind: Kind,
-    size_bytes: u64,
+    /// The guest-visible size (grows with [`Image::grow`]).
+    size_bytes: std::sync::atomic::AtomicU64,
     read_only: bool,
+    /// The image file is a block device (its size is its own).
+    block_device: bool,
+    /// `--prealloc on`: a raw file grown online is allocated (fallocate), not sparse.
+    prealloc_raw: bool,
     /// The format was probed as raw: refuse guest writes that would make the image probe as
     /// another format next time (a guest planting a qcow2 header naming a host file).
     guard_header: bool,
@@ -177,7 +213,7 @@ impl std::fmt::Debug for Image {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Image")
             .field("format", &self.format())
-            .field("size_bytes", &self.size_bytes)
+            .field("size_bytes", &self.size_bytes())
             .field("read_only", &self.read_only)
             .field("active", &self.is_active())
             .finish()
@@ -190,8 +226,10 @@ impl Image {
         Image {
             file,
             kind: Kind::Raw,
-            size_bytes,
+            size_bytes: std::sync::atomic::AtomicU64::new(size_bytes),
             read_only,
+            block_device: false,
+            prealloc_raw: false,
             guard_header: false,
             lock: std::sync::Mutex::new(lock::ImageLock::unlocked()),
             active: std::sync::atomic::AtomicBool::new(true),
@@ -238,7 +276,63 @@ impl Image {
 
     /// The guest-visible size in bytes.
     pub fn size_bytes(&self) -> u64 {
-        self.size_bytes
+        self.size_bytes.load(Ordering::Acquire)
+    }
+
+    /// Grow the disk online to `new` bytes (a block device: to the device's size, which
+    /// `new`, if given, must equal); returns the new size. Shrinking is refused. Raw files
+    /// are extended (allocated with `--prealloc on`, else sparse), qcow2 images get a larger
+    /// L1 table where needed and a new header, crash-safe; parallels images are refused.
+    pub fn grow(&self, new: Option<u64>) -> Result<u64, GrowError> {
+        if !self.is_active() {
+            return Err(GrowError::Inactive);
+        }
+        if self.read_only {
+            return Err(GrowError::ReadOnly);
+        }
+        let old = self.size_bytes();
+        let new = match (&self.kind, self.block_device) {
+            (Kind::Raw, true) => {
+                use std::os::fd::AsRawFd;
+                let dev = crate::io::sys::block_device_size(self.file.as_raw_fd())
+                    .map_err(GrowError::Io)?;
+                if let Some(n) = new.filter(|&n| n != dev) {
+                    return Err(GrowError::BlockDevice {
+                        asked: n,
+                        device: dev,
+                    });
+                }
+                dev
+            }
+            _ => new.ok_or(GrowError::NoSize)?,
+        };
+        if new < old {
+            return Err(GrowError::Shrink { old, new });
+        }
+        if new % 512 != 0 {
+            return Err(GrowError::Unaligned(new));
+        }
+        if new == old {
+            return Ok(old);
+        }
+        match &self.kind {
+            Kind::Raw if self.block_device => {}
+            Kind::Raw => {
+                use std::os::fd::AsRawFd;
+                let fd = self.file.as_raw_fd();
+                let allocated =
+                    self.prealloc_raw && crate::io::sys::fallocate(fd, 0, old, new - old).is_ok();
+                if !allocated {
+                    self.file.set_len(new).map_err(GrowError::Io)?;
+                }
+                // The new size must survive a crash before the guest is told.
+                self.file.sync_all().map_err(GrowError::Io)?;
+            }
+            Kind::Qcow2(d) => d.q.resize(&self.file, new).map_err(GrowError::Image)?,
+            Kind::Parallels(_) => return Err(GrowError::Parallels),
+        }
+        self.size_bytes.store(new, Ordering::Release);
+        Ok(new)
     }
 
     pub fn read_only(&self) -> bool {
@@ -254,7 +348,7 @@ impl Image {
     /// file may end anywhere (formats: reads past its end are zeroes).
     pub fn host_limit(&self) -> Option<u64> {
         match self.kind {
-            Kind::Raw => Some(self.size_bytes),
+            Kind::Raw => Some(self.size_bytes()),
             _ => None,
         }
     }
@@ -527,7 +621,7 @@ impl Image {
         buf: &mut [u8],
     ) -> Result<(), ImageError> {
         // The last cluster may extend past the virtual size: only map what exists.
-        let len = (buf.len() as u64).min(d.q.size_bytes.saturating_sub(cl_start));
+        let len = (buf.len() as u64).min(d.q.size_bytes().saturating_sub(cl_start));
         buf.fill(0);
         let mut plan = ReadPlan::default();
         chain::resolve_read(

@@ -170,7 +170,7 @@ impl Image {
             }
             Format::Qcow2 => {
                 let d = open_qcow2(&file, opts, dio, &meta)?;
-                let size = d.q.size_bytes;
+                let size = d.q.size_bytes();
                 (Kind::Qcow2(d), size)
             }
         };
@@ -187,8 +187,10 @@ impl Image {
             Image {
                 file,
                 kind,
-                size_bytes,
+                size_bytes: std::sync::atomic::AtomicU64::new(size_bytes),
                 read_only: opts.read_only,
+                block_device: facts.is_block_device,
+                prealloc_raw: opts.prealloc == PreallocChoice::On,
                 guard_header: opts.format.is_none() && format == Format::Raw,
                 lock: std::sync::Mutex::new(lock),
                 active: std::sync::atomic::AtomicBool::new(true),
@@ -240,8 +242,10 @@ impl Image {
             Image {
                 file: img.file,
                 kind: Kind::Raw,
-                size_bytes,
+                size_bytes: std::sync::atomic::AtomicU64::new(size_bytes),
                 read_only: true,
+                block_device: facts.is_block_device,
+                prealloc_raw: false,
                 guard_header: false,
                 lock: std::sync::Mutex::new(ImageLock::unlocked()),
                 active: std::sync::atomic::AtomicBool::new(false),
@@ -417,7 +421,7 @@ fn open_qcow2(
     info!(
         "qcow2 v{}: {} bytes, {} KiB clusters, {:?} compression, L2 cache {} KiB (maps {} MiB)",
         q.version,
-        q.size_bytes,
+        q.size_bytes(),
         q.cluster_size() >> 10,
         q.compression,
         q.l2_cache_bytes().0 >> 10,

@@ -27,7 +27,7 @@ impl QueueWorker {
         let idx = self.free.pop()?;
         let slot = &mut self.slots[usize::from(idx)];
         slot.iov.clear();
-        if let Err(e) = parse_request(&**mem, descs, &self.dev.limits, &mut slot.req) {
+        if let Err(e) = parse_request(&**mem, descs, &self.dev.limits(), &mut slot.req) {
             self.stats.errors += 1;
             // A chain cut short (too long, outside guest memory) has no status byte known:
             // nothing is written for it (not the previous request's status address).

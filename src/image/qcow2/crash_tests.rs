@@ -137,7 +137,7 @@ fn guest_write(q: &Qcow2Image, disk: &SimDisk, off: u64, data: &[u8]) {
     if q.compress_writes() {
         // As the worker does: compressed clusters are built by the format.
         let mut fill = |cl: u64, buf: &mut [u8]| {
-            let n = (buf.len() as u64).min(q.size_bytes - cl) as usize;
+            let n = (buf.len() as u64).min(q.size_bytes() - cl) as usize;
             buf.fill(0);
             read_guest(q, disk, cl, &mut buf[..n])
         };
@@ -164,7 +164,7 @@ fn guest_write(q: &Qcow2Image, disk: &SimDisk, off: u64, data: &[u8]) {
         Some(h) => disk.write_all_at(data, h).unwrap(),
         None => {
             let mut fill = |cl: u64, buf: &mut [u8]| {
-                let n = (buf.len() as u64).min(q.size_bytes - cl) as usize;
+                let n = (buf.len() as u64).min(q.size_bytes() - cl) as usize;
                 buf.fill(0);
                 read_guest(q, disk, cl, &mut buf[..n])
             };

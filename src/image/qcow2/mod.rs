@@ -40,6 +40,7 @@ mod l2cache;
 mod map;
 mod open;
 mod refcount;
+mod resize;
 mod write;
 mod writeback;
 
@@ -209,7 +210,8 @@ pub struct Qcow2Image {
     pub version: u32,
     cluster_bits: u32,
     l2_bits: u32,
-    pub size_bytes: u64,
+    /// The guest-visible size (grows with `grow`).
+    size: AtomicU64,
     pub compression: Compression,
     /// The backing file name as stored in the header (relative to the image's directory).
     pub backing_file: Option<String>,
@@ -244,12 +246,17 @@ impl std::fmt::Debug for Qcow2Image {
         f.debug_struct("Qcow2Image")
             .field("version", &self.version)
             .field("cluster_bits", &self.cluster_bits)
-            .field("size_bytes", &self.size_bytes)
+            .field("size_bytes", &self.size_bytes())
             .finish()
     }
 }
 
 impl Qcow2Image {
+    /// The guest-visible size in bytes.
+    pub fn size_bytes(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+
     pub fn cluster_size(&self) -> u64 {
         1 << self.cluster_bits
     }

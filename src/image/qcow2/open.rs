@@ -121,7 +121,7 @@ impl Qcow2Image {
             version: h.version,
             cluster_bits,
             l2_bits,
-            size_bytes: h.size_bytes,
+            size: AtomicU64::new(h.size_bytes),
             compression: h.compression,
             backing_file,
             l1_offset,

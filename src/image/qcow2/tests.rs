@@ -109,7 +109,7 @@ proptest! {
         }
         let (p, f) = temp("fuzz", &h);
         if let Ok(q) = Qcow2Image::open_read_only(&f) {
-            let size = q.size_bytes;
+            let size = q.size_bytes();
             if size > 0 {
                 let start = off % size;
                 let len = (size - start).min(4 * 65536);

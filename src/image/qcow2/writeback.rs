@@ -64,7 +64,7 @@ impl Qcow2Image {
             // run out of clean ones, not when it holds every table the image can have
             // (then a random write workload would sync every few writes).
             let all_tables = self
-                .size_bytes
+                .size_bytes()
                 .div_ceil(1u64 << (self.cluster_bits + self.l2_bits));
             (cache.capacity as u64) < all_tables && cache.dirty_tables() * 2 >= cache.capacity
         };
