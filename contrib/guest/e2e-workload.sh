@@ -214,6 +214,33 @@ restart)
 	phase
 	exit 0
 	;;
+resize)
+	# The host grows the disk online after RESIZE-WAIT: the size in sysfs must change
+	# within E2E_RESIZE_WAIT seconds (default 60); then the new last 4 KiB block is written
+	# with O_DIRECT and read back, and the old last block, written before, still verifies.
+	phase resize
+	"$DD" if="$PAT" of="$DEV" bs=4096 count=1 seek=$((SECTORS / 8 - 1)) oflag=direct \
+		conv=notrunc status=none || fail resize-old-last "writing the old last block"
+	say "RESIZE-WAIT sectors=$SECTORS"
+	t0=$(now_cs)
+	end=$((t0 + ${E2E_RESIZE_WAIT:-60} * 100))
+	while read -r now_sectors <"$SYS/size" && [ "$now_sectors" = "$SECTORS" ]; do
+		[ "$(now_cs)" -lt "$end" ] || fail resize-wait "the size stayed $SECTORS sectors"
+		/bin/busybox usleep 20000 2>/dev/null || /bin/busybox sleep 1
+	done
+	say "RESIZED sectors=$now_sectors after=$(fmt_cs $(($(now_cs) - t0)))s"
+	last=$((now_sectors / 8 - 1))
+	"$DD" if="$PAT" of="$DEV" bs=4096 count=1 skip=1 seek=$last oflag=direct conv=notrunc \
+		status=none || fail resize-new-last "writing the new last block"
+	echo 3 >/proc/sys/vm/drop_caches
+	"$CMP" -s -n 4096 -i "4096:$((last * 4096))" "$PAT" "$DEV" || fail resize-new-readback
+	"$CMP" -s -n 4096 -i "0:$(((SECTORS / 8 - 1) * 4096))" "$PAT" "$DEV" ||
+		fail resize-old-readback
+	errors=$(/bin/busybox dmesg | grep -i -E 'i/o error|blk_update_request' || true)
+	[ -z "$errors" ] || fail resize-dmesg "$(echo "$errors" | head -n 3 | tr '\n' ' ')"
+	phase
+	exit 0
+	;;
 "") ;;
 *) fail mode "unknown E2E_MODE=$E2E_MODE" ;;
 esac

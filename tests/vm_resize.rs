@@ -1,0 +1,180 @@
+//! Online resize under a running Linux guest (QEMU, TCG): the guest writes its disk's last
+//! block, the host grows the disk with `vublk ctl resize`, and the guest must see the new
+//! size within a second (vublk sends VHOST_USER_BACKEND_CONFIG_CHANGE_MSG, QEMU re-reads the
+//! config space and interrupts the guest), write and read back its new last block, and
+//! still read the old one. Raw and qcow2 (then `qemu-img check` clean).
+//!
+//! Environment: `VUBLK_E2E_REQUIRE=1` fails instead of skipping when QEMU or the guest
+//! kernel is missing; `VUBLK_E2E_KEEP=1` keeps the run directory.
+
+mod common;
+mod vm;
+
+use std::env;
+use std::fs::{self, File};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use vm::{build_guest, find_program, markers, read_log, skip, ChildGuard, LineCollector, ScratchDir, MARK};
+
+const DISK: u64 = 512 << 20;
+const GROWN: u64 = DISK + (64 << 20);
+
+static ONE_GUEST_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn run(fmt: &str) {
+    let qemu = match find_program("qemu-system-x86_64", "VUBLK_E2E_QEMU") {
+        Ok(p) => p,
+        Err(e) => return skip(&e),
+    };
+    if let Err(e) = find_program("qemu-img", "VUBLK_E2E_QEMU_IMG") {
+        return skip(&e);
+    }
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let guest = match build_guest(&tmp.join("vm-e2e-guest")) {
+        Ok(g) => g,
+        Err(e) => return skip(&e),
+    };
+    let mut run = ScratchDir::new(tmp, &format!("vm-resize-{fmt}-{}", std::process::id())).unwrap();
+    run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
+    let image = run.path.join(format!("disk.{fmt}"));
+    let st = Command::new("qemu-img")
+        .args(["create", "-q", "-f", fmt])
+        .arg(&image)
+        .arg(DISK.to_string())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let sock = env::temp_dir().join(format!("vublk-resize-{fmt}-{}.sock", std::process::id()));
+    let ctl = run.path.join("ctl.sock");
+    let _ = fs::remove_file(&sock);
+    let log = run.path.join("vublk.log");
+    let f = File::create(&log).unwrap();
+    let mut vublk = ChildGuard::spawn(
+        "vublk",
+        Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .arg("--socket-path")
+            .arg(&sock)
+            .arg("--blk-file")
+            .arg(&image)
+            .arg("--control-socket")
+            .arg(&ctl)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(f.try_clone().unwrap())
+            .stderr(f),
+    )
+    .unwrap();
+    vm::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
+    let mut qcmd = Command::new(&qemu);
+    qcmd.args(["-accel", "tcg", "-m", "512M", "-smp", "1"])
+        .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
+        .args(["-numa", "node,memdev=mem"])
+        .arg("-chardev")
+        .arg(format!("socket,id=c0,path={}", sock.display()))
+        .args(["-device", "vhost-user-blk-pci,chardev=c0,num-queues=1"])
+        .args(["-nographic", "-no-reboot", "-serial", "stdio", "-monitor", "none"])
+        .args(["-nic", "none", "-device", "virtio-rng-pci"])
+        .arg("-kernel")
+        .arg(&guest.kernel)
+        .arg("-initrd")
+        .arg(&guest.initrd)
+        .arg("-append")
+        .arg("console=ttyS0 panic=-1 loglevel=4 E2E_MODE=resize E2E_LBS=512")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(File::create(run.path.join("qemu.log")).unwrap());
+    let mut q = ChildGuard::spawn("qemu", &mut qcmd).unwrap();
+    let stdout = q.child_mut().stdout.take().unwrap();
+    let mut serial = LineCollector::new(stdout, File::create(run.path.join("serial.log")).ok());
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut resized_at = None;
+    let status = loop {
+        for l in serial.poll() {
+            if l.contains(&format!("{MARK}RESIZE-WAIT")) && resized_at.is_none() {
+                let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
+                    .arg("ctl")
+                    .arg("--control-socket")
+                    .arg(&ctl)
+                    .arg("resize")
+                    .arg(GROWN.to_string())
+                    .output()
+                    .unwrap();
+                let out = String::from_utf8_lossy(&o.stdout);
+                assert!(
+                    o.status.success() && out.contains("\"frontend_notified\": true"),
+                    "resize: {out}{}\n{}",
+                    String::from_utf8_lossy(&o.stderr),
+                    read_log(&log)
+                );
+                resized_at = Some(Instant::now());
+            }
+        }
+        if let Some(st) = q.try_wait().unwrap() {
+            break Some(st);
+        }
+        if Instant::now() > deadline {
+            break None;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let lines = serial.finish();
+    let marks = markers(&lines);
+    let dump = || {
+        format!(
+            "--- serial:\n{}\n--- vublk:\n{}\n--- qemu:\n{}",
+            lines.join("\n"),
+            read_log(&log),
+            read_log(&run.path.join("qemu.log"))
+        )
+    };
+    assert!(status.is_some(), "the guest hung\n{}", dump());
+    if let Some(f) = marks.iter().find(|m| m.starts_with("FAIL")) {
+        panic!("guest reported {f}\n{}", dump());
+    }
+    assert!(marks.iter().any(|m| m.starts_with("PASS")), "no PASS\n{}", dump());
+    let resized = marks
+        .iter()
+        .find_map(|m| m.strip_prefix("RESIZED "))
+        .unwrap_or_else(|| panic!("no RESIZED\n{}", dump()));
+    assert!(
+        resized.contains(&format!("sectors={}", GROWN / 512)),
+        "{resized}\n{}",
+        dump()
+    );
+    // "after=S.CCs": how long the guest waited for the new size after it asked.
+    let after: f64 = resized
+        .split("after=")
+        .nth(1)
+        .and_then(|s| s.trim_end_matches('s').parse().ok())
+        .unwrap_or(f64::MAX);
+    println!("[resize] {fmt}: the guest saw {GROWN} bytes {after:.2} s after it started waiting");
+    assert!(after < 1.5, "the guest saw the new size after {after} s\n{}", dump());
+    let st = vublk.terminate(Duration::from_secs(30));
+    assert_eq!(st.and_then(|s| s.code()), Some(0), "{}", read_log(&log));
+    if fmt == "qcow2" {
+        let o = Command::new("qemu-img")
+            .args(["check", "-f", "qcow2"])
+            .arg(&image)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    } else {
+        assert_eq!(fs::metadata(&image).unwrap().len(), GROWN);
+    }
+    let _ = fs::remove_file(&sock);
+}
+
+#[test]
+fn a_raw_disk_grows_under_a_running_guest() {
+    let _one = ONE_GUEST_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    run("raw");
+}
+
+#[test]
+fn a_qcow2_disk_grows_under_a_running_guest() {
+    let _one = ONE_GUEST_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    run("qcow2");
+}
