@@ -17,7 +17,9 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{build_guest, find_program, markers, read_log, skip, ChildGuard, LineCollector, ScratchDir, MARK};
+use vm::{
+    build_guest, find_program, markers, read_log, skip, ChildGuard, LineCollector, ScratchDir, MARK,
+};
 
 const DISK: u64 = 512 << 20;
 const GROWN: u64 = DISK + (64 << 20);
@@ -75,7 +77,14 @@ fn run(fmt: &str) {
         .arg("-chardev")
         .arg(format!("socket,id=c0,path={}", sock.display()))
         .args(["-device", "vhost-user-blk-pci,chardev=c0,num-queues=1"])
-        .args(["-nographic", "-no-reboot", "-serial", "stdio", "-monitor", "none"])
+        .args([
+            "-nographic",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+            "-monitor",
+            "none",
+        ])
         .args(["-nic", "none", "-device", "virtio-rng-pci"])
         .arg("-kernel")
         .arg(&guest.kernel)
@@ -134,7 +143,11 @@ fn run(fmt: &str) {
     if let Some(f) = marks.iter().find(|m| m.starts_with("FAIL")) {
         panic!("guest reported {f}\n{}", dump());
     }
-    assert!(marks.iter().any(|m| m.starts_with("PASS")), "no PASS\n{}", dump());
+    assert!(
+        marks.iter().any(|m| m.starts_with("PASS")),
+        "no PASS\n{}",
+        dump()
+    );
     let resized = marks
         .iter()
         .find_map(|m| m.strip_prefix("RESIZED "))
@@ -151,7 +164,11 @@ fn run(fmt: &str) {
         .and_then(|s| s.trim_end_matches('s').parse().ok())
         .unwrap_or(f64::MAX);
     println!("[resize] {fmt}: the guest saw {GROWN} bytes {after:.2} s after it started waiting");
-    assert!(after < 1.5, "the guest saw the new size after {after} s\n{}", dump());
+    assert!(
+        after < 1.5,
+        "the guest saw the new size after {after} s\n{}",
+        dump()
+    );
     let st = vublk.terminate(Duration::from_secs(30));
     assert_eq!(st.and_then(|s| s.code()), Some(0), "{}", read_log(&log));
     if fmt == "qcow2" {
@@ -169,12 +186,16 @@ fn run(fmt: &str) {
 
 #[test]
 fn a_raw_disk_grows_under_a_running_guest() {
-    let _one = ONE_GUEST_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_GUEST_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     run("raw");
 }
 
 #[test]
 fn a_qcow2_disk_grows_under_a_running_guest() {
-    let _one = ONE_GUEST_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_GUEST_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     run("qcow2");
 }

@@ -296,7 +296,7 @@ impl Qcow2Image {
         let entry = new | L2_COPIED;
         write_unaligned(
             file,
-            self.l1_offset + l1_index as u64 * 8,
+            self.l1_offset.load(std::sync::atomic::Ordering::Acquire) + l1_index as u64 * 8,
             &entry.to_be_bytes(),
             self.meta_chunk(),
         )

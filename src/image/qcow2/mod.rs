@@ -215,7 +215,8 @@ pub struct Qcow2Image {
     pub compression: Compression,
     /// The backing file name as stored in the header (relative to the image's directory).
     pub backing_file: Option<String>,
-    l1_offset: u64,
+    /// Where the L1 table is (moves when an online resize needs a larger one).
+    l1_offset: AtomicU64,
     /// Grows as clusters are allocated.
     file_size: AtomicU64,
     l1: RwLock<Vec<u64>>,

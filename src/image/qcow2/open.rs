@@ -124,7 +124,7 @@ impl Qcow2Image {
             size: AtomicU64::new(h.size_bytes),
             compression: h.compression,
             backing_file,
-            l1_offset,
+            l1_offset: AtomicU64::new(l1_offset),
             file_size: AtomicU64::new(file_size),
             l1: RwLock::new(l1),
             metadata: RwLock::new(metadata),

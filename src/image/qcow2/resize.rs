@@ -5,52 +5,93 @@
 use std::sync::atomic::Ordering;
 
 use super::header::off;
-use super::{ImageError, Qcow2Image};
-use crate::io::aligned::write_unaligned;
+use super::{ImageError, Qcow2Image, MAX_L1_BYTES};
+use crate::io::aligned::{write_all_aligned, write_unaligned};
+use crate::io::bounce::AlignedBuf;
 use crate::io::Storage;
 
 impl Qcow2Image {
     /// Grow the guest-visible size to `new` bytes (larger than now; the caller checks).
     ///
-    /// Steps, each made durable before the next: the L1 entries the new size adds are
-    /// zeroed in the clusters the L1 table already occupies; then one write of the header's
-    /// size and L1 size (both in its first sector: the new size never appears without the
-    /// L1 size that covers it); then the table and size in memory. The allocation lock is
-    /// held throughout, so no L2 table is installed meanwhile. A new size whose L1 table would
-    /// not fit in the table's clusters is refused (moving the L1 table is not done online).
+    /// The allocation lock is held throughout, so no L2 table is installed meanwhile. Where
+    /// the L1 table's clusters have room for the entries the new size needs, those entries
+    /// are zeroed there; else a new L1 table is allocated at the end of the file, the old
+    /// entries copied into it, and its refcounts written. Each of these is synced, then one
+    /// write of the header's size, L1 size and L1 offset (all in its first sector: the new
+    /// size never appears without the L1 table that covers it) is synced, then the table,
+    /// its place and the size change in memory, and the old table's clusters are released
+    /// (after the next sync, as every release is). A crash before the header write leaks the
+    /// new table's clusters at most.
     pub fn resize(&self, file: &dyn Storage, new: u64) -> Result<(), ImageError> {
-        let _ws = self.lock_write()?;
+        let mut ws = self.lock_write()?;
         let per_l1 = 1u64 << (self.cluster_bits + self.l2_bits);
         let needed = new.div_ceil(per_l1);
-        let cluster = self.cluster_size();
-        let old_len = self.l1.read().unwrap_or_else(|e| e.into_inner()).len() as u64;
-        let room = (old_len * 8).div_ceil(cluster).max(1) * cluster / 8;
-        if needed > room {
+        if needed * 8 > MAX_L1_BYTES {
             return Err(ImageError::Unsupported(format!(
-                "{new} bytes need an L1 table of {needed} entries; the image's holds {room} \
-                 (a larger one would have to move: grow it offline with qemu-img resize)"
+                "{new} bytes need an L1 table of {} MiB, more than {} MiB",
+                needed * 8 >> 20,
+                MAX_L1_BYTES >> 20
             )));
         }
+        let cluster = self.cluster_size();
+        let old: Vec<u64> = self.l1.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let old_len = old.len() as u64;
+        let old_clusters = (old_len * 8).div_ceil(cluster).max(1);
+        let room = old_clusters * cluster / 8;
         let chunk = self.meta_chunk();
-        if needed > old_len {
-            let zeros = vec![0u8; ((needed - old_len) * 8) as usize];
-            write_unaligned(file, self.l1_offset + old_len * 8, &zeros, chunk)
-                .map_err(ImageError::Io)?;
+        let old_offset = self.l1_offset.load(Ordering::Acquire);
+        let l1_size = needed.max(old_len);
+        let offset = if l1_size <= room {
+            if l1_size > old_len {
+                let zeros = vec![0u8; ((l1_size - old_len) * 8) as usize];
+                write_unaligned(file, old_offset + old_len * 8, &zeros, chunk)
+                    .map_err(ImageError::Io)?;
+                file.sync_data().map_err(ImageError::Io)?;
+            }
+            old_offset
+        } else {
+            let clusters = (l1_size * 8).div_ceil(cluster);
+            let at = self.alloc_zeroed_cluster(&mut ws, file)?;
+            self.note_metadata(at);
+            for i in 1..clusters {
+                let c = self.alloc_zeroed_cluster(&mut ws, file)?;
+                if c != at + i * cluster {
+                    return Err(ImageError::Corrupt("new L1 clusters not contiguous"));
+                }
+                self.note_metadata(c);
+            }
+            let mut buf =
+                AlignedBuf::new((clusters * cluster) as usize, 4096).map_err(ImageError::Io)?;
+            for (i, e) in old.iter().enumerate() {
+                buf.as_mut_slice()[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
+            }
+            write_all_aligned(file, at, buf.as_slice()).map_err(ImageError::Io)?;
+            // The new table's refcounts (and the file's length) in the file, then durable.
+            self.write_back(&mut ws, file)?;
             file.sync_data().map_err(ImageError::Io)?;
-        }
-        let l1_size = needed.max(old_len) as u32;
-        // size (24..32), crypt method (32..36, kept: 0), L1 size (36..40): one sector.
-        let mut fields = [0u8; 16];
+            at
+        };
+        // size (24..32), crypt method (32..36: 0, encrypted images are not served), L1 size
+        // (36..40), L1 offset (40..48): one write inside the first sector.
+        let mut fields = [0u8; 24];
         fields[..8].copy_from_slice(&new.to_be_bytes());
-        fields[off::L1_SIZE - off::SIZE..off::L1_SIZE - off::SIZE + 4]
-            .copy_from_slice(&l1_size.to_be_bytes());
+        let l1s = off::L1_SIZE - off::SIZE;
+        fields[l1s..l1s + 4].copy_from_slice(&(l1_size as u32).to_be_bytes());
+        let l1o = off::L1_TABLE_OFFSET - off::SIZE;
+        fields[l1o..l1o + 8].copy_from_slice(&offset.to_be_bytes());
         write_unaligned(file, off::SIZE as u64, &fields, chunk).map_err(ImageError::Io)?;
         file.sync_data().map_err(ImageError::Io)?;
-        self.l1
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .resize(l1_size as usize, 0);
+        {
+            let mut l1 = self.l1.write().unwrap_or_else(|e| e.into_inner());
+            l1.resize(l1_size as usize, 0);
+            self.l1_offset.store(offset, Ordering::Release);
+        }
         self.size.store(new, Ordering::Release);
+        if offset != old_offset {
+            for i in 0..old_clusters {
+                ws.pending_decs.push(old_offset + i * cluster);
+            }
+        }
         Ok(())
     }
 }
