@@ -29,7 +29,7 @@ impl Qcow2Image {
         if needed * 8 > MAX_L1_BYTES {
             return Err(ImageError::Unsupported(format!(
                 "{new} bytes need an L1 table of {} MiB, more than {} MiB",
-                needed * 8 >> 20,
+                (needed * 8) >> 20,
                 MAX_L1_BYTES >> 20
             )));
         }
