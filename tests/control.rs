@@ -555,3 +555,38 @@ fn online_resize_under_libblkio() {
         vec![0x44; 4096]
     );
 }
+
+/// A block device (a loop device) is grown by growing the device, then `resize` without a
+/// size: vublk re-reads its size; a size that is not the device's is refused with the reason.
+#[test]
+fn a_block_device_is_resized_by_rereading_its_size() {
+    if skip_unless_vublk("vublk's online resize") {
+        return;
+    }
+    let dir = TestDir::new("control-resize-blockdev");
+    let backing = dir.join("backing.raw");
+    create_pattern_image(&backing, 64 * MIB, 7);
+    let Some(lo) = LoopDev::new(&backing, 512) else {
+        return;
+    };
+    let dev = PathBuf::from(&lo.0);
+    let (backend, sock) = start(&dir, &dev, 1, &[]);
+    let (ok, _, err) = ctl(&sock, "resize", &["96M"]);
+    assert!(!ok && err.contains("block device"), "{err}");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&backing)
+        .unwrap()
+        .set_len(96 * MIB)
+        .unwrap();
+    run_ok(Command::new("losetup").args(["-c", &lo.0]));
+    let (ok, r, err) = ctl(&sock, "resize", &[]);
+    assert!(ok, "{err}");
+    assert_eq!(r["size_bytes"], 96 * MIB);
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    assert_eq!(c.capacity(), 96 * MIB);
+    assert_eq!(c.write_at(0, 96 * MIB - 4096, &[0x55; 4096]), 0);
+    assert_eq!(c.read_at(0, 96 * MIB - 4096, 4096).unwrap(), vec![0x55; 4096]);
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}

@@ -4,10 +4,10 @@
 
 use std::ops::Index;
 use std::os::fd::{AsRawFd, BorrowedFd};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, RwLock};
 use std::{io, ptr};
-use vm_memory::bitmap::{Bitmap, BitmapSlice, WithBitmapSlice};
+use vm_memory::bitmap::{Bitmap, RefSlice, WithBitmapSlice};
 use vm_memory::mmap::NewBitmap;
 use vm_memory::{Address, GuestMemoryRegion};
 
@@ -71,11 +71,18 @@ pub struct BitmapMmapRegion {
     // TODO: To avoid both reader and writer starvation we can replace the `std::sync::RwLock` with
     // `parking_lot::RwLock`.
     inner: Arc<RwLock<Option<AtomicBitmapMmap>>>,
+    // An inner bitmap is set (vublk patch): checked first, so that a write while nothing is
+    // logged (almost always) costs a load of a rarely written flag, not a lock on a line
+    // every thread writes.
+    on: Arc<AtomicBool>,
     base_address: usize, // The slice's base address
 }
 
 impl Bitmap for BitmapMmapRegion {
     fn mark_dirty(&self, offset: usize, len: usize) {
+        if !self.on.load(Ordering::Acquire) {
+            return;
+        }
         let inner = self.inner.read().unwrap();
         if let Some(bitmap) = inner.as_ref() {
             if let Some(absolute_offset) = self.base_address.checked_add(offset) {
@@ -91,11 +98,10 @@ impl Bitmap for BitmapMmapRegion {
             .is_some_and(|bitmap| bitmap.dirty_at(self.base_address.saturating_add(offset)))
     }
 
+    // A borrowed slice (vublk patch): vm-memory makes one for every access, and an owned
+    // one cloned two `Arc`s each time, atomic increments on lines all threads share.
     fn slice_at(&self, offset: usize) -> <Self as WithBitmapSlice<'_>>::S {
-        Self {
-            inner: Arc::clone(&self.inner),
-            base_address: self.base_address.saturating_add(offset),
-        }
+        RefSlice::new(self, offset)
     }
 }
 
@@ -105,17 +111,17 @@ impl BitmapReplace for BitmapMmapRegion {
     fn replace(&self, bitmap: AtomicBitmapMmap) {
         let mut inner = self.inner.write().unwrap();
         inner.replace(bitmap);
+        self.on.store(true, Ordering::Release);
     }
 
     fn clear(&self) {
+        self.on.store(false, Ordering::Release);
         self.inner.write().unwrap().take();
     }
 }
 
-impl BitmapSlice for BitmapMmapRegion {}
-
-impl WithBitmapSlice<'_> for BitmapMmapRegion {
-    type S = Self;
+impl<'a> WithBitmapSlice<'a> for BitmapMmapRegion {
+    type S = RefSlice<'a, Self>;
 }
 
 impl NewBitmap for BitmapMmapRegion {
