@@ -586,7 +586,10 @@ fn a_block_device_is_resized_by_rereading_its_size() {
     let mut c = connect(&backend.socket, ClientOpts::default());
     assert_eq!(c.capacity(), 96 * MIB);
     assert_eq!(c.write_at(0, 96 * MIB - 4096, &[0x55; 4096]), 0);
-    assert_eq!(c.read_at(0, 96 * MIB - 4096, 4096).unwrap(), vec![0x55; 4096]);
+    assert_eq!(
+        c.read_at(0, 96 * MIB - 4096, 4096).unwrap(),
+        vec![0x55; 4096]
+    );
     drop(c);
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
 }
