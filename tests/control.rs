@@ -393,14 +393,6 @@ fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
     m
 }
 
-fn qemu_img(args: &[&str], img: &Path) -> std::process::Output {
-    Command::new("qemu-img")
-        .args(args)
-        .arg(img)
-        .output()
-        .unwrap()
-}
-
 /// Online resize under libblkio: raw and qcow2 grow (a new client sees the new capacity and
 /// writes and reads the new last block; the old data stays), shrinking and a bad size are
 /// refused; qcow2 is `qemu-img check` clean, also after a SIGKILL right after a resize, and
@@ -416,12 +408,7 @@ fn online_resize_under_libblkio() {
     for fmt in ["raw", "qcow2"] {
         let dir = TestDir::new(&format!("control-resize-{fmt}"));
         let img = dir.join(&format!("img.{fmt}"));
-        run_ok(
-            Command::new("qemu-img")
-                .args(["create", "-q", "-f", fmt])
-                .arg(&img)
-                .arg("16M"),
-        );
+        qemu_img_create(&img, fmt, "16M");
         let (backend, sock) = start(&dir, &img, 1, &[]);
         let mut c = connect(&backend.socket, ClientOpts::default());
         assert_eq!(c.capacity(), 16 * MIB);
@@ -462,26 +449,10 @@ fn online_resize_under_libblkio() {
         assert!(ok, "{err}");
         backend.signal(libc::SIGKILL);
         backend.wait_exit(EXIT_DEADLINE);
-        let check = qemu_img(&["check", "-f", "qcow2"], &img);
-        let text = String::from_utf8_lossy(&check.stdout).into_owned()
-            + &String::from_utf8_lossy(&check.stderr);
-        assert!(
-            matches!(check.status.code(), Some(0) | Some(3)) && !text.contains("ERROR"),
-            "qemu-img check after resize + SIGKILL:\n{text}"
-        );
-        let info = String::from_utf8_lossy(&qemu_img(&["info", "--output=json"], &img).stdout)
-            .into_owned();
-        assert!(
-            info.contains(&format!("\"virtual-size\": {}", 48 * MIB)),
-            "{info}"
-        );
+        assert_check_allows_leaks(&img, "qcow2", "after resize + SIGKILL");
+        assert_virtual_size(&img, 48 * MIB);
         let raw = dir.join("converted.raw");
-        run_ok(
-            Command::new("qemu-img")
-                .args(["convert", "-f", "qcow2", "-O", "raw"])
-                .arg(&img)
-                .arg(&raw),
-        );
+        convert_to_raw(&img, "qcow2", &raw);
         assert_eq!(
             read_file_range(&raw, 32 * MIB - 4096, 4096),
             vec![0x22; 4096]
@@ -494,12 +465,7 @@ fn online_resize_under_libblkio() {
     // parallels: refused, with the reason.
     let dir = TestDir::new("control-resize-parallels");
     let img = dir.join("img.parallels");
-    run_ok(
-        Command::new("qemu-img")
-            .args(["create", "-q", "-f", "parallels"])
-            .arg(&img)
-            .arg("16M"),
-    );
+    qemu_img_create(&img, "parallels", "16M");
     let (backend, sock) = start(&dir, &img, 1, &[]);
     let (ok, _, err) = ctl(&sock, "resize", &["32M"]);
     assert!(!ok && err.contains("parallels"), "{err}");
@@ -529,26 +495,10 @@ fn online_resize_under_libblkio() {
     assert!(ok, "{err}");
     backend.signal(libc::SIGKILL);
     backend.wait_exit(EXIT_DEADLINE);
-    let check = qemu_img(&["check", "-f", "qcow2"], &img);
-    let text = String::from_utf8_lossy(&check.stdout).into_owned()
-        + &String::from_utf8_lossy(&check.stderr);
-    assert!(
-        matches!(check.status.code(), Some(0) | Some(3)) && !text.contains("ERROR"),
-        "qemu-img check after moving the L1 table and SIGKILL:\n{text}"
-    );
-    let info =
-        String::from_utf8_lossy(&qemu_img(&["info", "--output=json"], &img).stdout).into_owned();
-    assert!(
-        info.contains(&format!("\"virtual-size\": {}", 128 * MIB)),
-        "{info}"
-    );
+    assert_check_allows_leaks(&img, "qcow2", "after moving the L1 table and SIGKILL");
+    assert_virtual_size(&img, 128 * MIB);
     let raw = dir.join("converted.raw");
-    run_ok(
-        Command::new("qemu-img")
-            .args(["convert", "-f", "qcow2", "-O", "raw"])
-            .arg(&img)
-            .arg(&raw),
-    );
+    convert_to_raw(&img, "qcow2", &raw);
     assert_eq!(read_file_range(&raw, MIB - 4096, 4096), vec![0x33; 4096]);
     assert_eq!(
         read_file_range(&raw, 64 * MIB - 4096, 4096),

@@ -429,23 +429,7 @@ fn handover(fmt: &str) {
     );
 
     // B: the queue starts (SET_VRING_BASE from the migration stream), B takes the image.
-    fe_b.set_vring_num(0, QSIZE).unwrap();
-    let config = VringConfigData {
-        queue_max_size: QSIZE,
-        queue_size: QSIZE,
-        flags: 0,
-        desc_table_addr: g_b.hva + DESC,
-        used_ring_addr: g_b.hva + USED,
-        avail_ring_addr: g_b.hva + AVAIL,
-        log_addr: None,
-    };
-    fe_b.set_vring_addr(0, &config).unwrap();
-    fe_b.set_vring_base(0, 0).unwrap();
-    let kick_b = EventFd::new(0).unwrap();
-    let call_b = EventFd::new(0).unwrap();
-    fe_b.set_vring_call(0, &call_b).unwrap();
-    fe_b.set_vring_kick(0, &kick_b).unwrap();
-    fe_b.set_vring_enable(0, true).unwrap();
+    let (kick_b, _call_b) = start_logged_queue(&mut fe_b, &g_b, None);
     for (i, &(sector, fill)) in a_blocks.iter().enumerate() {
         let got = read_block(&g_b, &kick_b, i as u16, sector);
         assert!(

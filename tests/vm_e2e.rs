@@ -354,34 +354,16 @@ fn run_guest(variant: &Variant) {
     if let (Backend::Vublk, Some(serial)) = (backend, variant.serial) {
         append.push_str(&format!(" E2E_SERIAL={serial}"));
     }
-    let mut qcmd = Command::new(&qemu);
-    qcmd.args(["-accel", "tcg", "-m", mem, "-smp", &NUM_QUEUES.to_string()])
-        .arg("-object")
-        .arg(format!("memory-backend-memfd,id=mem,size={mem},share=on"))
-        .args(["-numa", "node,memdev=mem"])
-        .arg("-chardev")
-        .arg(format!("socket,id=c0,path={}", sock.display()))
-        .arg("-device")
-        .arg(format!(
-            "vhost-user-blk-pci,chardev=c0,num-queues={NUM_QUEUES}{}",
-            variant.device_props
-        ))
-        .args([
-            "-nographic",
-            "-no-reboot",
-            "-serial",
-            "stdio",
-            "-monitor",
-            "none",
-        ])
-        // no NIC (skips iPXE); virtio-rng seeds the guest crng, else mke2fs stalls ~4 s
-        .args(["-nic", "none", "-device", "virtio-rng-pci"])
-        .arg("-kernel")
-        .arg(&guest.kernel)
-        .arg("-initrd")
-        .arg(&guest.initrd)
-        .args([OsStr::new("-append"), OsStr::new(&append)])
-        .stdin(Stdio::null())
+    let mut qcmd = vm::guest_command(
+        &qemu,
+        &guest,
+        mem,
+        NUM_QUEUES,
+        &format!("path={}", sock.display()),
+        &format!(",num-queues={NUM_QUEUES}{}", variant.device_props),
+        &append,
+    );
+    qcmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(File::create(&qemu_log).expect("creating qemu.log"));
     println!("[vm] qemu: {qcmd:?}");

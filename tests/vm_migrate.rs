@@ -23,10 +23,7 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{
-    build_guest, check_blocks, find_program, markers, read_log, skip, ChildGuard, Guest,
-    LineCollector, ScratchDir, MARK,
-};
+use vm::{check_blocks, markers, read_log, ChildGuard, Guest, LineCollector, ScratchDir, MARK};
 
 const NUM_QUEUES: u32 = 2;
 const WRITERS: u64 = 4;
@@ -139,27 +136,17 @@ fn start_qemu(
          E2E_WRITERS={WRITERS} E2E_SECONDS={SECONDS} E2E_VERIFY_FIRST=32"
     );
     let qmp_path = run.join(format!("{name}.qmp"));
-    let mut cmd = Command::new(qemu);
-    cmd.args(["-accel", "tcg", "-m", "1G", "-smp", &NUM_QUEUES.to_string()])
-        .args(["-object", "memory-backend-memfd,id=mem,size=1G,share=on"])
-        .args(["-numa", "node,memdev=mem"])
-        .arg("-chardev")
-        .arg(format!("socket,id=c0,path={}", sock.display()))
-        .arg("-device")
-        .arg(format!(
-            "vhost-user-blk-pci,chardev=c0,num-queues={NUM_QUEUES}"
-        ))
-        .args(["-nographic", "-no-reboot", "-serial", "stdio"])
-        .args(["-monitor", "none"])
-        .arg("-qmp")
-        .arg(format!("unix:{},server=on,wait=off", qmp_path.display()))
-        .args(["-nic", "none", "-device", "virtio-rng-pci"])
-        .arg("-kernel")
-        .arg(&guest.kernel)
-        .arg("-initrd")
-        .arg(&guest.initrd)
-        .arg("-append")
-        .arg(&append);
+    let mut cmd = vm::guest_command(
+        qemu,
+        guest,
+        "1G",
+        NUM_QUEUES,
+        &format!("path={}", sock.display()),
+        &format!(",num-queues={NUM_QUEUES}"),
+        &append,
+    );
+    cmd.arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", qmp_path.display()));
     if let Some(port) = incoming {
         cmd.arg("-incoming").arg(format!("tcp:127.0.0.1:{port}"));
     }
@@ -240,19 +227,14 @@ fn start_backends(qsd: bool, run: &Path, image: &Path, socks: &[PathBuf; 2]) -> 
     }
     let start = |name: &str, sock: &Path, extra: &[&str]| {
         let log = run.join(format!("vublk-{name}.log"));
-        let f = File::create(&log).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_vublk"));
-        cmd.arg("--socket-path")
-            .arg(sock)
-            .arg("--blk-file")
-            .arg(image)
-            .args(["--num-queues", &NUM_QUEUES.to_string()])
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(f.try_clone().unwrap())
-            .stderr(f);
-        let mut p = ChildGuard::spawn(&format!("vublk-{name}"), &mut cmd).unwrap();
+        let mut p = vm::spawn_vublk(
+            &format!("vublk-{name}"),
+            &log,
+            sock,
+            image,
+            NUM_QUEUES,
+            extra,
+        );
         wait_for(&log, "listening on", &mut p);
         (p, log)
     };
@@ -319,27 +301,8 @@ struct Outcome {
 
 /// Boot on A, migrate to B and back; the guest's markers and the migration times.
 fn run(name: &str, fmt: &str, qsd: bool) -> Option<(Outcome, PathBuf, PathBuf, ScratchDir)> {
-    let qemu = match find_program("qemu-system-x86_64", "VUBLK_E2E_QEMU") {
-        Ok(p) => p,
-        Err(e) => {
-            skip(&e);
-            return None;
-        }
-    };
-    for tool in ["qemu-img", "qemu-storage-daemon"] {
-        if let Err(e) = find_program(tool, "VUBLK_E2E_QEMU_IMG") {
-            skip(&e);
-            return None;
-        }
-    }
+    let (qemu, guest) = vm::guest_prerequisites(&["qemu-img", "qemu-storage-daemon"])?;
     let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let guest = match build_guest(&tmp.join("vm-e2e-guest")) {
-        Ok(g) => g,
-        Err(e) => {
-            skip(&e);
-            return None;
-        }
-    };
     let mut run =
         ScratchDir::new(tmp, &format!("vm-migrate-{name}-{}", std::process::id())).unwrap();
     run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");

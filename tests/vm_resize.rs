@@ -17,9 +17,7 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{
-    build_guest, find_program, markers, read_log, skip, ChildGuard, LineCollector, ScratchDir, MARK,
-};
+use vm::{markers, read_log, ChildGuard, LineCollector, ScratchDir, MARK};
 
 const DISK: u64 = 512 << 20;
 const GROWN: u64 = DISK + (64 << 20);
@@ -27,18 +25,10 @@ const GROWN: u64 = DISK + (64 << 20);
 static ONE_GUEST_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn run(fmt: &str) {
-    let qemu = match find_program("qemu-system-x86_64", "VUBLK_E2E_QEMU") {
-        Ok(p) => p,
-        Err(e) => return skip(&e),
+    let Some((qemu, guest)) = vm::guest_prerequisites(&["qemu-img"]) else {
+        return;
     };
-    if let Err(e) = find_program("qemu-img", "VUBLK_E2E_QEMU_IMG") {
-        return skip(&e);
-    }
     let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let guest = match build_guest(&tmp.join("vm-e2e-guest")) {
-        Ok(g) => g,
-        Err(e) => return skip(&e),
-    };
     let mut run = ScratchDir::new(tmp, &format!("vm-resize-{fmt}-{}", std::process::id())).unwrap();
     run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
     let image = run.path.join(format!("disk.{fmt}"));
@@ -53,46 +43,26 @@ fn run(fmt: &str) {
     let ctl = run.path.join("ctl.sock");
     let _ = fs::remove_file(&sock);
     let log = run.path.join("vublk.log");
-    let f = File::create(&log).unwrap();
-    let mut vublk = ChildGuard::spawn(
+    let ctl_arg = ctl.display().to_string();
+    let mut vublk = vm::spawn_vublk(
         "vublk",
-        Command::new(env!("CARGO_BIN_EXE_vublk"))
-            .arg("--socket-path")
-            .arg(&sock)
-            .arg("--blk-file")
-            .arg(&image)
-            .arg("--control-socket")
-            .arg(&ctl)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(f.try_clone().unwrap())
-            .stderr(f),
-    )
-    .unwrap();
+        &log,
+        &sock,
+        &image,
+        1,
+        &["--control-socket", &ctl_arg],
+    );
     vm::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
-    let mut qcmd = Command::new(&qemu);
-    qcmd.args(["-accel", "tcg", "-m", "512M", "-smp", "1"])
-        .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
-        .args(["-numa", "node,memdev=mem"])
-        .arg("-chardev")
-        .arg(format!("socket,id=c0,path={}", sock.display()))
-        .args(["-device", "vhost-user-blk-pci,chardev=c0,num-queues=1"])
-        .args([
-            "-nographic",
-            "-no-reboot",
-            "-serial",
-            "stdio",
-            "-monitor",
-            "none",
-        ])
-        .args(["-nic", "none", "-device", "virtio-rng-pci"])
-        .arg("-kernel")
-        .arg(&guest.kernel)
-        .arg("-initrd")
-        .arg(&guest.initrd)
-        .arg("-append")
-        .arg("console=ttyS0 panic=-1 loglevel=4 E2E_MODE=resize E2E_LBS=512")
-        .stdin(Stdio::null())
+    let mut qcmd = vm::guest_command(
+        &qemu,
+        &guest,
+        "512M",
+        1,
+        &format!("path={}", sock.display()),
+        ",num-queues=1",
+        "console=ttyS0 panic=-1 loglevel=4 E2E_MODE=resize E2E_LBS=512",
+    );
+    qcmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(File::create(run.path.join("qemu.log")).unwrap());
     let mut q = ChildGuard::spawn("qemu", &mut qcmd).unwrap();

@@ -20,10 +20,7 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{
-    build_guest, check_blocks, find_program, markers, read_log, skip, ChildGuard, LineCollector,
-    ScratchDir, MARK,
-};
+use vm::{check_blocks, markers, read_log, ChildGuard, LineCollector, ScratchDir, MARK};
 
 const NUM_QUEUES: u32 = 2;
 const WRITERS: u64 = 4;
@@ -52,19 +49,8 @@ impl Rng {
 /// One vublk process on the run's socket, its log in `backend-N.log`.
 fn start_vublk(run: &Path, sock: &Path, image: &Path, n: usize) -> (ChildGuard, PathBuf) {
     let log = run.join(format!("backend-{n}.log"));
-    let f = File::create(&log).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vublk"));
-    cmd.arg("--socket-path")
-        .arg(sock)
-        .arg("--blk-file")
-        .arg(image)
-        .args(["--num-queues", &NUM_QUEUES.to_string()])
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(f.try_clone().unwrap())
-        .stderr(f);
     (
-        ChildGuard::spawn(&format!("vublk-{n}"), &mut cmd).unwrap(),
+        vm::spawn_vublk(&format!("vublk-{n}"), &log, sock, image, NUM_QUEUES, &[]),
         log,
     )
 }
@@ -203,27 +189,9 @@ fn run(
     seconds: u64,
     events: &[Event],
 ) -> Option<(Outcome, PathBuf, PathBuf, ScratchDir)> {
-    let qemu = match find_program("qemu-system-x86_64", "VUBLK_E2E_QEMU") {
-        Ok(p) => p,
-        Err(e) => {
-            skip(&e);
-            return None;
-        }
-    };
-    if fmt == "qcow2" {
-        if let Err(e) = find_program("qemu-img", "VUBLK_E2E_QEMU_IMG") {
-            skip(&e);
-            return None;
-        }
-    }
+    let tools: &[&str] = if fmt == "qcow2" { &["qemu-img"] } else { &[] };
+    let (qemu, guest) = vm::guest_prerequisites(tools)?;
     let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let guest = match build_guest(&tmp.join("vm-e2e-guest")) {
-        Ok(g) => g,
-        Err(e) => {
-            skip(&e);
-            return None;
-        }
-    };
     let mut run =
         ScratchDir::new(tmp, &format!("vm-restart-{name}-{}", std::process::id())).unwrap();
     run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
@@ -252,35 +220,16 @@ fn run(
          E2E_WRITERS={WRITERS} E2E_SECONDS={seconds}"
     );
     let serial_log = run.path.join("serial.log");
-    let mut qcmd = Command::new(&qemu);
-    qcmd.args(["-accel", "tcg", "-m", "1G", "-smp", &NUM_QUEUES.to_string()])
-        .args(["-object", "memory-backend-memfd,id=mem,size=1G,share=on"])
-        .args(["-numa", "node,memdev=mem"])
-        .arg("-chardev")
-        .arg(format!(
-            "socket,id=c0,path={},reconnect-ms=1000",
-            sock.display()
-        ))
-        .arg("-device")
-        .arg(format!(
-            "vhost-user-blk-pci,chardev=c0,num-queues={NUM_QUEUES}"
-        ))
-        .args([
-            "-nographic",
-            "-no-reboot",
-            "-serial",
-            "stdio",
-            "-monitor",
-            "none",
-        ])
-        .args(["-nic", "none", "-device", "virtio-rng-pci"])
-        .arg("-kernel")
-        .arg(&guest.kernel)
-        .arg("-initrd")
-        .arg(&guest.initrd)
-        .arg("-append")
-        .arg(&append)
-        .stdin(Stdio::null())
+    let mut qcmd = vm::guest_command(
+        &qemu,
+        &guest,
+        "1G",
+        NUM_QUEUES,
+        &format!("path={},reconnect-ms=1000", sock.display()),
+        &format!(",num-queues={NUM_QUEUES}"),
+        &append,
+    );
+    qcmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(File::create(run.path.join("qemu.log")).unwrap());
     let mut qemu_proc = ChildGuard::spawn("qemu", &mut qcmd).unwrap();

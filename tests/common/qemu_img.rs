@@ -38,3 +38,54 @@ pub fn qemu_compare(raw: &Path, qcow2: &Path) {
             .arg(qcow2),
     );
 }
+
+/// `qemu-img create -q -f FMT PATH SIZE` (SIZE as qemu-img takes it: `16M`, bytes), which must
+/// succeed.
+pub fn qemu_img_create(path: &Path, fmt: &str, size: &str) {
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", fmt])
+            .arg(path)
+            .arg(size),
+    );
+}
+
+/// After a killed writer: `qemu-img check` finds no corruption (leaked clusters, exit status
+/// 3, are allowed).
+pub fn assert_check_allows_leaks(path: &Path, fmt: &str, what: &str) {
+    let o = std::process::Command::new("qemu-img")
+        .args(["check", "-f", fmt])
+        .arg(path)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(
+        matches!(o.status.code(), Some(0) | Some(3)) && !text.contains("ERROR"),
+        "qemu-img check {what}:\n{text}"
+    );
+}
+
+/// `qemu-img info`: the image's virtual size is `size` bytes.
+pub fn assert_virtual_size(path: &Path, size: u64) {
+    let info = run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["info", "--output=json"])
+            .arg(path),
+    );
+    assert!(
+        info.contains(&format!("\"virtual-size\": {size}")),
+        "{}: not {size} bytes:\n{info}",
+        path.display()
+    );
+}
+
+/// `qemu-img convert` of the `fmt` image at `path` into the raw file `raw`.
+pub fn convert_to_raw(path: &Path, fmt: &str, raw: &Path) {
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["convert", "-f", fmt, "-O", "raw"])
+            .arg(path)
+            .arg(raw),
+    );
+}

@@ -438,3 +438,97 @@ pub fn check_blocks(
     assert_eq!(marks.iter().filter(|m| m.starts_with("BULK ")).count(), 2);
     total + bulk
 }
+
+/// The QEMU command line every guest test uses: TCG, `mem` of shared memfd memory (vhost-user
+/// needs it), `smp` vCPUs, one vhost-user-blk disk on the `-chardev socket` options `chardev`
+/// (`path=...`, `reconnect-ms=...`) with `device_props` (`,num-queues=2...`), serial on
+/// stdout, no monitor, no NIC (skips iPXE), virtio-rng (seeds the guest's crng, else
+/// mke2fs stalls), the guest kernel and initramfs with kernel command line `append`.
+/// Stdin, stdout and stderr are the caller's to set.
+pub fn guest_command(
+    qemu: &Path,
+    guest: &Guest,
+    mem: &str,
+    smp: u32,
+    chardev: &str,
+    device_props: &str,
+    append: &str,
+) -> Command {
+    let mut cmd = Command::new(qemu);
+    cmd.args(["-accel", "tcg", "-m", mem, "-smp", &smp.to_string()])
+        .arg("-object")
+        .arg(format!("memory-backend-memfd,id=mem,size={mem},share=on"))
+        .args(["-numa", "node,memdev=mem"])
+        .arg("-chardev")
+        .arg(format!("socket,id=c0,{chardev}"))
+        .arg("-device")
+        .arg(format!("vhost-user-blk-pci,chardev=c0{device_props}"))
+        .args([
+            "-nographic",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+            "-monitor",
+            "none",
+        ])
+        .args(["-nic", "none", "-device", "virtio-rng-pci"])
+        .arg("-kernel")
+        .arg(&guest.kernel)
+        .arg("-initrd")
+        .arg(&guest.initrd)
+        .arg("-append")
+        .arg(append);
+    cmd
+}
+
+/// QEMU (`VUBLK_E2E_QEMU` or PATH), the other `tools` the test needs, and the guest kernel
+/// and initramfs (built or reused under the target directory); None, with "skipped: why"
+/// (a failure under `VUBLK_E2E_REQUIRE=1`), where the machine lacks one.
+pub fn guest_prerequisites(tools: &[&str]) -> Option<(PathBuf, Guest)> {
+    let qemu = match find_program("qemu-system-x86_64", "VUBLK_E2E_QEMU") {
+        Ok(p) => p,
+        Err(e) => {
+            skip(&e);
+            return None;
+        }
+    };
+    for tool in tools {
+        if let Err(e) = find_program(tool, "VUBLK_E2E_QEMU_IMG") {
+            skip(&e);
+            return None;
+        }
+    }
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    match build_guest(&tmp.join("vm-e2e-guest")) {
+        Ok(g) => Some((qemu, g)),
+        Err(e) => {
+            skip(&e);
+            None
+        }
+    }
+}
+
+/// Start the vublk under test on `sock` serving `image` with `queues` queues and `extra`
+/// options, logging (RUST_LOG=info) to `log`.
+pub fn spawn_vublk(
+    name: &str,
+    log: &Path,
+    sock: &Path,
+    image: &Path,
+    queues: u32,
+    extra: &[&str],
+) -> ChildGuard {
+    let f = File::create(log).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vublk"));
+    cmd.arg("--socket-path")
+        .arg(sock)
+        .arg("--blk-file")
+        .arg(image)
+        .args(["--num-queues", &queues.to_string()])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(f.try_clone().unwrap())
+        .stderr(f);
+    ChildGuard::spawn(name, &mut cmd).unwrap()
+}
