@@ -32,6 +32,8 @@ pub mod io;
 pub mod logging;
 pub mod metrics;
 pub mod offload;
+#[cfg(feature = "rbd")]
+pub mod rbd;
 pub mod stats;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
