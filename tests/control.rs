@@ -543,3 +543,37 @@ fn a_block_device_is_resized_by_rereading_its_size() {
     drop(c);
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
 }
+
+/// `--control-group`: the socket is 0660 and owned by that group; an unknown group exits 1
+/// naming it.
+#[test]
+fn control_group_makes_the_socket_group_accessible() {
+    if skip_unless_vublk("vublk's control socket") {
+        return;
+    }
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = TestDir::new("control-group");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, 16 * MIB, 8);
+    // SAFETY: getgid has no preconditions.
+    let gid = unsafe { libc::getgid() };
+    let (backend, sock) = start(&dir, &img, 1, &["--control-group", &gid.to_string()]);
+    let m = std::fs::metadata(&sock).unwrap();
+    assert_eq!(m.permissions().mode() & 0o777, 0o660);
+    assert_eq!(m.gid(), gid);
+    let (ok, _, err) = ctl(&sock, "version", &[]);
+    assert!(ok, "{err}");
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    let (code, msg) = vublk_refuses(
+        &dir,
+        &img,
+        &[
+            "--control-socket",
+            dir.join("ctl2.sock").to_str().unwrap(),
+            "--control-group",
+            "no-such-group-vublk",
+        ],
+    );
+    assert_eq!(code, Some(1), "{msg}");
+    assert!(msg.contains("no-such-group-vublk"), "{msg}");
+}
