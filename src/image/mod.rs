@@ -9,13 +9,14 @@
 //! `parallels/`, `chain` (backing files), `prealloc` (the preallocation planner, executor
 //! and background thread), `durable` (metadata written back later, releases after it is
 //! durable), `handover` (giving the image to another process during a live migration and
-//! taking it back), `create` (`vublk create`), `fuzz` (fuzzing entry points).
+//! taking it back), `grow` (online resize), `report` (counters for stats and logs), `create` (`vublk create`), `fuzz` (fuzzing entry points).
 
 pub mod chain;
 pub mod create;
 pub mod durable;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
+mod grow;
 pub mod handover;
 pub mod lock;
 mod open;
@@ -23,12 +24,14 @@ pub mod parallels;
 pub mod prealloc;
 pub mod qcow2;
 mod raw;
+mod report;
 
 use std::fs::File;
 use std::io;
 use std::sync::atomic::Ordering;
 
 pub use chain::Piece;
+pub use grow::GrowError;
 pub use open::{
     probe, probe_bytes, CompressChoice, Format, ImageOpenError, ImageOptions, PreallocChoice,
     RawFacts,
@@ -67,35 +70,6 @@ impl From<io::Error> for ImageError {
     fn from(e: io::Error) -> Self {
         ImageError::Io(e)
     }
-}
-
-/// Why an online resize was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum GrowError {
-    #[error("the image is not active here (live migration): resize it where it is served")]
-    Inactive,
-    #[error("the image is served read-only")]
-    ReadOnly,
-    #[error("no size given")]
-    NoSize,
-    #[error("shrinking is not supported ({new} bytes < {old} bytes): the guest may have data at the end")]
-    Shrink { old: u64, new: u64 },
-    #[error("{0} bytes: the size must be a multiple of 512 bytes")]
-    Unaligned(u64),
-    #[error(
-        "the image is a block device of {device} bytes: grow the device itself (e.g. \
-         lvextend), then resize without a size (or with {device}); {asked} was asked"
-    )]
-    BlockDevice { asked: u64, device: u64 },
-    #[error(
-        "parallels images cannot grow online (their BAT sits before the data clusters; QEMU \
-         cannot resize them either): convert to qcow2 or raw to grow"
-    )]
-    Parallels,
-    #[error("extending the image file: {0}")]
-    Io(#[source] io::Error),
-    #[error("growing the qcow2 image: {0}")]
-    Image(#[source] ImageError),
 }
 
 /// How DISCARD, WRITE_ZEROES and detected zero writes treat whole clusters of a format.
@@ -277,71 +251,6 @@ impl Image {
     /// The guest-visible size in bytes.
     pub fn size_bytes(&self) -> u64 {
         self.size_bytes.load(Ordering::Acquire)
-    }
-
-    /// Grow the disk online to `new` bytes (a block device: to the device's size, which
-    /// `new`, if given, must equal); returns the new size. Shrinking is refused. Raw files
-    /// are extended (allocated with `--prealloc on`, else sparse), qcow2 images get a larger
-    /// L1 table where needed and a new header, crash-safe; parallels images are refused.
-    pub fn grow(&self, new: Option<u64>) -> Result<u64, GrowError> {
-        if !self.is_active() {
-            return Err(GrowError::Inactive);
-        }
-        if self.read_only {
-            return Err(GrowError::ReadOnly);
-        }
-        let old = self.size_bytes();
-        let new = match (&self.kind, self.block_device) {
-            (Kind::Raw, true) => {
-                use std::os::fd::AsRawFd;
-                let dev = crate::io::sys::block_device_size(self.file.as_raw_fd())
-                    .map_err(GrowError::Io)?;
-                if let Some(n) = new.filter(|&n| n != dev) {
-                    return Err(GrowError::BlockDevice {
-                        asked: n,
-                        device: dev,
-                    });
-                }
-                dev
-            }
-            _ => new.ok_or(GrowError::NoSize)?,
-        };
-        if new < old {
-            return Err(GrowError::Shrink { old, new });
-        }
-        if new % 512 != 0 {
-            return Err(GrowError::Unaligned(new));
-        }
-        if new == old {
-            return Ok(old);
-        }
-        match &self.kind {
-            Kind::Raw if self.block_device => {}
-            Kind::Raw => {
-                use std::os::fd::AsRawFd;
-                let fd = self.file.as_raw_fd();
-                let allocated =
-                    self.prealloc_raw && crate::io::sys::fallocate(fd, 0, old, new - old).is_ok();
-                if !allocated {
-                    self.file.set_len(new).map_err(GrowError::Io)?;
-                }
-                // The new size must survive a crash before the guest is told.
-                self.file.sync_all().map_err(GrowError::Io)?;
-            }
-            Kind::Qcow2(d) => d.q.resize(&self.file, new).map_err(GrowError::Image)?,
-            Kind::Parallels(_) => return Err(GrowError::Parallels),
-        }
-        self.size_bytes.store(new, Ordering::Release);
-        Ok(new)
-    }
-
-    pub fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    /// Must guest writes at offset 0 be checked with [`probe_bytes`]?
-    pub fn guards_format_header(&self) -> bool {
-        self.guard_header
     }
 
     /// Host I/O must stay below this offset (raw: the file is the disk); None where the
@@ -743,78 +652,6 @@ impl Image {
                 l.release(&layer.file);
             }
         }
-    }
-
-    /// The format's counters, for `stats` (an empty object for raw images).
-    pub fn counters(&self) -> serde_json::Value {
-        let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        match &self.kind {
-            Kind::Raw => serde_json::json!({}),
-            Kind::Parallels(p) => serde_json::json!({
-                "clusters_allocated": n(&p.stats.allocated),
-                "clusters_reused": n(&p.stats.reused),
-                "clusters_freed": n(&p.stats.freed),
-                "file_grows": n(&p.stats.grows),
-                "file_grown_bytes": n(&p.stats.grown_bytes),
-            }),
-            Kind::Qcow2(d) => {
-                let q = &d.q;
-                let (done, skipped) = q.prealloc_counts();
-                let (writes, bytes) = q.compressed_file_writes();
-                serde_json::json!({
-                    "preallocations": done,
-                    "preallocations_skipped": skipped,
-                    "copy_on_writes_unlocked": n(&q.stats.cow_unlocked),
-                    "clusters_reused": n(&q.stats.reused_clusters),
-                    "compressed_clusters": n(&q.stats.compressed_clusters),
-                    "uncompressible_clusters": n(&q.stats.uncompressible_clusters),
-                    "compressed_file_writes": writes,
-                    "compressed_file_bytes": bytes,
-                    "l2_cache_hits": n(&q.stats.l2_hits),
-                    "l2_cache_misses": n(&q.stats.l2_misses),
-                })
-            }
-        }
-    }
-
-    /// One line per counter group, for the shutdown log.
-    pub fn stats_lines(&self) -> Vec<String> {
-        let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        let mut out = Vec::new();
-        match &self.kind {
-            Kind::Parallels(p) if p.writable() => out.push(format!(
-                "parallels: {} clusters allocated ({} reused from free space), {} freed, file \
-                 grown {} times by {} MiB",
-                n(&p.stats.allocated),
-                n(&p.stats.reused),
-                n(&p.stats.freed),
-                n(&p.stats.grows),
-                n(&p.stats.grown_bytes) >> 20
-            )),
-            Kind::Qcow2(d) if d.q.writable() => {
-                let q = &d.q;
-                let (done, skipped) = q.prealloc_counts();
-                out.push(format!("preallocation: {done} done, {skipped} skipped"));
-                out.push(format!(
-                    "qcow2: {} copy-on-writes done without the allocation lock",
-                    n(&q.stats.cow_unlocked)
-                ));
-                if q.compress_writes() {
-                    out.push(format!(
-                        "compressed writes: {} clusters compressed, {} stored normally (did \
-                         not compress)",
-                        n(&q.stats.compressed_clusters),
-                        n(&q.stats.uncompressible_clusters)
-                    ));
-                    let (writes, bytes) = q.compressed_file_writes();
-                    out.push(format!(
-                        "compressed writes: {writes} writes of {bytes} bytes reached the file"
-                    ));
-                }
-            }
-            _ => {}
-        }
-        out
     }
 }
 

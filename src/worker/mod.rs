@@ -14,7 +14,8 @@
 //! 6. the used ring is updated and the guest signalled as EVENT_IDX allows.
 //!
 //! Host failures go through `failure`, the one place that maps them to a status and logs
-//! them (rate-limited).
+//! them (rate-limited). A queue's start (taking the image, inflight recovery) is in
+//! `start`; requests waiting for the I/O limits in `throttle`.
 
 mod complete;
 mod failure;
@@ -22,7 +23,9 @@ mod failure;
 pub mod fuzz;
 mod read;
 mod slot;
+mod start;
 mod submit;
+mod throttle;
 mod write;
 mod zero;
 
@@ -185,87 +188,6 @@ impl QueueWorker {
         self.engine.event_fd()
     }
 
-    /// The throttle timer's descriptor, to register with the queue's epoll loop.
-    pub fn timer_fd(&self) -> Option<i32> {
-        use std::os::fd::AsRawFd;
-        self.timer.as_ref().map(|t| t.as_raw_fd())
-    }
-
-    /// The throttle timer fired: start what the limits admit now.
-    pub fn handle_timer(&mut self) {
-        if let Some(t) = self.timer.as_mut() {
-            let _ = t.clear();
-        }
-        let Some(vring) = self.vring.clone() else {
-            return;
-        };
-        self.release_throttled();
-        self.submit_engine();
-        self.reap_and_complete(&vring);
-        if self.stalled {
-            self.process_queue(&vring, true);
-        }
-    }
-
-    /// Must request `idx` wait for the I/O limits? (Requests behind a waiting one wait too.)
-    fn must_wait_for_throttle(&mut self, idx: u16) -> bool {
-        if !self.throttled.is_empty() {
-            return true;
-        }
-        if !self.dev.throttle.on() {
-            return false;
-        }
-        match self.throttle_admit(idx) {
-            Ok(()) => false,
-            Err(wait) => {
-                self.arm_timer(wait);
-                true
-            }
-        }
-    }
-
-    fn throttle_admit(&self, idx: u16) -> Result<(), Duration> {
-        use crate::throttle::Dir;
-        use crate::virtio_blk::RequestType;
-        let req = &self.slots[usize::from(idx)].req;
-        let dir = match req.kind {
-            RequestType::In => Dir::Read,
-            RequestType::Out => Dir::Write,
-            _ => return Ok(()),
-        };
-        self.dev.throttle.admit(dir, req.data_len)
-    }
-
-    /// Wake up after `wait` (at most 50 ms: limits changed meanwhile take effect soon).
-    fn arm_timer(&mut self, wait: Duration) {
-        let wait = wait.clamp(Duration::from_micros(100), Duration::from_millis(50));
-        if let Some(t) = self.timer.as_mut() {
-            let _ = t.reset(wait, None);
-        }
-    }
-
-    /// Start the waiting requests the limits admit now, oldest first (all of them with
-    /// `force`: the queue is stopping and everything taken must complete).
-    fn release_throttled_inner(&mut self, force: bool) {
-        while let Some(&idx) = self.throttled.front() {
-            if !force && self.dev.throttle.on() {
-                if let Err(wait) = self.throttle_admit(idx) {
-                    self.arm_timer(wait);
-                    return;
-                }
-            }
-            self.throttled.pop_front();
-            let head = self.slots[usize::from(idx)].busy_ref().map(|r| r.head);
-            if let (Some(used), Some(head)) = (self.launch(idx), head) {
-                self.deferred_used.push((head, used));
-            }
-        }
-    }
-
-    fn release_throttled(&mut self) {
-        self.release_throttled_inner(false);
-    }
-
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
     }
@@ -404,101 +326,6 @@ impl QueueWorker {
         self.broken = None;
         self.started = false;
         self.resubmit.clear();
-    }
-
-    /// The queue's first processing after it was set up: the device's used index is the
-    /// used ring's (SET_VRING_BASE sets only the available side, and a previous process
-    /// may have published more than the frontend knows); with an inflight region, its
-    /// last batch is repaired, the available position is the used index plus the requests
-    /// still marked, and those are queued for resubmission in the order they were taken.
-    fn start(&mut self, q: &mut virtio_queue::Queue, mem: &Mem) {
-        self.started = true;
-        self.signal_on_start = true;
-        self.take_image();
-        if let Some(why) = ring_problem(q, mem) {
-            self.mark_broken(why);
-            return;
-        }
-        let used = match q.used_idx(mem, Ordering::Acquire) {
-            Ok(u) => u.0,
-            Err(_) => {
-                self.mark_broken("the used ring is not in guest memory");
-                return;
-            }
-        };
-        q.set_next_used(used);
-        let Some(t) = self.inflight.as_mut() else {
-            return;
-        };
-        if q.size() > t.desc_num() {
-            log::error!(
-                "queue {}: the inflight region tracks {} entries but the ring has {}: \
-                 requests on this queue are not tracked",
-                self.index,
-                t.desc_num(),
-                q.size()
-            );
-            self.inflight = None;
-            return;
-        }
-        let r = t.recover(used, q.size());
-        if !r.resubmit.is_empty() || r.repaired > 0 {
-            log::info!(
-                "queue {}: resubmitting {} requests the previous process had in flight \
-                 ({} completions it had published accounted)",
-                self.index,
-                r.resubmit.len(),
-                r.repaired
-            );
-        }
-        q.set_next_avail(used.wrapping_add(r.resubmit.len() as u16));
-        self.resubmit = r.resubmit;
-        self.resubmit.reverse();
-    }
-
-    /// Serve the device's active image, taking it over first if it is inactive (a migration
-    /// destination, or a source whose migration failed after it handed the image over).
-    fn take_image(&mut self) {
-        use std::os::fd::AsRawFd;
-        match self.dev.image.take_over(self.dev.size_bytes()) {
-            Ok(image) if Arc::ptr_eq(&image, &self.image) => {}
-            Ok(image) => {
-                self.engine.register_file(image.file().as_raw_fd());
-                if self.inbox.is_none() {
-                    self.inbox = new_inbox(self.index, &image, &self.engine);
-                }
-                self.image = image;
-            }
-            Err(e) => log::error!(
-                "queue {}: cannot take the image over: {}; requests fail until a start \
-                 succeeds",
-                self.index,
-                crate::logging::error_chain(&e)
-            ),
-        }
-    }
-
-    /// Start the requests recovery found in flight, oldest first, as far as slots allow.
-    fn resubmit_recovered(&mut self, q: &virtio_queue::Queue, mem: &Arc<Mem>) {
-        while !self.resubmit.is_empty() && !self.free.is_empty() {
-            let Some(head) = self.resubmit.pop() else {
-                break;
-            };
-            let chain = virtio_queue::DescriptorChain::new(
-                &**mem,
-                vm_memory::GuestAddress(q.desc_table()),
-                q.size(),
-                head,
-            );
-            let descs = chain.map(|d| Desc {
-                addr: d.addr().0,
-                len: d.len(),
-                write_only: d.is_write_only(),
-            });
-            if let Some(used) = self.start_request(head, descs, mem) {
-                self.deferred_used.push((head, used));
-            }
-        }
     }
 
     /// Put finished requests on the used ring, each accounted in the inflight region; the

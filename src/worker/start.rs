@@ -1,0 +1,108 @@
+//! A queue's start in a connection: the image taken (over, after a live-migration
+//! handover), the used index read from the ring, and with an inflight region the recovery
+//! of what a previous process left in flight, resubmitted before anything new.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use virtio_queue::QueueT;
+
+use super::{new_inbox, ring_problem, Mem, QueueWorker};
+use crate::virtio_blk::Desc;
+
+impl QueueWorker {
+    /// The queue's first processing after it was set up: the device's used index is the
+    /// used ring's (SET_VRING_BASE sets only the available side, and a previous process
+    /// may have published more than the frontend knows); with an inflight region, its
+    /// last batch is repaired, the available position is the used index plus the requests
+    /// still marked, and those are queued for resubmission in the order they were taken.
+    pub(super) fn start(&mut self, q: &mut virtio_queue::Queue, mem: &Mem) {
+        self.started = true;
+        self.signal_on_start = true;
+        self.take_image();
+        if let Some(why) = ring_problem(q, mem) {
+            self.mark_broken(why);
+            return;
+        }
+        let used = match q.used_idx(mem, Ordering::Acquire) {
+            Ok(u) => u.0,
+            Err(_) => {
+                self.mark_broken("the used ring is not in guest memory");
+                return;
+            }
+        };
+        q.set_next_used(used);
+        let Some(t) = self.inflight.as_mut() else {
+            return;
+        };
+        if q.size() > t.desc_num() {
+            log::error!(
+                "queue {}: the inflight region tracks {} entries but the ring has {}: \
+                 requests on this queue are not tracked",
+                self.index,
+                t.desc_num(),
+                q.size()
+            );
+            self.inflight = None;
+            return;
+        }
+        let r = t.recover(used, q.size());
+        if !r.resubmit.is_empty() || r.repaired > 0 {
+            log::info!(
+                "queue {}: resubmitting {} requests the previous process had in flight \
+                 ({} completions it had published accounted)",
+                self.index,
+                r.resubmit.len(),
+                r.repaired
+            );
+        }
+        q.set_next_avail(used.wrapping_add(r.resubmit.len() as u16));
+        self.resubmit = r.resubmit;
+        self.resubmit.reverse();
+    }
+
+    /// Serve the device's active image, taking it over first if it is inactive (a migration
+    /// destination, or a source whose migration failed after it handed the image over).
+    pub(super) fn take_image(&mut self) {
+        use std::os::fd::AsRawFd;
+        match self.dev.image.take_over(self.dev.size_bytes()) {
+            Ok(image) if Arc::ptr_eq(&image, &self.image) => {}
+            Ok(image) => {
+                self.engine.register_file(image.file().as_raw_fd());
+                if self.inbox.is_none() {
+                    self.inbox = new_inbox(self.index, &image, &self.engine);
+                }
+                self.image = image;
+            }
+            Err(e) => log::error!(
+                "queue {}: cannot take the image over: {}; requests fail until a start \
+                 succeeds",
+                self.index,
+                crate::logging::error_chain(&e)
+            ),
+        }
+    }
+
+    /// Start the requests recovery found in flight, oldest first, as far as slots allow.
+    pub(super) fn resubmit_recovered(&mut self, q: &virtio_queue::Queue, mem: &Arc<Mem>) {
+        while !self.resubmit.is_empty() && !self.free.is_empty() {
+            let Some(head) = self.resubmit.pop() else {
+                break;
+            };
+            let chain = virtio_queue::DescriptorChain::new(
+                &**mem,
+                vm_memory::GuestAddress(q.desc_table()),
+                q.size(),
+                head,
+            );
+            let descs = chain.map(|d| Desc {
+                addr: d.addr().0,
+                len: d.len(),
+                write_only: d.is_write_only(),
+            });
+            if let Some(used) = self.start_request(head, descs, mem) {
+                self.deferred_used.push((head, used));
+            }
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! Requests waiting for the device's I/O limits (`crate::throttle`): parsed and held in
+//! their slots, oldest first, released when the shared buckets admit them; the queue's
+//! timerfd wakes the queue for that.
+
+use std::time::Duration;
+
+use super::QueueWorker;
+
+impl QueueWorker {
+    /// The throttle timer's descriptor, to register with the queue's epoll loop.
+    pub fn timer_fd(&self) -> Option<i32> {
+        use std::os::fd::AsRawFd;
+        self.timer.as_ref().map(|t| t.as_raw_fd())
+    }
+
+    /// The throttle timer fired: start what the limits admit now.
+    pub fn handle_timer(&mut self) {
+        if let Some(t) = self.timer.as_mut() {
+            let _ = t.clear();
+        }
+        let Some(vring) = self.vring.clone() else {
+            return;
+        };
+        self.release_throttled();
+        self.submit_engine();
+        self.reap_and_complete(&vring);
+        if self.stalled {
+            self.process_queue(&vring, true);
+        }
+    }
+
+    /// Must request `idx` wait for the I/O limits? (Requests behind a waiting one wait too.)
+    pub(super) fn must_wait_for_throttle(&mut self, idx: u16) -> bool {
+        if !self.throttled.is_empty() {
+            return true;
+        }
+        if !self.dev.throttle.on() {
+            return false;
+        }
+        match self.throttle_admit(idx) {
+            Ok(()) => false,
+            Err(wait) => {
+                self.arm_timer(wait);
+                true
+            }
+        }
+    }
+
+    pub(super) fn throttle_admit(&self, idx: u16) -> Result<(), Duration> {
+        use crate::throttle::Dir;
+        use crate::virtio_blk::RequestType;
+        let req = &self.slots[usize::from(idx)].req;
+        let dir = match req.kind {
+            RequestType::In => Dir::Read,
+            RequestType::Out => Dir::Write,
+            _ => return Ok(()),
+        };
+        self.dev.throttle.admit(dir, req.data_len)
+    }
+
+    /// Wake up after `wait` (at most 50 ms: limits changed meanwhile take effect soon).
+    pub(super) fn arm_timer(&mut self, wait: Duration) {
+        let wait = wait.clamp(Duration::from_micros(100), Duration::from_millis(50));
+        if let Some(t) = self.timer.as_mut() {
+            let _ = t.reset(wait, None);
+        }
+    }
+
+    /// Start the waiting requests the limits admit now, oldest first (all of them with
+    /// `force`: the queue is stopping and everything taken must complete).
+    pub(super) fn release_throttled_inner(&mut self, force: bool) {
+        while let Some(&idx) = self.throttled.front() {
+            if !force && self.dev.throttle.on() {
+                if let Err(wait) = self.throttle_admit(idx) {
+                    self.arm_timer(wait);
+                    return;
+                }
+            }
+            self.throttled.pop_front();
+            let head = self.slots[usize::from(idx)].busy_ref().map(|r| r.head);
+            if let (Some(used), Some(head)) = (self.launch(idx), head) {
+                self.deferred_used.push((head, used));
+            }
+        }
+    }
+
+    pub(super) fn release_throttled(&mut self) {
+        self.release_throttled_inner(false);
+    }
+}
