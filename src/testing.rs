@@ -250,3 +250,21 @@ pub fn fresh_qcow2_bytes(tag: &str, compression: crate::image::qcow2::Compressio
     let _ = std::fs::remove_file(&p);
     b
 }
+
+/// xorshift64: a fixed, seedable sequence for randomized tests, without a dependency (the
+/// same seed replays the same script).
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// In `0..n` (n > 0; the modulo bias does not matter here).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}

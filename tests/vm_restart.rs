@@ -35,17 +35,6 @@ enum Event {
     Term,
 }
 
-/// xorshift, seeded from the clock unless VUBLK_RESTART_SEED says otherwise.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 /// One vublk process on the run's socket, its log in `backend-N.log`.
 fn start_vublk(run: &Path, sock: &Path, image: &Path, n: usize) -> (ChildGuard, PathBuf) {
     let log = run.join(format!("backend-{n}.log"));
@@ -247,7 +236,8 @@ fn run(
                 | 1
         });
     println!("[restart] {name}: kill schedule seed {seed} (VUBLK_RESTART_SEED)");
-    let mut rng = Rng(seed);
+    // Seeded from the clock unless VUBLK_RESTART_SEED says otherwise.
+    let mut rng = common::Rng::new(seed);
     let deadline = Instant::now() + Duration::from_secs(600);
     let mut started = None::<Instant>;
     let mut pending: Vec<Event> = events.to_vec();
@@ -270,7 +260,7 @@ fn run(
         if let (Some(t0), None, false) = (started, next_at, pending.is_empty()) {
             // The events fall in the first 5/6 of the workload, 6-12 s apart at the default.
             let span = (seconds * 1000 * 5 / 6) / events.len().max(1) as u64;
-            let gap = span / 2 + rng.next() % (span / 2).max(1);
+            let gap = span / 2 + rng.below((span / 2).max(1));
             let base = restarts.last().map_or(t0, |_| Instant::now());
             next_at = Some(base + Duration::from_millis(gap));
         }

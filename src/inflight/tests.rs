@@ -77,16 +77,7 @@ impl Cells for SimCells {
     }
 }
 
-/// xorshift: a fixed, seedable script without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
+use crate::testing::XorShift as Rng;
 
 /// The guest's side: the available ring (position -> head) and the heads it has not got
 /// back, read from the used ring as the device publishes.
@@ -111,7 +102,7 @@ impl Driver {
         if free.is_empty() {
             return false;
         }
-        let h = free[(rng.next() % free.len() as u64) as usize];
+        let h = free[(rng.next_u64() % free.len() as u64) as usize];
         self.avail.push(h);
         self.outstanding.insert(h);
         true
@@ -142,7 +133,7 @@ fn run_device(
             return;
         }
         d.reap(cells);
-        if rng.next() % 2 == 0 {
+        if rng.next_u64() % 2 == 0 {
             if usize::from(*popped) == d.avail.len() && !d.publish(&mut rng) {
                 continue;
             }
@@ -152,7 +143,7 @@ fn run_device(
             taken_order.push(head);
             device_outstanding.push(head);
         } else if !device_outstanding.is_empty() {
-            let j = (rng.next() % device_outstanding.len() as u64) as usize;
+            let j = (rng.next_u64() % device_outstanding.len() as u64) as usize;
             let head = device_outstanding.remove(j);
             let c = cells.clone();
             t.complete(head, move || {
@@ -285,11 +276,11 @@ fn garbage_regions_are_survived() {
         {
             let mut b = cells.bytes.lock().unwrap();
             for x in b[..queue_region_bytes(QSIZE)].iter_mut() {
-                *x = rng.next() as u8;
+                *x = rng.next_u64() as u8;
             }
         }
         let mut t = tracker(&cells);
-        let r = t.recover(rng.next() as u16, 4);
+        let r = t.recover(rng.next_u64() as u16, 4);
         assert!(r.resubmit.iter().all(|&h| h < 4), "{:?}", r.resubmit);
         assert!(r.repaired <= QSIZE);
         let set: BTreeSet<u16> = r.resubmit.iter().copied().collect();

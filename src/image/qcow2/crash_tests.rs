@@ -13,20 +13,7 @@ use crate::io::aligned::read_aligned;
 use crate::io::Storage;
 use crate::testing::SimDisk;
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use crate::testing::XorShift as Rng;
 
 fn tmp(tag: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
@@ -218,7 +205,7 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32, killed: bool) ->
                     let len = (1 + rng.below(3 * cluster / SECTOR as u64 + 8)) as usize * SECTOR;
                     let len = len.min(256 << 10);
                     let off = rng.below((SIZE - len as u64) / SECTOR as u64 + 1) * SECTOR as u64;
-                    let tag = rng.next().to_le_bytes();
+                    let tag = rng.next_u64().to_le_bytes();
                     let data: Vec<u8> = (0..len).map(|i| tag[i % 8] ^ (i / 512) as u8).collect();
                     guest_write(&q, &disk, off, &data);
                     q.publish(&disk).unwrap();
