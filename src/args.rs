@@ -19,9 +19,36 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub fd: Option<i32>,
 
-    /// Disk image (or block device) to serve.
+    /// Disk image (or block device) to serve, or a Ceph RBD image: rbd:POOL/IMAGE[@SNAPSHOT]
+    /// (a snapshot is served read-only; needs a vublk built with --features rbd).
     #[arg(long, value_name = "PATH")]
     pub blk_file: Option<PathBuf>,
+
+    /// RBD: the Ceph configuration file (monitors, auth).
+    #[arg(long, value_name = "PATH", default_value = "/etc/ceph/ceph.conf")]
+    pub ceph_conf: PathBuf,
+
+    /// RBD: the Ceph client name, without "client.".
+    #[arg(long, value_name = "NAME", default_value = "admin")]
+    pub ceph_id: String,
+
+    /// RBD: the keyring with the client's key (default: what the configuration says).
+    #[arg(long, value_name = "PATH")]
+    pub ceph_keyring: Option<PathBuf>,
+
+    /// RBD: give up connecting to the cluster after this many seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 10)]
+    pub ceph_timeout: u32,
+
+    /// RBD: a request the cluster does not answer within this many seconds fails with an I/O
+    /// error (0: it waits for ever).
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub ceph_op_timeout: u32,
+
+    /// RBD: how long to wait for another client to give up the image's exclusive lock (a
+    /// killed client's lock is broken about 30 s after it died).
+    #[arg(long, value_name = "SECS", default_value_t = 45)]
+    pub ceph_lock_wait: u32,
 
     /// Image format (probed from the file's first bytes when absent).
     #[arg(long, value_enum)]

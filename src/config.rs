@@ -67,6 +67,8 @@ pub struct Config {
     /// qcow2 L2 cache bytes (None: the default for the image).
     pub l2_cache_bytes: Option<u64>,
     pub log_level: log::LevelFilter,
+    /// `--ceph-*` (librbd's cache comes from `cache`).
+    pub ceph: crate::image::CephOptions,
 }
 
 /// A rejected option: the message names it.
@@ -211,6 +213,17 @@ impl Config {
                     args.prealloc_align
                 ))
             })?;
+        if args.ceph_timeout > 3600 || args.ceph_op_timeout > 3600 || args.ceph_lock_wait > 3600 {
+            return Err(bad(
+                "--ceph-timeout, --ceph-op-timeout and --ceph-lock-wait: at most 3600 seconds",
+            ));
+        }
+        if args.ceph_id.is_empty() || args.ceph_id.contains(['\0', ' ']) {
+            return Err(bad(format!(
+                "--ceph-id {:?}: a client name such as admin",
+                args.ceph_id
+            )));
+        }
         if args.force_share && !args.read_only {
             return Err(bad(
                 "--force-share needs --read-only (a writer never shares write)",
@@ -266,6 +279,19 @@ impl Config {
             prealloc_size,
             prealloc_align,
             log_level,
+            ceph: crate::image::CephOptions {
+                conf: args.ceph_conf.clone(),
+                id: args.ceph_id.clone(),
+                keyring: args.ceph_keyring.clone(),
+                timeout: std::time::Duration::from_secs(u64::from(args.ceph_timeout.max(1))),
+                op_timeout: std::time::Duration::from_secs(u64::from(args.ceph_op_timeout)),
+                lock_wait: std::time::Duration::from_secs(u64::from(args.ceph_lock_wait)),
+                cache: match args.cache {
+                    CacheMode::None => crate::image::RbdCache::Off,
+                    CacheMode::Writeback => crate::image::RbdCache::Writeback,
+                    CacheMode::Writethrough => crate::image::RbdCache::Writethrough,
+                },
+            },
         })
     }
 }
@@ -310,6 +336,7 @@ impl Config {
             },
             compress,
             cow_threads: self.cow_threads,
+            ceph: self.ceph.clone(),
         }
     }
 }

@@ -93,12 +93,21 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         Some(s) => s.as_bytes().to_vec(),
         None => default_serial(facts.dev_ino),
     };
+    // Storage that says itself whether it caches writes (librbd) sets the guest's write
+    // cache: writeback (WCE 1, FLUSH empties it) or writethrough (WCE 0).
+    let cache = match facts.write_cache {
+        None => cfg.cache,
+        Some(true) => crate::args::CacheMode::Writeback,
+        Some(false) => crate::args::CacheMode::Writethrough,
+    };
     let params = DeviceParams {
         logical_block_size: cfg.logical_block_size,
-        read_only: cfg.read_only,
+        // An RBD snapshot is read-only whatever the options say (a migration destination's
+        // image is read-only only until it is taken over).
+        read_only: cfg.read_only || (image.read_only() && !cfg.incoming),
         num_queues: cfg.num_queues,
         queue_size: cfg.queue_size,
-        cache: cfg.cache,
+        cache,
         align: dio,
         serial,
         detect_zeroes: cfg.detect_zeroes,
@@ -124,12 +133,45 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
             "read-write"
         }
     );
-    let dev = Device::with_reopen(image, params, Some(opts));
+    let dev = Arc::new(Device::with_reopen(image, params, Some(opts)));
     if !cfg.throttle.unlimited() {
         info!("I/O limits: {:?} (0: unlimited)", cfg.throttle);
         dev.throttle.set(cfg.throttle);
     }
-    Ok(Arc::new(dev))
+    #[cfg(feature = "rbd")]
+    watch_rbd_resizes(&dev)?;
+    Ok(dev)
+}
+
+/// An RBD image resized in the cluster (`rbd resize`) grows the disk as `vublk ctl resize`
+/// does: librbd's update watch wakes a thread that reads the new size and tells the
+/// frontend. Shrinking is refused (logged): the guest keeps its size.
+#[cfg(feature = "rbd")]
+fn watch_rbd_resizes(dev: &Arc<Device>) -> Result<(), DaemonError> {
+    let image = dev.image.get();
+    if !image.is_rbd() || dev.params.read_only {
+        return Ok(());
+    }
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let weak = Arc::downgrade(dev);
+    std::thread::Builder::new()
+        .name("vublk-rbd-watch".into())
+        .spawn(move || {
+            while rx.recv().is_ok() {
+                // One look for a burst of updates.
+                while rx.try_recv().is_ok() {}
+                let Some(dev) = weak.upgrade() else { return };
+                if let Err(e) = dev.resize(None) {
+                    warn!("the RBD image changed in the cluster: {e}");
+                }
+            }
+        })
+        .map_err(DaemonError::Spawn)?;
+    image
+        .watch_rbd_updates(Box::new(move || {
+            let _ = tx.send(());
+        }))
+        .map_err(|e| DaemonError::Image(ImageOpenError::Rbd(e)))
 }
 
 /// Serial derived from the file's identity: stable across restarts, distinct per file.
@@ -139,8 +181,21 @@ fn default_serial((dev, ino): (u64, u64)) -> Vec<u8> {
     s
 }
 
-/// Pick the engine; io_uring falls back to threads (once, with one warning line).
-pub fn make_engine(aio: AioMode, entries: u32, warned: &mut bool) -> Result<Engine, DaemonError> {
+/// Pick the engine: librbd for an RBD image; for files io_uring, falling back to threads
+/// (once, with one warning line).
+pub fn make_engine(
+    aio: AioMode,
+    entries: u32,
+    image: &Image,
+    warned: &mut bool,
+) -> Result<Engine, DaemonError> {
+    #[cfg(feature = "rbd")]
+    if let Some((img, cached)) = image.rbd() {
+        return Ok(Engine::Rbd(
+            crate::io::RbdEngine::new(img, cached).map_err(DaemonError::Engine)?,
+        ));
+    }
+    let _ = image;
     if aio == AioMode::Threads {
         return Ok(Engine::Sync(SyncEngine::new()));
     }
@@ -305,7 +360,12 @@ fn serve_loop(
         let mem = GuestMemoryAtomic::new(crate::guest_memory::Mem::new());
         let mut workers = Vec::with_capacity(usize::from(cfg.num_queues));
         for q in 0..cfg.num_queues {
-            let engine = make_engine(cfg.aio, u32::from(cfg.queue_size) * 2, &mut warned)?;
+            let engine = make_engine(
+                cfg.aio,
+                u32::from(cfg.queue_size) * 2,
+                &dev.image.get(),
+                &mut warned,
+            )?;
             if q == 0 && first {
                 info!("I/O engine: {}", engine.name());
             }

@@ -43,10 +43,17 @@ for tool in ceph-mon ceph-osd ceph monmaptool rados; do
 	command -v "$tool" >/dev/null || { echo "$tool missing: apt-get install ceph-mon ceph-osd ceph-common" >&2; exit 77; }
 done
 bytes=${3:-$((2 << 30))}
-port=$((20000 + RANDOM % 20000))
 mkdir -p "$dir"/{mon,osd,run,log}
+# One cluster starts at a time on this machine: OSDs of clusters started together have been
+# seen taking each other's monitor replies ("wrong fsid").
+exec 9>"${TMPDIR:-/tmp}/vublk-ceph-start.lock"
+flock -w 300 9
+# Whatever fails from here on, nothing this run started stays behind.
+trap 'stop' EXIT
 fsid=$(cat /proc/sys/kernel/random/uuid)
-cat >"$conf" <<CONF
+
+write_conf() {
+	cat >"$conf" <<CONF
 [global]
 fsid = $fsid
 mon host = v1:127.0.0.1:$port
@@ -59,6 +66,7 @@ osd pool default min size = 1
 osd crush chooseleaf type = 0
 mon allow pool delete = true
 mon warn on pool no redundancy = false
+mon data avail warn = 1
 osd objectstore = memstore
 memstore device bytes = $bytes
 memstore page set = true
@@ -78,25 +86,59 @@ osd data = $dir/osd/\$id
 osd max object name len = 256
 osd max object namespace len = 64
 CONF
-monmaptool --create --fsid "$fsid" --addv a "[v1:127.0.0.1:$port]" "$dir/monmap" >/dev/null
-ceph-mon -c "$conf" --mkfs -i a --monmap "$dir/monmap" >/dev/null
-ceph-mon -c "$conf" -i a
-id=$(ceph -c "$conf" --connect-timeout 10 osd create)
+}
+
+# The monitor on a port nothing listens on (several clusters may start at once: a port
+# taken between the check and the bind makes the monitor fail; then another is tried).
+listening() { ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
+started=0
+for _ in $(seq 1 10); do
+	port=$((20000 + RANDOM % 12000))
+	listening "$port" && continue
+	rm -rf "$dir/mon/a"
+	write_conf
+	monmaptool --create --fsid "$fsid" --addv a "[v1:127.0.0.1:$port]" "$dir/monmap" >/dev/null
+	ceph-mon -c "$conf" --mkfs -i a --monmap "$dir/monmap" >/dev/null
+	ceph-mon -c "$conf" -i a 9>&- || continue
+	for _ in $(seq 1 100); do
+		listening "$port" && break
+		sleep 0.05
+	done
+	if ss -Hltnp "sport = :$port" 2>/dev/null | grep -q "pid=$(cat "$dir/run/mon.a.pid" 2>/dev/null)," ; then
+		started=1
+		break
+	fi
+	stop
+done
+[ "$started" = 1 ] || { echo "no port for the monitor; logs in $dir/log" >&2; exit 1; }
+uuid=$(cat /proc/sys/kernel/random/uuid)
+id=$(ceph -c "$conf" --connect-timeout 20 osd create "$uuid")
 mkdir -p "$dir/osd/$id"
-ceph-osd -c "$conf" -i "$id" --mkfs >/dev/null 2>&1
-ceph-osd -c "$conf" -i "$id"
-ceph -c "$conf" --connect-timeout 10 osd pool create rbd 8 >/dev/null 2>&1
+# An OSD sometimes fails its first start ("wrong fsid" from the monitor, seen while other
+# clusters run on the machine): start it again, a few times.
+osd_up=0
+for _ in 1 2 3 4 5; do
+	rm -rf "${dir:?}/osd/$id"/*
+	ceph-osd -c "$conf" -i "$id" --mkfs --osd-uuid "$uuid" >/dev/null 2>&1
+	if ceph-osd -c "$conf" -i "$id" 2>/dev/null 9>&-; then
+		osd_up=1
+		break
+	fi
+	sleep 0.5
+done
+[ "$osd_up" = 1 ] || { echo "the OSD did not start; logs in $dir/log" >&2; exit 1; }
+ceph -c "$conf" --connect-timeout 20 osd pool create rbd 8 >/dev/null 2>&1
 ceph -c "$conf" osd pool application enable rbd rbd >/dev/null 2>&1 || true
 # Ready: a probe object written and read back.
-for _ in $(seq 1 200); do
+for _ in $(seq 1 300); do
 	if echo probe | rados -c "$conf" -p rbd put vublk-probe - 2>/dev/null &&
 		rados -c "$conf" -p rbd get vublk-probe - 2>/dev/null | grep -q probe; then
 		rados -c "$conf" -p rbd rm vublk-probe
+		trap - EXIT
 		echo "CEPH_CONF=$conf"
 		exit 0
 	fi
 	sleep 0.1
 done
 echo "the cluster did not become ready; logs in $dir/log" >&2
-stop
 exit 1

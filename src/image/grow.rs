@@ -1,4 +1,4 @@
-//! Growing a disk online (`vublk ctl resize`): raw files, block devices and qcow2 images;
+//! Growing a disk online (`vublk ctl resize`): raw files, block devices, qcow2 and RBD images;
 //! the refusals, with their reasons.
 
 use std::io;
@@ -33,6 +33,8 @@ pub enum GrowError {
     Io(#[source] io::Error),
     #[error("growing the qcow2 image: {0}")]
     Image(#[source] ImageError),
+    #[error("resizing the RBD image: {0}")]
+    Rbd(String),
 }
 
 impl Image {
@@ -61,6 +63,8 @@ impl Image {
                 }
                 dev
             }
+            #[cfg(feature = "rbd")]
+            (Kind::Rbd(r), _) => r.grow(new).map_err(GrowError::Rbd)?,
             _ => new.ok_or(GrowError::NoSize)?,
         };
         if new < old {
@@ -87,6 +91,9 @@ impl Image {
             }
             Kind::Qcow2(d) => d.q.resize(&self.file, new).map_err(GrowError::Image)?,
             Kind::Parallels(_) => return Err(GrowError::Parallels),
+            // Resized in the cluster above.
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => {}
         }
         self.size_bytes.store(new, Ordering::Release);
         Ok(new)

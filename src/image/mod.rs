@@ -9,7 +9,8 @@
 //! `parallels/`, `chain` (backing files), `prealloc` (the preallocation planner, executor
 //! and background thread), `durable` (metadata written back later, releases after it is
 //! durable), `handover` (giving the image to another process during a live migration and
-//! taking it back), `grow` (online resize), `report` (counters for stats and logs), `create` (`vublk create`), `fuzz` (fuzzing entry points).
+//! taking it back), `grow` (online resize), `report` (counters for stats and logs), `create` (`vublk create`), `fuzz` (fuzzing entry points), `rbd` (Ceph RBD images through librbd: served like raw ones,
+//! by the librbd engine).
 
 pub mod chain;
 pub mod create;
@@ -24,6 +25,8 @@ pub mod parallels;
 pub mod prealloc;
 pub mod qcow2;
 mod raw;
+#[cfg(feature = "rbd")]
+mod rbd;
 mod report;
 
 use std::fs::File;
@@ -33,8 +36,8 @@ use std::sync::atomic::Ordering;
 pub use chain::Piece;
 pub use grow::GrowError;
 pub use open::{
-    probe, probe_bytes, CompressChoice, Format, ImageOpenError, ImageOptions, PreallocChoice,
-    RawFacts,
+    probe, probe_bytes, CephOptions, CompressChoice, Format, ImageOpenError, ImageOptions,
+    PreallocChoice, RawFacts, RbdCache,
 };
 pub use qcow2::FillGate;
 pub use raw::{open_raw, OpenError, RawImage};
@@ -149,6 +152,9 @@ enum Kind {
     Raw,
     Qcow2(Qcow2Disk),
     Parallels(ParallelsImage),
+    /// A Ceph RBD image (`file` is /dev/null, never used: librbd does every access).
+    #[cfg(feature = "rbd")]
+    Rbd(rbd::RbdDisk),
 }
 
 /// A qcow2 image with its backing chain and the pools its writes through the format use.
@@ -240,7 +246,37 @@ impl Image {
             Kind::Raw => Format::Raw,
             Kind::Qcow2(_) => Format::Qcow2,
             Kind::Parallels(_) => Format::Parallels,
+            // Raw data, in the cluster.
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => Format::Raw,
         }
+    }
+
+    /// The RBD image this is, with whether librbd caches writes (for the librbd engine).
+    #[cfg(feature = "rbd")]
+    pub fn rbd(&self) -> Option<(std::sync::Arc<crate::rbd::RbdImage>, bool)> {
+        match &self.kind {
+            Kind::Rbd(r) => Some((r.img.clone(), r.cached)),
+            _ => None,
+        }
+    }
+
+    /// Call `f` (on a librbd thread) whenever the RBD image's header changes in the cluster.
+    #[cfg(feature = "rbd")]
+    pub fn watch_rbd_updates(&self, f: crate::rbd::UpdateFn) -> Result<(), String> {
+        match &self.kind {
+            Kind::Rbd(r) => r.img.watch(f).map_err(|e| e.to_string()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Is this an RBD image (served by the librbd engine, not through a file)?
+    pub fn is_rbd(&self) -> bool {
+        #[cfg(feature = "rbd")]
+        if let Kind::Rbd(_) = self.kind {
+            return true;
+        }
+        false
     }
 
     /// The image file (layer 0).
@@ -256,9 +292,10 @@ impl Image {
     /// Host I/O must stay below this offset (raw: the file is the disk); None where the
     /// file may end anywhere (formats: reads past its end are zeroes).
     pub fn host_limit(&self) -> Option<u64> {
-        match self.kind {
-            Kind::Raw => Some(self.size_bytes()),
-            _ => None,
+        if matches!(self.kind, Kind::Raw) || self.is_rbd() {
+            Some(self.size_bytes())
+        } else {
+            None
         }
     }
 
@@ -299,6 +336,8 @@ impl Image {
         self.check_active()?;
         match &self.kind {
             Kind::Raw => return Ok(Some(offset)),
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => return Ok(Some(offset)),
             Kind::Parallels(p) => p.map(offset, len, &mut plan.pieces),
             Kind::Qcow2(d) => chain::resolve_read(
                 &d.q,
@@ -374,6 +413,8 @@ impl Image {
         };
         match &self.kind {
             Kind::Raw => Ok(engine(offset, false)),
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => Ok(engine(offset, false)),
             Kind::Parallels(p) => {
                 // Allocated and contiguous: in place. Else allocate here (new clusters read
                 // as zeroes, so no fill is needed); write-through and scattered clusters
@@ -428,6 +469,9 @@ impl Image {
             Kind::Raw => None,
             Kind::Qcow2(_) => Some(Offload::Cow),
             Kind::Parallels(_) => Some(Offload::Inline),
+            // librbd takes any alignment: never smaller than a block.
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => None,
         }
     }
 
@@ -509,6 +553,12 @@ impl Image {
         self.check_active()?;
         match &self.kind {
             Kind::Raw => crate::io::aligned::write_all_aligned(&self.file, offset, data)?,
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => {
+                return Err(ImageError::Unsupported(
+                    "RBD images are written by the librbd engine".into(),
+                ))
+            }
             Kind::Parallels(p) => p.write(&self.file, offset, data)?,
             Kind::Qcow2(d) => {
                 let mut fill_old = |cl: u64, buf: &mut [u8]| self.read_guest_cluster(d, cl, buf);
@@ -570,7 +620,7 @@ impl Image {
     /// DISCARD / WRITE_ZEROES go through the format ([`Self::zero_range`]) rather than the
     /// engine's fallocate (raw).
     pub fn zeroes_through_format(&self) -> bool {
-        !matches!(self.kind, Kind::Raw)
+        !matches!(self.kind, Kind::Raw) && !self.is_rbd()
     }
 
     /// Zero or discard [offset, offset + len) through the format, synchronously.
@@ -578,6 +628,8 @@ impl Image {
         self.check_active()?;
         match &self.kind {
             Kind::Raw => Err(ImageError::Corrupt("raw images are zeroed by the engine")),
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => Err(ImageError::Corrupt("RBD images are zeroed by the engine")),
             Kind::Parallels(p) => p.zero_range(&self.file, offset, len, mode),
             Kind::Qcow2(d) => {
                 let mut fill_old = |cl: u64, buf: &mut [u8]| self.read_guest_cluster(d, cl, buf);
@@ -600,6 +652,8 @@ impl Image {
         }
         match &self.kind {
             Kind::Raw => Ok(()),
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => Ok(()),
             Kind::Parallels(p) => p.flush(&self.file),
             Kind::Qcow2(d) => d.q.flush(&self.file),
         }
@@ -614,6 +668,8 @@ impl Image {
         }
         match &self.kind {
             Kind::Raw => Ok(()),
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => Ok(()),
             Kind::Parallels(p) => p.publish(&self.file),
             Kind::Qcow2(d) => d.q.publish(&self.file),
         }
@@ -623,6 +679,10 @@ impl Image {
     pub fn sync(&self) -> Result<(), ImageError> {
         if !self.is_active() {
             return Ok(());
+        }
+        #[cfg(feature = "rbd")]
+        if let Kind::Rbd(r) = &self.kind {
+            return r.sync();
         }
         self.write_back()?;
         Ok(self.file.sync_data()?)
@@ -636,6 +696,8 @@ impl Image {
         }
         match &self.kind {
             Kind::Raw => {}
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(r) => return r.sync(),
             Kind::Parallels(p) => p.close(&self.file)?,
             Kind::Qcow2(d) => d.q.close(&self.file)?,
         }
@@ -646,6 +708,10 @@ impl Image {
     pub fn release_locks(&self) {
         let mut l = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         l.release(&self.file);
+        #[cfg(feature = "rbd")]
+        if let Kind::Rbd(r) = &self.kind {
+            r.release_lock();
+        }
         if let Kind::Qcow2(d) = &self.kind {
             for layer in &d.backing {
                 let mut l = layer.lock.lock().unwrap_or_else(|e| e.into_inner());

@@ -64,6 +64,50 @@ pub struct ImageOptions {
     pub compress: Option<CompressChoice>,
     /// `--cow-threads`.
     pub cow_threads: usize,
+    /// How an RBD image (`rbd:POOL/IMAGE`) is reached and cached.
+    pub ceph: CephOptions,
+}
+
+/// `--ceph-conf`, `--ceph-id`, `--ceph-keyring`, `--ceph-timeout`, `--ceph-op-timeout`,
+/// `--ceph-lock-wait`, and
+/// librbd's cache as `--cache` sets it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CephOptions {
+    pub conf: PathBuf,
+    /// The client name without `client.`.
+    pub id: String,
+    pub keyring: Option<PathBuf>,
+    /// Connecting gives up after this long.
+    pub timeout: std::time::Duration,
+    /// A data-path operation the cluster does not answer fails after this long (zero: it
+    /// waits for ever).
+    pub op_timeout: std::time::Duration,
+    /// How long opening waits for another client to give up the exclusive lock.
+    pub lock_wait: std::time::Duration,
+    pub cache: RbdCache,
+}
+
+impl Default for CephOptions {
+    fn default() -> Self {
+        CephOptions {
+            conf: "/etc/ceph/ceph.conf".into(),
+            id: "admin".into(),
+            keyring: None,
+            timeout: std::time::Duration::from_secs(10),
+            op_timeout: std::time::Duration::from_secs(30),
+            lock_wait: std::time::Duration::from_secs(45),
+            cache: RbdCache::Off,
+        }
+    }
+}
+
+/// librbd's cache (`rbd_cache`), from `--cache`: none = off, writeback, writethrough (reads
+/// cached, writes not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RbdCache {
+    Off,
+    Writeback,
+    Writethrough,
 }
 
 /// `--compressed-cache`, `--compressed-cache-size` and `--compress-threads`.
@@ -99,6 +143,32 @@ pub enum ImageOpenError {
     /// An option that does not fit this image (like other bad options: exit status 2).
     #[error("{0}")]
     Option(String),
+    /// A Ceph cluster or RBD image that cannot be served: librbd's reason, what to check.
+    #[error("{0}")]
+    Rbd(String),
+}
+
+/// The RBD image `opts.path` names, if it names one: Some(open result).
+fn open_rbd(
+    opts: &ImageOptions,
+    incoming: bool,
+) -> Option<Result<(Image, DioAlign, RawFacts), ImageOpenError>> {
+    if !opts.path.to_str()?.starts_with("rbd:") {
+        return None;
+    }
+    #[cfg(feature = "rbd")]
+    {
+        Some(super::rbd::spec_of(opts)?.and_then(|spec| super::rbd::open(opts, spec, incoming)))
+    }
+    #[cfg(not(feature = "rbd"))]
+    {
+        let _ = incoming;
+        Some(Err(ImageOpenError::Option(format!(
+            "{}: this vublk was built without Ceph RBD support (cargo build --features rbd, \
+             with Debian's librbd-dev)",
+            opts.path.display()
+        ))))
+    }
 }
 
 /// The format whose magic `first_bytes` (the start of an image) carry, if any.
@@ -127,6 +197,9 @@ const PROBE_BYTES: usize = 16;
 impl Image {
     /// Open the image as `opts` says; returns it with the file's direct-I/O alignment.
     pub fn open(opts: &ImageOptions) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
+        if let Some(r) = open_rbd(opts, false) {
+            return r;
+        }
         let img = open_raw(
             &opts.path,
             opts.read_only,
@@ -148,6 +221,7 @@ impl Image {
             is_block_device: img.is_block_device,
             dev_ino: img.dev_ino,
             file_size_bytes: img.size_bytes,
+            write_cache: None,
         };
         // Locked before anything is read or written: a read-write open of a format may
         // change the file (a crash's tail trimmed, autoclear bits cleared).
@@ -206,12 +280,16 @@ impl Image {
     /// starts the queues: opened read-only without locks, only the header read (for the size
     /// the guest is shown), inactive (`handover`): it serves nothing until taken over.
     pub fn incoming(opts: &ImageOptions) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
+        if let Some(r) = open_rbd(opts, true) {
+            return r;
+        }
         let img = open_raw(&opts.path, true, opts.direct, opts.logical_block_size)?;
         let (dio, _) = align::probe(&img.file, opts.direct);
         let facts = RawFacts {
             is_block_device: img.is_block_device,
             dev_ino: img.dev_ino,
             file_size_bytes: img.size_bytes,
+            write_cache: None,
         };
         let format = opts
             .format
@@ -290,6 +368,9 @@ pub struct RawFacts {
     pub dev_ino: (u64, u64),
     /// The file's (or block device's) own size.
     pub file_size_bytes: u64,
+    /// Whether the storage keeps written data in a volatile cache, where the image says so
+    /// itself (RBD: librbd's cache); None: as `--cache` says.
+    pub write_cache: Option<bool>,
 }
 
 fn open_parallels(

@@ -11,6 +11,8 @@ impl Image {
         let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         match &self.kind {
             Kind::Raw => serde_json::json!({}),
+            #[cfg(feature = "rbd")]
+            Kind::Rbd(_) => serde_json::json!({}),
             Kind::Parallels(p) => serde_json::json!({
                 "clusters_allocated": n(&p.stats.allocated),
                 "clusters_reused": n(&p.stats.reused),

@@ -1,11 +1,13 @@
-//! I/O engines: io_uring, and blocking system calls on the queue's own thread. Both take the
-//! same [`Op`]s and report through the same [`Completion`]s, so the worker has one completion
-//! path. Knows files and iovecs, nothing of image formats or virtio.
+//! I/O engines: io_uring, blocking system calls on the queue's own thread, and librbd (cargo
+//! feature `rbd`). All take the same [`Op`]s and report through the same [`Completion`]s, so
+//! the worker has one completion path. Knows files and iovecs, nothing of image formats or virtio.
 
 pub mod align;
 pub mod aligned;
 pub mod bounce;
 pub mod ranges;
+#[cfg(feature = "rbd")]
+mod rbd;
 pub mod storage;
 mod sync;
 pub mod sys;
@@ -14,6 +16,8 @@ mod uring;
 use std::io;
 use std::os::fd::RawFd;
 
+#[cfg(feature = "rbd")]
+pub use rbd::RbdEngine;
 pub use storage::Storage;
 pub use sync::SyncEngine;
 pub use uring::UringEngine;
@@ -40,6 +44,12 @@ pub enum Op {
         offset: u64,
         len: u64,
     },
+    /// Deallocate a range; it may read as anything afterwards (files: a punched hole, which
+    /// reads as zeroes; RBD: a discard, which skips parts below librbd's granularity).
+    Discard {
+        offset: u64,
+        len: u64,
+    },
 }
 
 /// A finished operation: `result` is bytes transferred, 0, or a negative errno.
@@ -54,6 +64,9 @@ pub struct Completion {
 pub enum Engine {
     Uring(UringEngine),
     Sync(SyncEngine),
+    /// librbd's asynchronous calls (the `fd` of an operation is not used).
+    #[cfg(feature = "rbd")]
+    Rbd(RbdEngine),
 }
 
 impl Engine {
@@ -66,6 +79,9 @@ impl Engine {
             Engine::Uring(e) => unsafe { e.push(fd, op, user_data) },
             // SAFETY: forwarded contract.
             Engine::Sync(e) => unsafe { e.push(fd, op, user_data) },
+            // SAFETY: forwarded contract.
+            #[cfg(feature = "rbd")]
+            Engine::Rbd(e) => unsafe { e.push(op, user_data) },
         }
     }
 
@@ -73,7 +89,7 @@ impl Engine {
     pub fn submit(&mut self) -> io::Result<()> {
         match self {
             Engine::Uring(e) => e.submit(),
-            Engine::Sync(_) => Ok(()),
+            _ => Ok(()),
         }
     }
 
@@ -82,6 +98,8 @@ impl Engine {
         match self {
             Engine::Uring(e) => e.wait_one(),
             Engine::Sync(_) => Ok(()),
+            #[cfg(feature = "rbd")]
+            Engine::Rbd(e) => e.wait_one(),
         }
     }
 
@@ -90,6 +108,8 @@ impl Engine {
         match self {
             Engine::Uring(e) => e.reap(out),
             Engine::Sync(e) => e.reap(out),
+            #[cfg(feature = "rbd")]
+            Engine::Rbd(e) => e.reap(out),
         }
     }
 
@@ -98,6 +118,8 @@ impl Engine {
         match self {
             Engine::Uring(e) => e.has_completions(),
             Engine::Sync(e) => e.has_completions(),
+            #[cfg(feature = "rbd")]
+            Engine::Rbd(e) => e.has_completions(),
         }
     }
 
@@ -120,6 +142,8 @@ impl Engine {
         match self {
             Engine::Uring(e) => Some(e.event_fd()),
             Engine::Sync(_) => None,
+            #[cfg(feature = "rbd")]
+            Engine::Rbd(e) => Some(e.event_fd()),
         }
     }
 
@@ -127,6 +151,8 @@ impl Engine {
         match self {
             Engine::Uring(_) => "io_uring",
             Engine::Sync(_) => "threads",
+            #[cfg(feature = "rbd")]
+            Engine::Rbd(_) => "librbd",
         }
     }
 }

@@ -63,6 +63,13 @@ impl SyncEngine {
                 let r = unsafe { libc::fallocate(fd, mode, offset as i64, len as i64) };
                 ret(r as isize)
             }
+            Op::Discard { offset, len } => {
+                // SAFETY: plain syscall on a descriptor we own.
+                let r = unsafe {
+                    libc::fallocate(fd, super::sys::PUNCH_HOLE, offset as i64, len as i64)
+                };
+                ret(r as isize)
+            }
         };
         self.done.push_back(Completion { user_data, result });
         Ok(())

@@ -36,6 +36,10 @@ macro_rules! build_entry {
                 .offset(offset)
                 .mode(mode)
                 .build(),
+            Op::Discard { offset, len } => opcode::Fallocate::new($target, len)
+                .offset(offset)
+                .mode(super::sys::PUNCH_HOLE)
+                .build(),
         }
     };
 }

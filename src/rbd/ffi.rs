@@ -1,6 +1,6 @@
 //! The dozen librados/librbd functions vublk uses, declared by hand from Ceph 16's
-//! `rados/librados.h` and `rbd/librbd.h` (Debian `librbd-dev`); linked by `build.rs` when the
-//! `rbd` feature is on. Handles are opaque pointers; every function returns 0 or a negative
+//! `rados/librados.h` and `rbd/librbd.h` (Debian `librbd-dev`); linked through the `#[link]` attributes below
+//! when the `rbd` feature is on (the `-dev` package brings the unversioned `.so` links). Handles are opaque pointers; every function returns 0 or a negative
 //! errno unless noted.
 
 #![allow(non_camel_case_types)]
@@ -13,8 +13,14 @@ pub type rbd_image_t = *mut c_void;
 pub type rbd_completion_t = *mut c_void;
 pub type rbd_callback_t = Option<unsafe extern "C" fn(cb: rbd_completion_t, arg: *mut c_void)>;
 
-/// `rbd_set_image_notification` type: signal an eventfd when completions are ready.
-pub const EVENT_TYPE_EVENTFD: c_int = 2;
+pub type rbd_update_callback_t = Option<unsafe extern "C" fn(arg: *mut c_void)>;
+
+/// `rbd_lock_acquire` mode: one writer, no automatic hand-over to other clients.
+pub const RBD_LOCK_MODE_EXCLUSIVE: c_int = 0;
+/// `rbd_aio_write_zeroes` flag: write the zeroes, keeping the space allocated.
+pub const RBD_WRITE_ZEROES_FLAG_THICK_PROVISION: c_int = 1;
+/// `rbd_get_features` bit of images with an exclusive lock.
+pub const RBD_FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
 
 #[link(name = "rados")]
 extern "C" {
@@ -26,6 +32,13 @@ extern "C" {
     ) -> c_int;
     pub fn rados_conf_read_file(cluster: rados_t, path: *const c_char) -> c_int;
     pub fn rados_conf_set(cluster: rados_t, option: *const c_char, value: *const c_char) -> c_int;
+    /// Writes the option's value, NUL-terminated, into `buf` (-ENAMETOOLONG if it is short).
+    pub fn rados_conf_get(
+        cluster: rados_t,
+        option: *const c_char,
+        buf: *mut c_char,
+        len: usize,
+    ) -> c_int;
     pub fn rados_connect(cluster: rados_t) -> c_int;
     pub fn rados_shutdown(cluster: rados_t);
     pub fn rados_ioctx_create(
@@ -52,12 +65,19 @@ extern "C" {
     ) -> c_int;
     pub fn rbd_close(image: rbd_image_t) -> c_int;
     pub fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
-    pub fn rbd_set_image_notification(image: rbd_image_t, fd: c_int, type_: c_int) -> c_int;
-    pub fn rbd_poll_io_events(
+    pub fn rbd_resize(image: rbd_image_t, size: u64) -> c_int;
+    pub fn rbd_get_features(image: rbd_image_t, features: *mut u64) -> c_int;
+    pub fn rbd_lock_acquire(image: rbd_image_t, lock_mode: c_int) -> c_int;
+    pub fn rbd_lock_release(image: rbd_image_t) -> c_int;
+    /// Synchronous flush of librbd's cache.
+    pub fn rbd_flush(image: rbd_image_t) -> c_int;
+    pub fn rbd_update_watch(
         image: rbd_image_t,
-        comps: *mut rbd_completion_t,
-        numcomp: c_int,
+        handle: *mut u64,
+        watch_cb: rbd_update_callback_t,
+        arg: *mut c_void,
     ) -> c_int;
+    pub fn rbd_update_unwatch(image: rbd_image_t, handle: u64) -> c_int;
     pub fn rbd_aio_create_completion(
         cb_arg: *mut c_void,
         complete_cb: rbd_callback_t,

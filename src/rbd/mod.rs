@@ -1,24 +1,26 @@
 //! Ceph RBD images through librbd (cargo feature `rbd`): connecting to a cluster with bounded
-//! timeouts, opening an image (or a snapshot, read-only), and asynchronous I/O whose
-//! completions are collected on the caller's thread: librbd signals an eventfd
-//! (`rbd_set_image_notification`) and [`RbdImage::poll`] takes the finished operations
-//! (`rbd_poll_io_events`), so no librbd thread ever touches vublk's rings.
+//! timeouts, opening an image (or a snapshot, read-only), its exclusive lock, size and update
+//! watch, and asynchronous I/O straight from the caller's iovecs.
 //!
-//! Groundwork for serving `--blk-file rbd:POOL/IMAGE[@SNAPSHOT]` (issue 18): the engine and
-//! image integration are not written yet.
+//! Completions: one image handle serves every queue (librbd's cache and exclusive lock are
+//! per handle), so each operation names the queue's [`Inbox`] it reports to. librbd runs the
+//! completion callback on one of its own threads; the callback only takes the result,
+//! releases the completion, and posts `(user_data, result)` to that inbox, which signals the
+//! queue's eventfd. Nothing of librbd's ever touches a virtqueue: the queue thread reaps the
+//! inbox on its own epoll loop, like io_uring completions. (`rbd_set_image_notification`
+//! gives one eventfd per image, which several queues would have to share and route.)
 
 pub mod ffi;
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
-use std::path::Path;
+use std::os::raw::c_void;
 use std::ptr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-
+use crate::io::Completion;
+use crate::offload::Inbox;
 /// `rbd:POOL/IMAGE[@SNAPSHOT]`, QEMU's pseudo-protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RbdSpec {
@@ -87,15 +89,30 @@ unsafe impl Send for Cluster {}
 // SAFETY: as above.
 unsafe impl Sync for Cluster {}
 
+/// How to reach a cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectOptions {
+    /// The configuration file (`--ceph-conf`).
+    pub conf: std::path::PathBuf,
+    /// The client name without `client.` (`--ceph-id`).
+    pub id: String,
+    /// `--ceph-keyring` (None: what the configuration says).
+    pub keyring: Option<std::path::PathBuf>,
+    /// Connecting and monitor operations give up after this long.
+    pub timeout: Duration,
+    /// OSD operations (the data path) fail with ETIMEDOUT after this long instead of
+    /// waiting for the cluster for ever (zero: wait for ever, librados' default).
+    pub op_timeout: Duration,
+    /// More librados/librbd options, set after the configuration file is read.
+    pub settings: Vec<(String, String)>,
+}
+
 impl Cluster {
-    /// Connect as client `id` with the configuration file `conf` (and `keyring`), giving up
-    /// after `timeout` instead of waiting for the monitors for ever.
-    pub fn connect(
-        conf: &Path,
-        id: &str,
-        keyring: Option<&Path>,
-        timeout: Duration,
-    ) -> Result<Arc<Cluster>, RbdError> {
+    /// Connect as `opts` say, giving up after `opts.timeout` instead of waiting for the
+    /// monitors for ever.
+    pub fn connect(opts: &ConnectOptions) -> Result<Arc<Cluster>, RbdError> {
+        let id = &opts.id;
+        let conf = &opts.conf;
         let cluster_name = cstr("ceph")?;
         let name = cstr(&format!("client.{id}"))?;
         let mut h: ffi::rados_t = ptr::null_mut();
@@ -107,30 +124,53 @@ impl Cluster {
         // SAFETY: a handle from rados_create2, a C string.
         let r = unsafe { ffi::rados_conf_read_file(c.h, path.as_ptr()) };
         check(r, || {
-            format!("reading the Ceph configuration {}", conf.display())
+            format!(
+                "reading the Ceph configuration {} (--ceph-conf)",
+                conf.display()
+            )
         })?;
-        let secs = timeout.as_secs().max(1).to_string();
-        let set = |k: &str, v: &str| -> Result<(), RbdError> {
-            let (k, v) = (cstr(k)?, cstr(v)?);
-            // SAFETY: a handle not connected yet, C strings.
-            let r = unsafe { ffi::rados_conf_set(c.h, k.as_ptr(), v.as_ptr()) };
-            check(r, || "setting a librados option".into())
-        };
-        set("client_mount_timeout", &secs)?;
-        set("rados_mon_op_timeout", &secs)?;
-        if let Some(k) = keyring {
-            set("keyring", &k.display().to_string())?;
+        let secs = opts.timeout.as_secs().max(1).to_string();
+        c.set("client_mount_timeout", &secs)?;
+        c.set("rados_mon_op_timeout", &secs)?;
+        c.set(
+            "rados_osd_op_timeout",
+            &opts.op_timeout.as_secs().to_string(),
+        )?;
+        if let Some(k) = &opts.keyring {
+            c.set("keyring", &k.display().to_string())?;
+        }
+        for (k, v) in &opts.settings {
+            c.set(k, v)?;
         }
         // SAFETY: a configured handle.
         let r = unsafe { ffi::rados_connect(c.h) };
         check(r, || {
             format!(
-                "connecting to the cluster of {} as client.{id} (is a monitor up, and the \
-                 keyring right?)",
+                "connecting to the cluster of {} as client.{id} (are its monitors up and \
+                 reachable, is the keyring right? --ceph-conf, --ceph-id, --ceph-keyring)",
                 conf.display()
             )
         })?;
         Ok(Arc::new(c))
+    }
+
+    fn set(&self, k: &str, v: &str) -> Result<(), RbdError> {
+        let (ck, cv) = (cstr(k)?, cstr(v)?);
+        // SAFETY: our handle, C strings.
+        let r = unsafe { ffi::rados_conf_set(self.h, ck.as_ptr(), cv.as_ptr()) };
+        check(r, || format!("setting the librados option {k} = {v}"))
+    }
+
+    /// The value of a configuration option as librados has it now.
+    pub fn conf_get(&self, option: &str) -> Result<String, RbdError> {
+        let k = cstr(option)?;
+        let mut buf = vec![0 as std::os::raw::c_char; 256];
+        // SAFETY: our handle, a C string, a buffer of that many bytes.
+        let r = unsafe { ffi::rados_conf_get(self.h, k.as_ptr(), buf.as_mut_ptr(), buf.len()) };
+        check(r, || format!("reading the librados option {option}"))?;
+        // SAFETY: librados wrote a NUL-terminated string into the buffer.
+        let v = unsafe { CStr::from_ptr(buf.as_ptr()) };
+        Ok(v.to_string_lossy().into_owned())
     }
 }
 
@@ -141,20 +181,62 @@ impl Drop for Cluster {
     }
 }
 
-/// An open RBD image with its own completion eventfd.
+/// Called (on a librbd thread) when the image's header changes: a resize, a snapshot.
+pub type UpdateFn = Box<dyn Fn() + Send + Sync>;
+
+/// An open RBD image.
 pub struct RbdImage {
     img: ffi::rbd_image_t,
     io: ffi::rados_ioctx_t,
-    event: EventFd,
     pub read_only: bool,
-    _cluster: Arc<Cluster>,
+    /// The update watch: its handle and the callback its argument points to.
+    watch: Mutex<Option<(u64, *mut UpdateFn)>>,
+    cluster: Arc<Cluster>,
 }
 
 // SAFETY: librbd image handles may be used from several threads (librbd serialises
-// internally); vublk uses each from its queue threads and the control thread.
+// internally); vublk uses each from its queue threads and the control thread. The watch
+// callback pointer is only touched under its mutex.
 unsafe impl Send for RbdImage {}
 // SAFETY: as above.
 unsafe impl Sync for RbdImage {}
+
+/// What a submitted operation carries to its completion callback.
+struct Pending {
+    inbox: Arc<Inbox>,
+    user_data: u64,
+    /// The result of a success, where librbd reports 0 for it (writes: the bytes written).
+    success: Option<i32>,
+}
+
+/// librbd's completion callback: post the result to the operation's inbox.
+unsafe extern "C" fn on_complete(c: ffi::rbd_completion_t, arg: *mut c_void) {
+    // SAFETY: `arg` is the Box<Pending> leaked when the operation was submitted; librbd calls
+    // this once per completion, so it is taken back exactly once.
+    let p = unsafe { Box::from_raw(arg.cast::<Pending>()) };
+    // SAFETY: a completion librbd hands us; released once, here.
+    let r = unsafe {
+        let r = ffi::rbd_aio_get_return_value(c);
+        ffi::rbd_aio_release(c);
+        r
+    };
+    let result = match (r, p.success) {
+        (0, Some(n)) => n,
+        _ => r.clamp(i32::MIN as isize, i32::MAX as isize) as i32,
+    };
+    p.inbox.post(Completion {
+        user_data: p.user_data,
+        result,
+    });
+}
+
+/// The update watch's callback.
+unsafe extern "C" fn on_update(arg: *mut c_void) {
+    // SAFETY: `arg` is the UpdateFn the watch was registered with; it lives until after
+    // rbd_update_unwatch returned (see `RbdImage::unwatch`).
+    let f = unsafe { &*arg.cast::<UpdateFn>() };
+    f();
+}
 
 impl RbdImage {
     /// Open `spec` (a snapshot always read-only).
@@ -177,37 +259,32 @@ impl RbdImage {
                 ffi::rbd_open(io, name.as_ptr(), &mut img, snap_ptr)
             }
         };
-        if let Err(e) = check(r, || format!("opening image {}/{}", spec.pool, spec.image)) {
+        if let Err(e) = check(r, || {
+            format!(
+                "opening image {}/{}{}",
+                spec.pool,
+                spec.image,
+                spec.snapshot
+                    .as_deref()
+                    .map(|s| format!("@{s}"))
+                    .unwrap_or_default()
+            )
+        }) {
             // SAFETY: the io context from above, not used again.
             unsafe { ffi::rados_ioctx_destroy(io) };
             return Err(e);
         }
-        let close = |e: RbdError| {
-            // SAFETY: the image and io context from above, not used again.
-            unsafe {
-                ffi::rbd_close(img);
-                ffi::rados_ioctx_destroy(io);
-            }
-            e
-        };
-        let event = EventFd::new(EFD_NONBLOCK).map_err(|e| {
-            close(RbdError {
-                what: "creating the completion eventfd".into(),
-                errno: e.raw_os_error().unwrap_or(libc::EIO),
-            })
-        })?;
-        // SAFETY: an open image and a live eventfd (kept as long as the image).
-        let r = unsafe {
-            ffi::rbd_set_image_notification(img, event.as_raw_fd(), ffi::EVENT_TYPE_EVENTFD)
-        };
-        check(r, || "asking librbd for completion events".into()).map_err(close)?;
         Ok(RbdImage {
             img,
             io,
-            event,
             read_only,
-            _cluster: cluster,
+            watch: Mutex::new(None),
+            cluster,
         })
+    }
+
+    pub fn cluster(&self) -> &Arc<Cluster> {
+        &self.cluster
     }
 
     /// The image's size in bytes.
@@ -219,17 +296,94 @@ impl RbdImage {
         Ok(s)
     }
 
-    /// Signalled when operations have completed (then call [`RbdImage::poll`]).
-    pub fn event_fd(&self) -> RawFd {
-        self.event.as_raw_fd()
+    /// Resize the image in the cluster.
+    pub fn resize(&self, bytes: u64) -> Result<(), RbdError> {
+        // SAFETY: an open image.
+        let r = unsafe { ffi::rbd_resize(self.img, bytes) };
+        check(r, || format!("resizing the image to {bytes} bytes"))
     }
 
-    fn completion(&self, user_data: u64) -> io::Result<ffi::rbd_completion_t> {
+    /// Does the image have the exclusive-lock feature?
+    pub fn has_exclusive_lock_feature(&self) -> Result<bool, RbdError> {
+        let mut f = 0u64;
+        // SAFETY: an open image, a valid out pointer.
+        let r = unsafe { ffi::rbd_get_features(self.img, &mut f) };
+        check(r, || "reading the image features".into())?;
+        Ok(f & ffi::RBD_FEATURE_EXCLUSIVE_LOCK != 0)
+    }
+
+    /// Take the exclusive lock and keep it: other clients cannot write (nor take it) until it
+    /// is released or this client is gone.
+    pub fn lock_exclusive(&self) -> Result<(), RbdError> {
+        // SAFETY: an open image.
+        let r = unsafe { ffi::rbd_lock_acquire(self.img, ffi::RBD_LOCK_MODE_EXCLUSIVE) };
+        check(r, || "taking the image's exclusive lock".into())
+    }
+
+    pub fn unlock(&self) -> Result<(), RbdError> {
+        // SAFETY: an open image.
+        let r = unsafe { ffi::rbd_lock_release(self.img) };
+        check(r, || "releasing the image's exclusive lock".into())
+    }
+
+    /// Write librbd's cache back and wait (the completed writes are then in the cluster).
+    pub fn flush_sync(&self) -> Result<(), RbdError> {
+        // SAFETY: an open image.
+        let r = unsafe { ffi::rbd_flush(self.img) };
+        check(r, || "flushing the image".into())
+    }
+
+    /// Call `f` whenever the image's header changes (one watch per image).
+    pub fn watch(&self, f: UpdateFn) -> Result<(), RbdError> {
+        let mut w = self.watch.lock().unwrap_or_else(|e| e.into_inner());
+        if w.is_some() {
+            return Ok(());
+        }
+        let arg = Box::into_raw(Box::new(f));
+        let mut handle = 0u64;
+        // SAFETY: an open image; `arg` stays valid until the watch is removed (unwatch).
+        let r = unsafe {
+            ffi::rbd_update_watch(self.img, &mut handle, Some(on_update), arg.cast::<c_void>())
+        };
+        if let Err(e) = check(r, || "watching the image for updates".into()) {
+            // SAFETY: the box from above; librbd did not take it.
+            drop(unsafe { Box::from_raw(arg) });
+            return Err(e);
+        }
+        *w = Some((handle, arg));
+        Ok(())
+    }
+
+    fn unwatch(&self) {
+        let mut w = self.watch.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((handle, arg)) = w.take() {
+            // SAFETY: our image and the handle rbd_update_watch gave; after it returns librbd
+            // calls the callback no more, so its argument can go.
+            unsafe {
+                ffi::rbd_update_unwatch(self.img, handle);
+                drop(Box::from_raw(arg));
+            }
+        }
+    }
+
+    fn completion(
+        to: &Arc<Inbox>,
+        user_data: u64,
+        success: Option<i32>,
+    ) -> io::Result<ffi::rbd_completion_t> {
+        let arg = Box::into_raw(Box::new(Pending {
+            inbox: to.clone(),
+            user_data,
+            success,
+        }));
         let mut c: ffi::rbd_completion_t = ptr::null_mut();
-        // SAFETY: the argument is an integer carried as a pointer, never dereferenced.
-        let r =
-            unsafe { ffi::rbd_aio_create_completion(user_data as usize as *mut _, None, &mut c) };
+        // SAFETY: `arg` is handed to the callback, which takes it back.
+        let r = unsafe {
+            ffi::rbd_aio_create_completion(arg.cast::<c_void>(), Some(on_complete), &mut c)
+        };
         if r < 0 {
+            // SAFETY: the box from above; no completion exists to take it.
+            drop(unsafe { Box::from_raw(arg) });
             return Err(io::Error::from_raw_os_error(-r));
         }
         Ok(c)
@@ -237,96 +391,105 @@ impl RbdImage {
 
     fn submitted(r: i32, c: ffi::rbd_completion_t) -> io::Result<()> {
         if r < 0 {
-            // SAFETY: a completion librbd did not take.
-            unsafe { ffi::rbd_aio_release(c) };
+            // SAFETY: a completion librbd did not take: its callback never runs, so its
+            // argument is freed here.
+            unsafe {
+                drop(Box::from_raw(ffi::rbd_aio_get_arg(c).cast::<Pending>()));
+                ffi::rbd_aio_release(c);
+            }
             return Err(io::Error::from_raw_os_error(-r));
         }
         Ok(())
     }
 
-    /// Read into `iov` at `offset`; completes as `user_data`.
+    /// Read into `iov` at `offset`; completes into `to` as `user_data`.
     ///
     /// # Safety
     /// The buffers `iov` names must stay valid and untouched until the operation completes
-    /// (it is returned by [`RbdImage::poll`]).
-    pub unsafe fn readv(&self, iov: &[libc::iovec], offset: u64, user_data: u64) -> io::Result<()> {
-        let c = self.completion(user_data)?;
+    /// (its completion is posted to `to`).
+    pub unsafe fn readv(
+        &self,
+        iov: &[libc::iovec],
+        offset: u64,
+        to: &Arc<Inbox>,
+        user_data: u64,
+    ) -> io::Result<()> {
+        let c = Self::completion(to, user_data, None)?;
         // SAFETY: the caller keeps the buffers valid until completion; librbd copies the
         // iovec array itself.
         let r = unsafe { ffi::rbd_aio_readv(self.img, iov.as_ptr(), iov.len() as i32, offset, c) };
         Self::submitted(r, c)
     }
 
-    /// Write `iov` at `offset`; completes as `user_data`.
+    /// Write `iov` at `offset`; completes into `to` as `user_data`, with the bytes written.
     ///
     /// # Safety
-    /// As for [`RbdImage::readv`].
+    /// As for [`RbdImage::readv`] (librbd sends from the buffers without copying them).
     pub unsafe fn writev(
         &self,
         iov: &[libc::iovec],
         offset: u64,
+        to: &Arc<Inbox>,
         user_data: u64,
     ) -> io::Result<()> {
-        let c = self.completion(user_data)?;
+        let len: usize = iov.iter().map(|v| v.iov_len).sum();
+        let c = Self::completion(to, user_data, Some(i32::try_from(len).unwrap_or(i32::MAX)))?;
         // SAFETY: as in readv.
         let r = unsafe { ffi::rbd_aio_writev(self.img, iov.as_ptr(), iov.len() as i32, offset, c) };
         Self::submitted(r, c)
     }
 
-    /// Make every completed write durable; completes as `user_data`.
-    pub fn flush(&self, user_data: u64) -> io::Result<()> {
-        let c = self.completion(user_data)?;
+    /// Make every completed write durable.
+    pub fn flush(&self, to: &Arc<Inbox>, user_data: u64) -> io::Result<()> {
+        let c = Self::completion(to, user_data, None)?;
         // SAFETY: an open image and a fresh completion.
         let r = unsafe { ffi::rbd_aio_flush(self.img, c) };
         Self::submitted(r, c)
     }
 
-    /// Deallocate [offset, offset + len); completes as `user_data`.
-    pub fn discard(&self, offset: u64, len: u64, user_data: u64) -> io::Result<()> {
-        let c = self.completion(user_data)?;
+    /// Deallocate [offset, offset + len) (librbd skips parts smaller than its discard
+    /// granularity: they keep their data).
+    pub fn discard(
+        &self,
+        offset: u64,
+        len: u64,
+        to: &Arc<Inbox>,
+        user_data: u64,
+    ) -> io::Result<()> {
+        let c = Self::completion(to, user_data, None)?;
         // SAFETY: an open image and a fresh completion.
         let r = unsafe { ffi::rbd_aio_discard(self.img, offset, len, c) };
         Self::submitted(r, c)
     }
 
-    /// Zero [offset, offset + len); completes as `user_data`.
-    pub fn write_zeroes(&self, offset: u64, len: usize, user_data: u64) -> io::Result<()> {
-        let c = self.completion(user_data)?;
+    /// Zero [offset, offset + len): whole objects are deallocated, unless `thick` (then the
+    /// zeroes are written and the space stays allocated).
+    pub fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        thick: bool,
+        to: &Arc<Inbox>,
+        user_data: u64,
+    ) -> io::Result<()> {
+        let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let c = Self::completion(to, user_data, None)?;
+        let flags = if thick {
+            ffi::RBD_WRITE_ZEROES_FLAG_THICK_PROVISION
+        } else {
+            0
+        };
         // SAFETY: an open image and a fresh completion.
-        let r = unsafe { ffi::rbd_aio_write_zeroes(self.img, offset, len, c, 0, 0) };
+        let r = unsafe { ffi::rbd_aio_write_zeroes(self.img, offset, len, c, flags, 0) };
         Self::submitted(r, c)
-    }
-
-    /// Take the completed operations: (user_data, result: bytes or 0, or a negative errno).
-    pub fn poll(&self, out: &mut Vec<(u64, i64)>) {
-        let _ = self.event.read();
-        let mut comps = [ptr::null_mut(); 32];
-        loop {
-            // SAFETY: an open image and an array of that many slots.
-            let n = unsafe { ffi::rbd_poll_io_events(self.img, comps.as_mut_ptr(), 32) };
-            if n <= 0 {
-                return;
-            }
-            for &c in &comps[..n as usize] {
-                // SAFETY: completions librbd returned; each is released once, here.
-                unsafe {
-                    let ud = ffi::rbd_aio_get_arg(c) as usize as u64;
-                    let r = ffi::rbd_aio_get_return_value(c) as i64;
-                    ffi::rbd_aio_release(c);
-                    out.push((ud, r));
-                }
-            }
-            if (n as usize) < comps.len() {
-                return;
-            }
-        }
     }
 }
 
 impl Drop for RbdImage {
     fn drop(&mut self) {
-        // SAFETY: our image and io context; the caller has waited for its operations (closing
-        // waits for librbd's own in-flight work).
+        self.unwatch();
+        // SAFETY: our image and io context; closing waits for librbd's in-flight work (the
+        // callers waited for theirs: their inboxes are still referenced by the completions).
         unsafe {
             ffi::rbd_close(self.img);
             ffi::rados_ioctx_destroy(self.io);

@@ -137,11 +137,10 @@ impl QueueWorker {
         mut engine: Engine,
         mem: GuestMemoryAtomic<Mem>,
     ) -> Self {
-        use std::os::fd::AsRawFd;
         let n = usize::from(dev.params.queue_size);
         let bounce = BouncePool::new(dev.params.align.bounce_align());
         let image = dev.image.get();
-        engine.register_file(image.file().as_raw_fd());
+        bind_engine(&mut engine, &image);
         let inbox = new_inbox(index, &image, &engine);
         QueueWorker {
             image,
@@ -597,6 +596,16 @@ impl Drop for QueueWorker {
                 break;
             }
         }
+    }
+}
+
+/// Point the engine at `image`: its file (a fixed slot), or its RBD handle.
+fn bind_engine(engine: &mut Engine, image: &Image) {
+    use std::os::fd::AsRawFd;
+    engine.register_file(image.file().as_raw_fd());
+    #[cfg(feature = "rbd")]
+    if let (Engine::Rbd(e), Some((img, cached))) = (engine, image.rbd()) {
+        e.set_image(img, cached);
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use virtio_queue::QueueT;
 
-use super::{new_inbox, ring_problem, Mem, QueueWorker};
+use super::{bind_engine, new_inbox, ring_problem, Mem, QueueWorker};
 use crate::virtio_blk::Desc;
 
 impl QueueWorker {
@@ -64,11 +64,10 @@ impl QueueWorker {
     /// Serve the device's active image, taking it over first if it is inactive (a migration
     /// destination, or a source whose migration failed after it handed the image over).
     pub(super) fn take_image(&mut self) {
-        use std::os::fd::AsRawFd;
         match self.dev.image.take_over(self.dev.size_bytes()) {
             Ok(image) if Arc::ptr_eq(&image, &self.image) => {}
             Ok(image) => {
-                self.engine.register_file(image.file().as_raw_fd());
+                bind_engine(&mut self.engine, &image);
                 if self.inbox.is_none() {
                     self.inbox = new_inbox(self.index, &image, &self.engine);
                 }

@@ -90,7 +90,17 @@ impl QueueWorker {
                 });
                 continue;
             } else if discard {
-                (sys::PUNCH_HOLE, OpKind::Discard)
+                let op = Op::Discard {
+                    offset: range.offset_bytes,
+                    len: range.len_bytes,
+                };
+                // SAFETY: no buffers.
+                unsafe {
+                    self.engine
+                        .push(fd, &op, user_data(idx, OpKind::Discard, i as u32))?
+                };
+                r.pending += 1;
+                continue;
             } else if range.unmap && discard_unmap {
                 (sys::PUNCH_HOLE, OpKind::PunchZero)
             } else if no_zero_range {

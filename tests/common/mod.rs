@@ -9,6 +9,8 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+#[cfg(feature = "rbd")]
+mod ceph;
 mod client;
 mod files;
 mod frontend;
@@ -18,6 +20,9 @@ mod qemu_img;
 mod seccomp;
 
 // Each test binary uses a different subset.
+#[cfg(feature = "rbd")]
+#[allow(unused_imports)]
+pub use ceph::*;
 #[allow(unused_imports)]
 pub use client::*;
 #[allow(unused_imports)]

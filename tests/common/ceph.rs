@@ -1,0 +1,100 @@
+//! A throwaway single-node Ceph cluster for the RBD tests (contrib/ceph/cluster.sh: one
+//! monitor on 127.0.0.1, one memstore OSD, auth off, pool `rbd`), stopped by PID when dropped.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use super::*;
+
+/// A running cluster, stopped when dropped.
+pub struct Ceph {
+    pub dir: PathBuf,
+    pub conf: PathBuf,
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("contrib/ceph/cluster.sh")
+}
+
+impl Ceph {
+    /// Start a cluster in `dir/ceph` with a memstore of `bytes`; None (skipped) where the
+    /// Ceph packages are missing, a failure under CI.
+    pub fn start(dir: &TestDir, bytes: u64) -> Option<Ceph> {
+        let cdir = dir.join("ceph");
+        let o = Command::new("bash")
+            .arg(script())
+            .arg("start")
+            .arg(&cdir)
+            .arg(bytes.to_string())
+            .output()
+            .unwrap();
+        if o.status.code() == Some(77) {
+            return skip_or_fail(&format!(
+                "no Ceph here: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ));
+        }
+        assert!(
+            o.status.success(),
+            "starting the cluster: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        Some(Ceph {
+            conf: cdir.join("ceph.conf"),
+            dir: cdir,
+        })
+    }
+
+    /// Run `rbd -c CONF ARGS`, which must succeed; its stdout.
+    pub fn rbd(&self, args: &[&str]) -> String {
+        run_ok(Command::new("rbd").arg("-c").arg(&self.conf).args(args))
+    }
+
+    /// `rbd export` of `image` into `out`; its bytes.
+    pub fn export(&self, image: &str, out: &Path) -> Vec<u8> {
+        let _ = std::fs::remove_file(out);
+        self.rbd(&["export", image, out.to_str().unwrap()]);
+        read_file(out)
+    }
+
+    /// The PIDs of the cluster's daemons (monitor, OSD).
+    pub fn pids(&self) -> Vec<libc::pid_t> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(self.dir.join("run")).unwrap().flatten() {
+            if e.path().extension().is_some_and(|x| x == "pid") {
+                if let Ok(s) = std::fs::read_to_string(e.path()) {
+                    if let Ok(p) = s.trim().parse() {
+                        out.push(p);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Stop (SIGSTOP) or continue (SIGCONT) every daemon: a cluster that stops answering,
+    /// and comes back with its data (memstore keeps it only while the OSD lives).
+    pub fn signal_all(&self, sig: i32) {
+        for p in self.pids() {
+            // SAFETY: plain syscall on a PID this cluster's PID file names.
+            unsafe { libc::kill(p, sig) };
+        }
+    }
+
+    /// The vublk options that reach this cluster.
+    pub fn args(&self) -> Vec<String> {
+        vec!["--ceph-conf".into(), self.conf.display().to_string()]
+    }
+}
+
+impl Drop for Ceph {
+    fn drop(&mut self) {
+        self.signal_all(libc::SIGCONT);
+        let _ = Command::new("bash")
+            .arg(script())
+            .arg("stop")
+            .arg(&self.dir)
+            .status();
+    }
+}
