@@ -76,7 +76,7 @@ impl Waiter {
 #[test]
 fn librbd_aio_completes_into_the_inbox_and_matches_rbd_export() {
     let dir = TestDir::new("rbd-aio");
-    let Some(ceph) = Ceph::start(&dir, 512 << 20) else {
+    let Some(ceph) = Ceph::start(&dir.path, 512 << 20) else {
         return;
     };
     ceph.rbd(&["create", "rbd/disk", "--size", "64M"]);
@@ -322,7 +322,7 @@ fn model_check(name: &str, extra: &[&str]) {
     const SIZE: u64 = 32 * MIB;
     const OPS: usize = 400;
     let dir = TestDir::new(name);
-    let Some(ceph) = Ceph::start(&dir, CLUSTER_BYTES) else {
+    let Some(ceph) = Ceph::start(&dir.path, CLUSTER_BYTES) else {
         return;
     };
     ceph.rbd(&["create", "rbd/disk", "--size", "32M"]);
@@ -443,7 +443,7 @@ fn served_rbd_image_with_librbd_cache_and_detect_zeroes_matches_model() {
 #[test]
 fn snapshot_served_read_only_and_bad_names_refused() {
     let dir = TestDir::new("rbd-snap");
-    let Some(ceph) = Ceph::start(&dir, 512 << 20) else {
+    let Some(ceph) = Ceph::start(&dir.path, 512 << 20) else {
         return;
     };
     ceph.rbd(&["create", "rbd/disk", "--size", "16M"]);
@@ -530,7 +530,7 @@ fn rbd_size(ceph: &Ceph, image: &str) -> u64 {
 #[test]
 fn resizes_in_the_cluster_and_through_ctl() {
     let dir = TestDir::new("rbd-resize");
-    let Some(ceph) = Ceph::start(&dir, 512 << 20) else {
+    let Some(ceph) = Ceph::start(&dir.path, 512 << 20) else {
         return;
     };
     ceph.rbd(&["create", "rbd/disk", "--size", "32M"]);
@@ -584,7 +584,7 @@ fn resizes_in_the_cluster_and_through_ctl() {
 #[test]
 fn the_exclusive_lock_keeps_a_second_vublk_out() {
     let dir = TestDir::new("rbd-lock");
-    let Some(ceph) = Ceph::start(&dir, 512 << 20) else {
+    let Some(ceph) = Ceph::start(&dir.path, 512 << 20) else {
         return;
     };
     ceph.rbd(&["create", "rbd/disk", "--size", "16M"]);
@@ -625,7 +625,7 @@ fn the_exclusive_lock_keeps_a_second_vublk_out() {
 #[test]
 fn a_stalled_cluster_gives_io_errors_and_vublk_recovers() {
     let dir = TestDir::new("rbd-stall");
-    let Some(ceph) = Ceph::start(&dir, 512 << 20) else {
+    let Some(ceph) = Ceph::start(&dir.path, 512 << 20) else {
         return;
     };
     ceph.rbd(&["create", "rbd/disk", "--size", "16M"]);

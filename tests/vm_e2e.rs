@@ -104,6 +104,8 @@ struct Variant {
     device_props: &'static str,
     /// Builds the image to serve in the run directory (default: a sparse raw file).
     prepare: Option<fn(&Path, u64) -> PathBuf>,
+    /// Serve an RBD image of a throwaway Ceph cluster instead (checked through `rbd export`).
+    rbd: bool,
 }
 
 /// What a zero-write run may leave allocated in the image, in bytes.
@@ -133,6 +135,7 @@ fn guest_mkfs_fsck_and_pattern_io() {
         mode: None,
         device_props: "",
         prepare: None,
+        rbd: false,
     });
 }
 
@@ -154,6 +157,7 @@ fn guest_on_4k_blocks_with_threads_engine_and_page_cache() {
         mode: None,
         device_props: "",
         prepare: None,
+        rbd: false,
     });
 }
 
@@ -179,6 +183,7 @@ fn guest_zero_writes_with_and_without_detect_zeroes() {
                 mode: Some(mode),
                 device_props: ",write-zeroes=off",
                 prepare: None,
+                rbd: false,
             });
         }
     }
@@ -257,7 +262,18 @@ fn run_guest(variant: &Variant) {
     )
     .expect("creating run directory");
     run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
+    #[cfg(feature = "rbd")]
+    let ceph = if variant.rbd {
+        let Some(ceph) = common::Ceph::start(&run.path, disk_size * 2 + (512 << 20)) else {
+            return;
+        };
+        ceph.rbd(&["create", "rbd/disk", "--size", &format!("{}M", disk_size >> 20)]);
+        Some(ceph)
+    } else {
+        None
+    };
     let image = match variant.prepare {
+        _ if variant.rbd => PathBuf::from("rbd:rbd/disk"),
         Some(prepare) => prepare(&run.path, disk_size),
         None => {
             let image = run.path.join("disk.img");
@@ -294,6 +310,10 @@ fn run_guest(variant: &Variant) {
                 .arg("--num-queues")
                 .arg(NUM_QUEUES.to_string())
                 .args(variant.vublk_args);
+            #[cfg(feature = "rbd")]
+            if let Some(ceph) = &ceph {
+                cmd.args(ceph.args());
+            }
             if let Some(serial) = variant.serial {
                 cmd.args(["--serial", serial]);
             }
@@ -520,6 +540,17 @@ fn run_guest(variant: &Variant) {
     }
 
     // ---- host-side checks on the image the guest wrote
+    // An RBD image: what the cluster has, exported.
+    #[cfg(feature = "rbd")]
+    let image = match &ceph {
+        Some(ceph) => {
+            let raw = run.path.join("exported.raw");
+            ceph.rbd(&["export", "rbd/disk", raw.to_str().unwrap()]);
+            println!("[vm] rbd export: {} MiB", fs::metadata(&raw).unwrap().len() >> 20);
+            raw
+        }
+        None => image,
+    };
     // A qcow2 or parallels image: qemu-img check it, then compare through a raw conversion.
     let format = match image.extension().and_then(|e| e.to_str()) {
         Some("qcow2") => Some("qcow2"),
@@ -717,6 +748,7 @@ fn guest_reads_a_compressed_qcow2_over_a_raw_backing_file() {
         mode: Some("ro-verify"),
         device_props: "",
         prepare: Some(prepare_qcow2_chain),
+        rbd: false,
     });
 }
 
@@ -744,6 +776,7 @@ fn guest_mkfs_and_files_on_a_fresh_qcow2() {
         mode: None,
         device_props: "",
         prepare: Some(prepare_qcow2_fresh),
+        rbd: false,
     });
 }
 
@@ -760,6 +793,25 @@ fn guest_mkfs_and_files_on_a_compressing_qcow2() {
         mode: None,
         device_props: "",
         prepare: Some(prepare_qcow2_fresh),
+        rbd: false,
+    });
+}
+
+/// The full guest workload on a Ceph RBD image (a throwaway single-node cluster) with
+/// librbd's write-back cache (the guest's write-cache switches then exercise both FLUSH and
+/// write-through writes), checked on the host through `rbd export`.
+#[cfg(feature = "rbd")]
+#[test]
+fn guest_mkfs_and_files_on_an_rbd_image() {
+    run_guest(&Variant {
+        name: "rbd",
+        vublk_args: &["--cache", "writeback", "--discard", "unmap"],
+        serial: None,
+        logical_block: 512,
+        mode: None,
+        device_props: "",
+        prepare: None,
+        rbd: true,
     });
 }
 
@@ -802,5 +854,6 @@ fn guest_mkfs_and_files_on_a_fresh_parallels_image() {
         mode: None,
         device_props: "",
         prepare: Some(prepare_parallels_fresh),
+        rbd: false,
     });
 }

@@ -2,7 +2,8 @@
 //! block, the host grows the disk with `vublk ctl resize`, and the guest must see the new
 //! size within a second (vublk sends VHOST_USER_BACKEND_CONFIG_CHANGE_MSG, QEMU re-reads the
 //! config space and interrupts the guest), write and read back its new last block, and
-//! still read the old one. Raw and qcow2 (then `qemu-img check` clean).
+//! still read the old one. Raw and qcow2 (then `qemu-img check` clean), and an RBD image
+//! resized in the cluster with `rbd resize` (cargo feature `rbd`).
 //!
 //! Environment: `VUBLK_E2E_REQUIRE=1` fails instead of skipping when QEMU or the guest
 //! kernel is missing; `VUBLK_E2E_KEEP=1` keeps the run directory.
@@ -31,27 +32,41 @@ fn run(fmt: &str) {
     let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
     let mut run = ScratchDir::new(tmp, &format!("vm-resize-{fmt}-{}", std::process::id())).unwrap();
     run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
-    let image = run.path.join(format!("disk.{fmt}"));
-    let st = Command::new("qemu-img")
-        .args(["create", "-q", "-f", fmt])
-        .arg(&image)
-        .arg(DISK.to_string())
-        .status()
-        .unwrap();
-    assert!(st.success());
+    // An RBD disk is resized in the cluster (`rbd resize`), the others with `vublk ctl`.
+    #[cfg(feature = "rbd")]
+    let ceph = if fmt == "rbd" {
+        let Some(ceph) = common::Ceph::start(&run.path, GROWN * 2) else {
+            return;
+        };
+        ceph.rbd(&["create", "rbd/disk", "--size", &format!("{}M", DISK >> 20)]);
+        Some(ceph)
+    } else {
+        None
+    };
+    let image = if fmt == "rbd" {
+        std::path::PathBuf::from("rbd:rbd/disk")
+    } else {
+        let image = run.path.join(format!("disk.{fmt}"));
+        let st = Command::new("qemu-img")
+            .args(["create", "-q", "-f", fmt])
+            .arg(&image)
+            .arg(DISK.to_string())
+            .status()
+            .unwrap();
+        assert!(st.success());
+        image
+    };
     let sock = env::temp_dir().join(format!("vublk-resize-{fmt}-{}.sock", std::process::id()));
     let ctl = run.path.join("ctl.sock");
     let _ = fs::remove_file(&sock);
     let log = run.path.join("vublk.log");
-    let ctl_arg = ctl.display().to_string();
-    let mut vublk = vm::spawn_vublk(
-        "vublk",
-        &log,
-        &sock,
-        &image,
-        1,
-        &["--control-socket", &ctl_arg],
-    );
+    let mut args = vec!["--control-socket".to_string(), ctl.display().to_string()];
+    #[cfg(feature = "rbd")]
+    if let Some(ceph) = &ceph {
+        args.extend(ceph.args());
+    }
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let mut vublk = vm::spawn_vublk("vublk", &log, &sock, &image, 1, &args);
     vm::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
     let mut qcmd = vm::guest_command(
         &qemu,
@@ -72,7 +87,14 @@ fn run(fmt: &str) {
     let mut resized_at = None;
     let status = loop {
         for l in serial.poll() {
-            if l.contains(&format!("{MARK}RESIZE-WAIT")) && resized_at.is_none() {
+            if l.contains(&format!("{MARK}RESIZE-WAIT")) && resized_at.is_none() && fmt == "rbd"
+            {
+                #[cfg(feature = "rbd")]
+                if let Some(ceph) = &ceph {
+                    ceph.rbd(&["resize", "rbd/disk", "--size", &format!("{}M", GROWN >> 20)]);
+                }
+                resized_at = Some(Instant::now());
+            } else if l.contains(&format!("{MARK}RESIZE-WAIT")) && resized_at.is_none() {
                 let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
                     .arg("ctl")
                     .arg("--control-socket")
@@ -141,7 +163,14 @@ fn run(fmt: &str) {
     );
     let st = vublk.terminate(Duration::from_secs(30));
     assert_eq!(st.and_then(|s| s.code()), Some(0), "{}", read_log(&log));
-    if fmt == "qcow2" {
+    if fmt == "rbd" {
+        // The update watch saw the resize and vublk told QEMU.
+        assert!(
+            read_log(&log).contains("the frontend told"),
+            "{}",
+            read_log(&log)
+        );
+    } else if fmt == "qcow2" {
         let o = Command::new("qemu-img")
             .args(["check", "-f", "qcow2"])
             .arg(&image)
@@ -160,6 +189,17 @@ fn a_raw_disk_grows_under_a_running_guest() {
         .lock()
         .unwrap_or_else(|e| e.into_inner());
     run("raw");
+}
+
+/// An RBD image resized in the cluster (`rbd resize`): librbd's update watch, then the
+/// same config-change path.
+#[cfg(feature = "rbd")]
+#[test]
+fn an_rbd_disk_resized_in_the_cluster_grows_under_a_running_guest() {
+    let _one = ONE_GUEST_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    run("rbd");
 }
 
 #[test]

@@ -19,7 +19,7 @@ fn script() -> PathBuf {
 impl Ceph {
     /// Start a cluster in `dir/ceph` with a memstore of `bytes`; None (skipped) where the
     /// Ceph packages are missing, a failure under CI.
-    pub fn start(dir: &TestDir, bytes: u64) -> Option<Ceph> {
+    pub fn start(dir: &Path, bytes: u64) -> Option<Ceph> {
         let cdir = dir.join("ceph");
         let o = Command::new("bash")
             .arg(script())
