@@ -168,7 +168,7 @@ fn watch_rbd_resizes(dev: &Arc<Device>) -> Result<(), DaemonError> {
         })
         .map_err(DaemonError::Spawn)?;
     image
-        .watch_rbd_updates(Box::new(move || {
+        .watch_rbd_updates(Arc::new(move || {
             let _ = tx.send(());
         }))
         .map_err(|e| DaemonError::Image(ImageOpenError::Rbd(e)))

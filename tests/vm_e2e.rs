@@ -267,7 +267,12 @@ fn run_guest(variant: &Variant) {
         let Some(ceph) = common::Ceph::start(&run.path, disk_size * 2 + (512 << 20)) else {
             return;
         };
-        ceph.rbd(&["create", "rbd/disk", "--size", &format!("{}M", disk_size >> 20)]);
+        ceph.rbd(&[
+            "create",
+            "rbd/disk",
+            "--size",
+            &format!("{}M", disk_size >> 20),
+        ]);
         Some(ceph)
     } else {
         None
@@ -546,7 +551,10 @@ fn run_guest(variant: &Variant) {
         Some(ceph) => {
             let raw = run.path.join("exported.raw");
             ceph.rbd(&["export", "rbd/disk", raw.to_str().unwrap()]);
-            println!("[vm] rbd export: {} MiB", fs::metadata(&raw).unwrap().len() >> 20);
+            println!(
+                "[vm] rbd export: {} MiB",
+                fs::metadata(&raw).unwrap().len() >> 20
+            );
             raw
         }
         None => image,

@@ -192,7 +192,13 @@ fn wait_for(log: &Path, what: &str, p: &mut ChildGuard) {
     }
 }
 
-fn start_backends(qsd: bool, run: &Path, image: &Path, socks: &[PathBuf; 2]) -> Backends {
+fn start_backends(
+    qsd: bool,
+    run: &Path,
+    image: &Path,
+    socks: &[PathBuf; 2],
+    extra: &[String],
+) -> Backends {
     if qsd {
         let log = run.join("qsd.log");
         let mut cmd = Command::new("qemu-storage-daemon");
@@ -225,15 +231,17 @@ fn start_backends(qsd: bool, run: &Path, image: &Path, socks: &[PathBuf; 2]) -> 
         }
         return Backends::Qsd { qsd: p, log };
     }
-    let start = |name: &str, sock: &Path, extra: &[&str]| {
+    let start = |name: &str, sock: &Path, more: &[&str]| {
         let log = run.join(format!("vublk-{name}.log"));
+        let mut args: Vec<&str> = extra.iter().map(|s| s.as_str()).collect();
+        args.extend(more);
         let mut p = vm::spawn_vublk(
             &format!("vublk-{name}"),
             &log,
             sock,
             image,
             NUM_QUEUES,
-            extra,
+            &args,
         );
         wait_for(&log, "listening on", &mut p);
         (p, log)
@@ -306,20 +314,45 @@ fn run(name: &str, fmt: &str, qsd: bool) -> Option<(Outcome, PathBuf, PathBuf, S
     let mut run =
         ScratchDir::new(tmp, &format!("vm-migrate-{name}-{}", std::process::id())).unwrap();
     run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
-    let image = run.path.join(format!("disk.{fmt}"));
-    let st = Command::new("qemu-img")
-        .args(["create", "-q", "-f", fmt])
-        .arg(&image)
-        .arg(DISK_BYTES.to_string())
-        .status()
-        .unwrap();
-    assert!(st.success());
+    // An RBD image lives in a throwaway cluster; both vublk serve it (shared storage).
+    #[cfg(feature = "rbd")]
+    let ceph = if fmt == "rbd" {
+        let ceph = common::Ceph::start(&run.path, DISK_BYTES * 2 + (512 << 20))?;
+        ceph.rbd(&[
+            "create",
+            "rbd/disk",
+            "--size",
+            &format!("{}M", DISK_BYTES >> 20),
+        ]);
+        Some(ceph)
+    } else {
+        None
+    };
+    #[allow(unused_mut)]
+    let mut extra: Vec<String> = Vec::new();
+    #[cfg(feature = "rbd")]
+    if let Some(ceph) = &ceph {
+        extra = ceph.args();
+    }
+    let image = if fmt == "rbd" {
+        PathBuf::from("rbd:rbd/disk")
+    } else {
+        let image = run.path.join(format!("disk.{fmt}"));
+        let st = Command::new("qemu-img")
+            .args(["create", "-q", "-f", fmt])
+            .arg(&image)
+            .arg(DISK_BYTES.to_string())
+            .status()
+            .unwrap();
+        assert!(st.success());
+        image
+    };
     let socks = ["a", "b"]
         .map(|s| env::temp_dir().join(format!("vublk-mig-{name}-{s}-{}.sock", std::process::id())));
     for s in &socks {
         let _ = fs::remove_file(s);
     }
-    let mut backends = start_backends(qsd, &run.path, &image, &socks);
+    let mut backends = start_backends(qsd, &run.path, &image, &socks, &extra);
     let dump = |b: &Backends, lines: &[String]| {
         let mut s = format!("--- serial:\n{}\n", lines.join("\n"));
         let logs: Vec<&PathBuf> = match b {
@@ -439,6 +472,16 @@ fn run(name: &str, fmt: &str, qsd: bool) -> Option<(Outcome, PathBuf, PathBuf, S
     for s in &socks {
         let _ = fs::remove_file(s);
     }
+    // What the cluster has, exported, is checked like a raw image.
+    #[cfg(feature = "rbd")]
+    let image = match &ceph {
+        Some(ceph) => {
+            let raw = run.path.join("exported.raw");
+            ceph.rbd(&["export", "rbd/disk", raw.to_str().unwrap()]);
+            raw
+        }
+        None => image,
+    };
     Some((Outcome { marks, times }, image, guest.pattern, run))
 }
 
@@ -506,6 +549,20 @@ fn qcow2_image_migrates_there_and_back_under_a_writing_guest() {
 
 /// The same run with qemu-storage-daemon serving both sides: the comparison for downtime
 /// (and a check of the harness against a backend that migrates).
+/// Shared storage: an RBD image both vublk serve; the handover gives up librbd's exclusive
+/// lock, the take-over takes it (and keeps watching for resizes).
+#[cfg(feature = "rbd")]
+#[test]
+fn rbd_image_migrates_there_and_back_under_a_writing_guest() {
+    let _one = ONE_GUEST_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let Some((o, image, pattern, run)) = run("rbd", "rbd", false) else {
+        return;
+    };
+    verify("rbd", "rbd", &o, &image, &pattern, &run);
+}
+
 #[test]
 fn qsd_comparison_run() {
     let _one = ONE_GUEST_AT_A_TIME

@@ -60,6 +60,7 @@ fn run(fmt: &str) {
     let ctl = run.path.join("ctl.sock");
     let _ = fs::remove_file(&sock);
     let log = run.path.join("vublk.log");
+    #[allow(unused_mut, clippy::useless_vec)]
     let mut args = vec!["--control-socket".to_string(), ctl.display().to_string()];
     #[cfg(feature = "rbd")]
     if let Some(ceph) = &ceph {
@@ -87,8 +88,7 @@ fn run(fmt: &str) {
     let mut resized_at = None;
     let status = loop {
         for l in serial.poll() {
-            if l.contains(&format!("{MARK}RESIZE-WAIT")) && resized_at.is_none() && fmt == "rbd"
-            {
+            if l.contains(&format!("{MARK}RESIZE-WAIT")) && resized_at.is_none() && fmt == "rbd" {
                 #[cfg(feature = "rbd")]
                 if let Some(ceph) = &ceph {
                     ceph.rbd(&["resize", "rbd/disk", "--size", &format!("{}M", GROWN >> 20)]);

@@ -265,9 +265,23 @@ impl Image {
     #[cfg(feature = "rbd")]
     pub fn watch_rbd_updates(&self, f: crate::rbd::UpdateFn) -> Result<(), String> {
         match &self.kind {
-            Kind::Rbd(r) => r.img.watch(f).map_err(|e| e.to_string()),
+            Kind::Rbd(r) => r.watch(f),
             _ => Ok(()),
         }
+    }
+
+    /// The update watch `other` (the handle this one replaces) had, on this one too.
+    fn inherit_rbd_watch(&self, other: &Image) {
+        #[cfg(feature = "rbd")]
+        if let (Kind::Rbd(new), Kind::Rbd(old)) = (&self.kind, &other.kind) {
+            if let Some(f) = old.watcher() {
+                if let Err(e) = new.watch(f) {
+                    log::warn!("{}: resizes in the cluster go unseen: {e}", new.name);
+                }
+            }
+        }
+        #[cfg(not(feature = "rbd"))]
+        let _ = other;
     }
 
     /// Is this an RBD image (served by the librbd engine, not through a file)?

@@ -24,6 +24,8 @@ pub(super) struct RbdDisk {
     /// This process holds the exclusive lock (released by `release_locks`).
     locked: AtomicBool,
     pub(super) name: String,
+    /// What the update watch calls (kept for the handle a live migration's take-over opens).
+    pub(super) on_update: Mutex<Option<crate::rbd::UpdateFn>>,
 }
 
 /// The spec of `opts.path` if it names an RBD image.
@@ -139,6 +141,7 @@ pub(super) fn open(
             cached,
             locked: AtomicBool::new(locked),
             name,
+            on_update: Mutex::new(None),
         }),
         size_bytes: AtomicU64::new(size),
         read_only,
@@ -194,6 +197,20 @@ fn lock(img: &RbdImage, name: &str, mode: Locking, wait: Duration) -> Result<boo
 }
 
 impl RbdDisk {
+    /// Call `f` (on a librbd thread) whenever the image's header changes in the cluster.
+    pub(super) fn watch(&self, f: crate::rbd::UpdateFn) -> Result<(), String> {
+        self.img.watch(f.clone()).map_err(|e| e.to_string())?;
+        *self.on_update.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+        Ok(())
+    }
+
+    pub(super) fn watcher(&self) -> Option<crate::rbd::UpdateFn> {
+        self.on_update
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Everything completed so far in the cluster.
     pub(super) fn sync(&self) -> Result<(), ImageError> {
         self.img.flush_sync().map_err(|e| ImageError::Io(e.into()))

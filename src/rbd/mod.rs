@@ -182,7 +182,7 @@ impl Drop for Cluster {
 }
 
 /// Called (on a librbd thread) when the image's header changes: a resize, a snapshot.
-pub type UpdateFn = Box<dyn Fn() + Send + Sync>;
+pub type UpdateFn = Arc<dyn Fn() + Send + Sync>;
 
 /// An open RBD image.
 pub struct RbdImage {
@@ -333,7 +333,8 @@ impl RbdImage {
         check(r, || "flushing the image".into())
     }
 
-    /// Call `f` whenever the image's header changes (one watch per image).
+    /// Call `f` whenever the image's header changes (one watch per image: later calls keep
+    /// the first).
     pub fn watch(&self, f: UpdateFn) -> Result<(), RbdError> {
         let mut w = self.watch.lock().unwrap_or_else(|e| e.into_inner());
         if w.is_some() {
