@@ -5,7 +5,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -74,6 +74,8 @@ pub struct Inbox {
     done: Mutex<Vec<Completion>>,
     ready: AtomicBool,
     cv: Condvar,
+    /// Threads blocked in [`Inbox::wait`] (a post only wakes the condvar when there are).
+    waiters: AtomicUsize,
     /// Our own descriptor of the queue's completion eventfd (it outlives the queue's).
     event: OwnedFd,
 }
@@ -92,15 +94,27 @@ impl Inbox {
             done: Mutex::new(Vec::new()),
             ready: AtomicBool::new(false),
             cv: Condvar::new(),
+            waiters: AtomicUsize::new(0),
             event,
         }))
     }
 
-    /// Report a finished job and wake the queue.
+    /// Report a finished job and wake the queue. The eventfd is written only by the post
+    /// that finds the inbox empty of untaken work: the queue takes everything posted until
+    /// then in one go (the flag is set and cleared under the lock that guards the list), so
+    /// a burst of completions costs one wake-up.
     pub fn post(&self, c: Completion) {
-        self.done.lock().unwrap_or_else(|e| e.into_inner()).push(c);
-        self.ready.store(true, Ordering::Release);
-        self.cv.notify_all();
+        let was_ready = {
+            let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+            done.push(c);
+            self.ready.swap(true, Ordering::AcqRel)
+        };
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            self.cv.notify_all();
+        }
+        if was_ready {
+            return;
+        }
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes from a live buffer to our own descriptor. An eventfd write
         // only fails when the counter would overflow, and then it is already signalled.
@@ -126,7 +140,11 @@ impl Inbox {
     pub fn wait(&self, timeout: Duration) {
         let done = self.done.lock().unwrap_or_else(|e| e.into_inner());
         if done.is_empty() {
-            let _ = self.cv.wait_timeout(done, timeout);
+            // Counted under the lock a post takes first: a post after this sees the waiter.
+            self.waiters.fetch_add(1, Ordering::AcqRel);
+            let r = self.cv.wait_timeout(done, timeout);
+            self.waiters.fetch_sub(1, Ordering::AcqRel);
+            drop(r);
         }
     }
 }

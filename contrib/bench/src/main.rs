@@ -70,8 +70,9 @@ struct Opts {
     /// Extra backends: NAME=vublk[+BINARY][@IMAGE]:ARGS (vublk with extra options,
     /// whitespace-separated) or NAME=qsd[@IMAGE]:OPTS (extra --blockdev options,
     /// comma-separated); use NAME in --backends. @IMAGE serves another image (e.g. a qcow2
-    /// copy of --image); +BINARY runs another vublk build (e.g. the one before a change,
-    /// measured side by side with this one).
+    /// copy of --image, or a Ceph RBD image rbd:POOL/IMAGE: vublk then needs --ceph-conf in
+    /// ARGS, qsd conf=PATH in OPTS); +BINARY runs another vublk build (e.g. the one before a
+    /// change, measured side by side with this one).
     #[arg(long = "variant", value_name = "NAME=KIND:ARGS")]
     variants: Vec<String>,
     /// Instead of workloads: write --size bytes of zeroes (1 MiB requests, depth 4) into a
@@ -184,13 +185,17 @@ fn standard_workloads() -> Vec<Workload> {
     ]
 }
 
-/// Not in the default set: the preallocation seed's cases (sequential writes at depth 64).
+/// Not in the default set: the preallocation seed's cases (sequential writes at depth 64),
+/// and the network-storage set (depth 16: RBD).
 fn extra_workloads() -> Vec<Workload> {
     use Dir::*;
     use Pattern::*;
     vec![
         wl("seqwrite-16k-qd64", Sequential, Write, 16 << 10, 64, 1),
         wl("seqwrite-64k-qd64", Sequential, Write, 64 << 10, 64, 1),
+        wl("randread-4k-qd16", Random, Read, 4096, 16, 1),
+        wl("randwrite-4k-qd16", Random, Write, 4096, 16, 1),
+        wl("seqwrite-64k-qd16", Sequential, Write, 64 << 10, 16, 1),
     ]
 }
 
@@ -265,7 +270,15 @@ fn resolve_backends(opts: &Opts) -> Vec<Backend> {
                     .unwrap_or_else(|| {
                         panic!("unknown backend {other}: file, vublk, qsd or a --variant")
                     });
-                let (kind, args) = spec.split_once(':').unwrap_or((spec, ""));
+                // An RBD image (`@rbd:POOL/IMAGE`) has a colon of its own.
+                let (kind, args) = match spec.split_once("@rbd:") {
+                    Some((k, rest)) => {
+                        let (img, args) = rest.split_once(':').unwrap_or((rest, ""));
+                        let at = k.len() + "@rbd:".len() + img.len();
+                        (&spec[..at], args)
+                    }
+                    None => spec.split_once(':').unwrap_or((spec, "")),
+                };
                 let (kind, image) = match kind.split_once('@') {
                     Some((k, img)) => (k, Some(PathBuf::from(img))),
                     None => (kind, None),
@@ -374,7 +387,15 @@ fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work
             } else {
                 extra
             };
-            let blockdev = if parallels {
+            let rbd = image.to_str().and_then(|s| s.strip_prefix("rbd:"));
+            let blockdev = if let Some(spec) = rbd {
+                // QEMU's rbd driver; cache.direct=on is librbd's cache off (vublk's
+                // --cache none). The conf=PATH option comes with the variant's options.
+                let (pool, img) = spec.split_once('/').expect("rbd:POOL/IMAGE");
+                format!(
+                    "driver=rbd,node-name=file0,pool={pool},image={img},cache.direct=on{extra}"
+                )
+            } else if parallels {
                 format!(
                     "driver=parallels,node-name=file0,file.driver=file,file.filename={},\
                      file.cache.direct=on,file.aio=io_uring",
