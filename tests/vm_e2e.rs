@@ -264,15 +264,9 @@ fn run_guest(variant: &Variant) {
     run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
     #[cfg(feature = "rbd")]
     let ceph = if variant.rbd {
-        let Some(ceph) = common::Ceph::start(&run.path, disk_size * 2 + (512 << 20)) else {
+        let Some(ceph) = common::Ceph::with_disk(&run.path, disk_size) else {
             return;
         };
-        ceph.rbd(&[
-            "create",
-            "rbd/disk",
-            "--size",
-            &format!("{}M", disk_size >> 20),
-        ]);
         Some(ceph)
     } else {
         None

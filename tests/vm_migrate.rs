@@ -338,13 +338,7 @@ fn run(name: &str, fmt: &str, qsd: bool) -> Option<(Outcome, PathBuf, PathBuf, S
         PathBuf::from("rbd:rbd/disk")
     } else {
         let image = run.path.join(format!("disk.{fmt}"));
-        let st = Command::new("qemu-img")
-            .args(["create", "-q", "-f", fmt])
-            .arg(&image)
-            .arg(DISK_BYTES.to_string())
-            .status()
-            .unwrap();
-        assert!(st.success());
+        common::qemu_img_create(&image, fmt, &DISK_BYTES.to_string());
         image
     };
     let socks = ["a", "b"]

@@ -35,10 +35,9 @@ fn run(fmt: &str) {
     // An RBD disk is resized in the cluster (`rbd resize`), the others with `vublk ctl`.
     #[cfg(feature = "rbd")]
     let ceph = if fmt == "rbd" {
-        let Some(ceph) = common::Ceph::start(&run.path, GROWN * 2) else {
+        let Some(ceph) = common::Ceph::with_disk(&run.path, DISK) else {
             return;
         };
-        ceph.rbd(&["create", "rbd/disk", "--size", &format!("{}M", DISK >> 20)]);
         Some(ceph)
     } else {
         None
@@ -47,13 +46,7 @@ fn run(fmt: &str) {
         std::path::PathBuf::from("rbd:rbd/disk")
     } else {
         let image = run.path.join(format!("disk.{fmt}"));
-        let st = Command::new("qemu-img")
-            .args(["create", "-q", "-f", fmt])
-            .arg(&image)
-            .arg(DISK.to_string())
-            .status()
-            .unwrap();
-        assert!(st.success());
+        common::qemu_img_create(&image, fmt, &DISK.to_string());
         image
     };
     let sock = env::temp_dir().join(format!("vublk-resize-{fmt}-{}.sock", std::process::id()));

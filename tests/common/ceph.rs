@@ -46,6 +46,18 @@ impl Ceph {
         })
     }
 
+    /// A cluster with room for an image `rbd/disk` of `disk_bytes` (a whole MiB), created.
+    pub fn with_disk(dir: &Path, disk_bytes: u64) -> Option<Ceph> {
+        let ceph = Ceph::start(dir, disk_bytes * 2 + (512 << 20))?;
+        ceph.rbd(&[
+            "create",
+            "rbd/disk",
+            "--size",
+            &format!("{}M", disk_bytes >> 20),
+        ]);
+        Some(ceph)
+    }
+
     /// Run `rbd -c CONF ARGS`, which must succeed; its stdout.
     pub fn rbd(&self, args: &[&str]) -> String {
         run_ok(Command::new("rbd").arg("-c").arg(&self.conf).args(args))

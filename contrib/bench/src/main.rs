@@ -392,9 +392,7 @@ fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work
                 // QEMU's rbd driver; cache.direct=on is librbd's cache off (vublk's
                 // --cache none). The conf=PATH option comes with the variant's options.
                 let (pool, img) = spec.split_once('/').expect("rbd:POOL/IMAGE");
-                format!(
-                    "driver=rbd,node-name=file0,pool={pool},image={img},cache.direct=on{extra}"
-                )
+                format!("driver=rbd,node-name=file0,pool={pool},image={img},cache.direct=on{extra}")
             } else if parallels {
                 format!(
                     "driver=parallels,node-name=file0,file.driver=file,file.filename={},\
