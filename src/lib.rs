@@ -31,6 +31,7 @@ pub mod inflight;
 pub mod io;
 pub mod logging;
 pub mod metrics;
+pub mod nbd;
 pub mod offload;
 #[cfg(feature = "rbd")]
 pub mod rbd;

@@ -1,0 +1,284 @@
+//! vublk's NBD client against real servers (qemu-nbd on a UNIX socket, nbdkit's memory
+//! plugin on 127.0.0.1), started and stopped by PID by each test: the handshake (size,
+//! transmission flags, block sizes, structured replies), requests and replies on the wire
+//! (a write, a structured read back, flush, trim, write-zeroes, checked on the served file),
+//! and the refusals (no such export, nothing listening, not an NBD server) within bounded
+//! time.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use vublk::nbd::wire::*;
+use vublk::nbd::{connect, NbdTarget, Stream};
+
+/// A server process, killed (by PID) and reaped when dropped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn have(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !ok() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// qemu-nbd serving `file` (raw) as export `disk` on a UNIX socket in `dir`.
+fn qemu_nbd(dir: &TestDir, file: &Path) -> Option<(Server, PathBuf)> {
+    if !have("qemu-nbd") {
+        return skip_or_fail("qemu-nbd missing (apt-get install qemu-utils)");
+    }
+    let sock = dir.join("nbd.sock");
+    let child = Command::new("qemu-nbd")
+        .arg("--socket")
+        .arg(&sock)
+        .args(["--export-name", "disk", "--format", "raw", "--persistent"])
+        .args(["--shared", "8", "--cache", "none", "--aio", "io_uring"])
+        .arg(file)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let s = Server(child);
+    wait_until("qemu-nbd's socket", || sock.exists());
+    Some((s, sock))
+}
+
+/// nbdkit's memory plugin (`size`) on 127.0.0.1 at a free port.
+fn nbdkit_memory(size: &str) -> Option<(Server, u16)> {
+    if !have("nbdkit") {
+        return skip_or_fail("nbdkit missing (apt-get install nbdkit)");
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new("nbdkit")
+        .args([
+            "--foreground",
+            "--exit-with-parent",
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .args(["memory", size])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let s = Server(child);
+    wait_until("nbdkit listening", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    Some((s, port))
+}
+
+fn send(s: &mut Stream, r: Request, data: &[u8]) {
+    s.write_all(&r.encode()).unwrap();
+    s.write_all(data).unwrap();
+}
+
+/// Read one complete reply to `handle` (simple, or structured chunks up to DONE) into `buf`
+/// (a read's destination): Ok(()) or the NBD error.
+fn reply(s: &mut Stream, handle: u64, offset: u64, buf: &mut [u8]) -> Result<(), u32> {
+    loop {
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h[..4]).unwrap();
+        let need = if u32::from_be_bytes(h[..4].try_into().unwrap()) == SIMPLE_REPLY_MAGIC {
+            SIMPLE_REPLY_LEN
+        } else {
+            CHUNK_HEADER_LEN
+        };
+        s.read_exact(&mut h[4..need]).unwrap();
+        match decode_reply(&h[..need]).unwrap().unwrap().0 {
+            ReplyHeader::Simple { handle: hd, error } => {
+                assert_eq!(hd, handle);
+                if error != 0 {
+                    return Err(error);
+                }
+                s.read_exact(buf).unwrap();
+                return Ok(());
+            }
+            ReplyHeader::Chunk {
+                handle: hd,
+                flags,
+                kind,
+                len,
+            } => {
+                assert_eq!(hd, handle);
+                let mut p = vec![0u8; len as usize];
+                s.read_exact(&mut p).unwrap();
+                let at =
+                    |o: &[u8]| (u64::from_be_bytes(o[..8].try_into().unwrap()) - offset) as usize;
+                match kind {
+                    REPLY_TYPE_OFFSET_DATA => {
+                        let o = at(&p);
+                        buf[o..o + p.len() - 8].copy_from_slice(&p[8..]);
+                    }
+                    REPLY_TYPE_OFFSET_HOLE => {
+                        let o = at(&p);
+                        let n = u32::from_be_bytes(p[8..12].try_into().unwrap()) as usize;
+                        buf[o..o + n].fill(0);
+                    }
+                    REPLY_TYPE_ERROR | REPLY_TYPE_ERROR_OFFSET => {
+                        return Err(u32::from_be_bytes(p[..4].try_into().unwrap()))
+                    }
+                    _ => {}
+                }
+                if flags & REPLY_FLAG_DONE != 0 {
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+fn req(kind: u16, flags: u16, handle: u64, offset: u64, len: u32) -> Request {
+    Request {
+        flags,
+        kind,
+        handle,
+        offset,
+        len,
+    }
+}
+
+/// Write, read back (structured), write-zeroes, trim and flush on the wire, against `s`.
+fn round_trip(s: &mut Stream, structured: bool) -> Vec<u8> {
+    let data = pattern(65536, 0, 19);
+    send(s, req(CMD_WRITE, 0, 1, MIB, 65536), &data);
+    reply(s, 1, MIB, &mut []).unwrap();
+    send(
+        s,
+        req(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 2, MIB + 4096, 4096),
+        &[],
+    );
+    reply(s, 2, 0, &mut []).unwrap();
+    send(s, req(CMD_FLUSH, 0, 3, 0, 0), &[]);
+    reply(s, 3, 0, &mut []).unwrap();
+    let mut back = vec![0x5au8; 3 * 65536];
+    send(s, req(CMD_READ, 0, 4, MIB - 65536, 3 * 65536), &[]);
+    reply(s, 4, MIB - 65536, &mut back).unwrap();
+    assert!(structured, "the server did not agree to structured replies");
+    assert_all_zero(&back[..65536], "before the write");
+    assert_same(&back[65536..65536 + 4096], &data[..4096], "read back");
+    assert_all_zero(&back[65536 + 4096..65536 + 8192], "write-zeroes");
+    assert_same(&back[65536 + 8192..131072], &data[8192..], "read back");
+    assert_all_zero(&back[131072..], "after the write");
+    // A read past the end is the server's error, for that request only.
+    send(s, req(CMD_READ, 0, 5, 1 << 40, 512), &[]);
+    assert!(reply(s, 5, 1 << 40, &mut [0u8; 512]).is_err());
+    send(s, req(CMD_TRIM, 0, 6, 8 * MIB, 65536), &[]);
+    reply(s, 6, 0, &mut []).unwrap();
+    send(s, req(CMD_DISC, 0, 7, 0, 0), &[]);
+    data
+}
+
+#[test]
+fn qemu_nbd_handshake_and_requests_on_the_wire() {
+    let dir = TestDir::new("nbd-qemu");
+    let img = dir.join("disk.raw");
+    create_sparse_image(&img, 64 * MIB);
+    let Some((_srv, sock)) = qemu_nbd(&dir, &img) else {
+        return;
+    };
+    let uri = format!("nbd+unix:///disk?socket={}", sock.display());
+    let t = NbdTarget::parse(&uri).unwrap();
+    let (mut s, e) = connect(&t, Duration::from_secs(5)).unwrap();
+    println!("qemu-nbd: {e:?}");
+    assert_eq!(e.size, 64 * MIB);
+    for f in [
+        FLAG_SEND_FLUSH,
+        FLAG_SEND_FUA,
+        FLAG_SEND_TRIM,
+        FLAG_SEND_WRITE_ZEROES,
+    ] {
+        assert!(e.has(f), "flag {f:#x} missing: {:#x}", e.flags);
+    }
+    assert!(!e.has(FLAG_READ_ONLY));
+    assert!(e.min_block >= 1 && e.max_block >= 65536, "{e:?}");
+    let data = round_trip(&mut s, e.structured);
+    drop(s);
+    let f = read_file_range(&img, MIB, 65536);
+    assert_same(&f[..4096], &data[..4096], "the served file");
+    assert_all_zero(&f[4096..8192], "the served file, zeroed");
+
+    // An export that is not there: the server's answer, named.
+    let t = NbdTarget::parse(&format!("nbd+unix:///nope?socket={}", sock.display())).unwrap();
+    let err = connect(&t, Duration::from_secs(5)).unwrap_err().to_string();
+    assert!(
+        err.contains("nope") && err.contains("no such export"),
+        "{err}"
+    );
+}
+
+#[test]
+fn nbdkit_memory_over_tcp() {
+    let Some((_srv, port)) = nbdkit_memory("64M") else {
+        return;
+    };
+    let t = NbdTarget::parse(&format!("nbd://127.0.0.1:{port}/")).unwrap();
+    let (mut s, e) = connect(&t, Duration::from_secs(5)).unwrap();
+    println!("nbdkit memory: {e:?}");
+    assert_eq!(e.size, 64 * MIB);
+    assert!(e.has(FLAG_CAN_MULTI_CONN), "{:#x}", e.flags);
+    round_trip(&mut s, e.structured);
+}
+
+#[test]
+fn unreachable_and_foreign_servers_fail_in_bounded_time() {
+    // Nothing listening.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let t = NbdTarget::parse(&format!("nbd://127.0.0.1:{port}/x")).unwrap();
+    let err = connect(&t, Duration::from_secs(2)).unwrap_err().to_string();
+    assert!(err.contains("connecting to"), "{err}");
+    // A server that accepts and says nothing: the deadline.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let t = NbdTarget::parse(&format!("nbd://127.0.0.1:{port}/x")).unwrap();
+    let t0 = Instant::now();
+    let err = connect(&t, Duration::from_secs(1)).unwrap_err().to_string();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert!(err.contains("handshake"), "{err}");
+    // A server that speaks something else.
+    let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = other.local_addr().unwrap().port();
+    let h = std::thread::spawn(move || {
+        let (mut c, _) = other.accept().unwrap();
+        let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    let t = NbdTarget::parse(&format!("nbd://127.0.0.1:{port}/x")).unwrap();
+    let err = connect(&t, Duration::from_secs(2)).unwrap_err().to_string();
+    assert!(err.contains("not an NBD server"), "{err}");
+    h.join().unwrap();
+    drop(silent);
+}
