@@ -282,3 +282,209 @@ fn unreachable_and_foreign_servers_fail_in_bounded_time() {
     h.join().unwrap();
     drop(silent);
 }
+
+/// The NBD engine alone, as a queue drives it: batches of up to 16 operations on disjoint
+/// ranges in flight together (reads, writes in 1-3 segments, some write-through, zeroing
+/// with and without unmap, discards, flushes), reaped through the engine's event fd; every
+/// read equals the model. Returns the model (discarded bytes: either old data or zero).
+fn engine_model_check(target: &str) -> Option<(Vec<u8>, Vec<bool>)> {
+    use vublk::io::{Completion, Engine, NbdEngine, Op};
+    const SIZE: u64 = 32 * MIB;
+    let t = NbdTarget::parse(target).unwrap();
+    let (s, e) = connect(&t, Duration::from_secs(5)).unwrap();
+    assert!(e.size >= SIZE);
+    let mut eng = Engine::Nbd(NbdEngine::new(s, e).unwrap());
+    let mut model = vec![0u8; SIZE as usize];
+    let mut unknown = vec![false; SIZE as usize];
+    let mut rng = Rng::new(0x5eed_0019);
+    let mut counts = [0usize; 6];
+    for round in 0..60 {
+        // Disjoint ranges: each op takes its own 1 MiB slot of the disk.
+        let mut slots: Vec<u64> = (0..SIZE / MIB).collect();
+        // (user_data, buffer, its iovecs, what, offset, length)
+        #[allow(clippy::type_complexity)]
+        let mut bufs: Vec<(u64, Vec<u8>, Vec<libc::iovec>, usize, u64, u64)> = Vec::new();
+        for ud in 0..16u64 {
+            let i = rng.below(slots.len() as u64) as usize;
+            let slot = slots.swap_remove(i);
+            let len = (rng.range(1, 2048) * 512).min(MIB) as usize;
+            let off = slot * MIB + rng.below((MIB - len as u64) / 512 + 1) * 512;
+            let what = rng.below(10) as usize;
+            let mut buf = vec![0u8; len];
+            if what <= 3 {
+                rng.fill(&mut buf);
+            }
+            // 1-3 segments.
+            let cut1 = (rng.below(len as u64 / 512 + 1) * 512) as usize;
+            let cut2 = cut1 + ((rng.below(((len - cut1) / 512) as u64 + 1)) * 512) as usize;
+            let p = buf.as_mut_ptr();
+            let iov: Vec<libc::iovec> = [(0, cut1), (cut1, cut2), (cut2, len)]
+                .iter()
+                .filter(|(a, b)| b > a)
+                .map(|&(a, b)| libc::iovec {
+                    // SAFETY: inside `buf`.
+                    iov_base: unsafe { p.add(a) }.cast(),
+                    iov_len: b - a,
+                })
+                .collect();
+            bufs.push((ud, buf, iov, what, off, len as u64));
+        }
+        for (ud, buf, iov, what, off, len) in &bufs {
+            let (off, len) = (*off, *len);
+            let r = off as usize..(off + len) as usize;
+            let op = match what {
+                0..=3 => {
+                    counts[0] += 1;
+                    model[r.clone()].copy_from_slice(buf);
+                    unknown[r].fill(false);
+                    Op::Writev {
+                        iov: iov.as_ptr(),
+                        iovcnt: iov.len() as u32,
+                        offset: off,
+                        dsync: *what == 3,
+                    }
+                }
+                4..=6 => {
+                    counts[1] += 1;
+                    Op::Readv {
+                        iov: iov.as_ptr(),
+                        iovcnt: iov.len() as u32,
+                        offset: off,
+                    }
+                }
+                7 => {
+                    counts[2] += 1;
+                    model[r.clone()].fill(0);
+                    unknown[r].fill(false);
+                    let mode = if rng.below(2) == 0 {
+                        vublk::io::sys::ZERO_RANGE
+                    } else {
+                        vublk::io::sys::PUNCH_HOLE
+                    };
+                    Op::Fallocate {
+                        mode,
+                        offset: off,
+                        len,
+                    }
+                }
+                8 => {
+                    counts[3] += 1;
+                    unknown[r].fill(true);
+                    Op::Discard { offset: off, len }
+                }
+                _ => {
+                    counts[4] += 1;
+                    Op::Fdatasync
+                }
+            };
+            // SAFETY: `bufs` (buffers and iovec arrays) lives until every completion of the
+            // round has been reaped below.
+            unsafe { eng.push(-1, &op, *ud).unwrap() };
+        }
+        eng.submit().unwrap();
+        let mut done: Vec<Completion> = Vec::new();
+        let t0 = Instant::now();
+        while done.len() < bufs.len() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "round {round}: {done:?}"
+            );
+            let mut p = libc::pollfd {
+                fd: eng.event_fd().unwrap(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut p, 1, 100) };
+            eng.reap(&mut done);
+        }
+        for c in &done {
+            let (_, buf, _, what, off, len) = &bufs[c.user_data as usize];
+            let want = if *what <= 6 { *len as i32 } else { 0 };
+            assert_eq!(c.result, want, "round {round}: op {what} of {len} at {off}");
+            if (4..=6).contains(what) {
+                let r = *off as usize..(*off + *len) as usize;
+                for (i, (&g, (&m, &u))) in buf
+                    .iter()
+                    .zip(model[r.clone()].iter().zip(&unknown[r]))
+                    .enumerate()
+                {
+                    assert!(
+                        g == m || (u && g == 0),
+                        "round {round}: read of {len} at {off}: byte {i}: {g:#x}, expected {m:#x}"
+                    );
+                }
+            }
+        }
+    }
+    println!(
+        "{} writes, {} reads, {} zeroings, {} discards, {} flushes",
+        counts[0], counts[1], counts[2], counts[3], counts[4]
+    );
+    Some((model, unknown))
+}
+
+#[test]
+fn the_nbd_engine_matches_the_model_on_qemu_nbd_and_the_file() {
+    let dir = TestDir::new("nbd-engine-qemu");
+    let img = dir.join("disk.raw");
+    create_sparse_image(&img, 32 * MIB);
+    let Some((srv, sock)) = qemu_nbd(&dir, &img) else {
+        return;
+    };
+    let (model, unknown) =
+        engine_model_check(&format!("nbd+unix:///disk?socket={}", sock.display())).unwrap();
+    drop(srv);
+    let f = read_file(&img);
+    for (i, (&g, (&m, &u))) in f.iter().zip(model.iter().zip(&unknown)).enumerate() {
+        assert!(
+            g == m || (u && g == 0),
+            "the served file: byte {i}: {g:#x}, expected {m:#x}"
+        );
+    }
+}
+
+/// nbdkit with a 64 KiB maximum block size: requests up to 1 MiB are split (a request over
+/// the maximum is an error with `blocksize-error-policy=error`).
+#[test]
+fn the_nbd_engine_splits_requests_for_nbdkit_block_limits() {
+    if !have("nbdkit") {
+        skip_or_fail::<()>("nbdkit missing (apt-get install nbdkit)");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new("nbdkit")
+        .args([
+            "--foreground",
+            "--exit-with-parent",
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .args([
+            "--filter=blocksize-policy",
+            "memory",
+            "64M",
+            "blocksize-preferred=4096",
+            "blocksize-maximum=65536",
+            "blocksize-error-policy=error",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _srv = Server(child);
+    wait_until("nbdkit listening", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let t = format!("nbd://127.0.0.1:{port}/");
+    let (_, e) = connect(&NbdTarget::parse(&t).unwrap(), Duration::from_secs(5)).unwrap();
+    assert_eq!(e.max_block, 65536, "{e:?}");
+    engine_model_check(&t).unwrap();
+}

@@ -1,10 +1,11 @@
-//! I/O engines: io_uring, blocking system calls on the queue's own thread, and librbd (cargo
-//! feature `rbd`). All take the same [`Op`]s and report through the same [`Completion`]s, so
+//! I/O engines: io_uring, blocking system calls on the queue's own thread, an NBD connection,
+//! and librbd (cargo feature `rbd`). All take the same [`Op`]s and report through the same [`Completion`]s, so
 //! the worker has one completion path. Knows files and iovecs, nothing of image formats or virtio.
 
 pub mod align;
 pub mod aligned;
 pub mod bounce;
+mod nbd;
 pub mod ranges;
 #[cfg(feature = "rbd")]
 mod rbd;
@@ -16,6 +17,7 @@ mod uring;
 use std::io;
 use std::os::fd::RawFd;
 
+pub use nbd::NbdEngine;
 #[cfg(feature = "rbd")]
 pub use rbd::RbdEngine;
 pub use storage::Storage;
@@ -64,6 +66,8 @@ pub struct Completion {
 pub enum Engine {
     Uring(UringEngine),
     Sync(SyncEngine),
+    /// An NBD connection (the `fd` of an operation is not used).
+    Nbd(NbdEngine),
     /// librbd's asynchronous calls (the `fd` of an operation is not used).
     #[cfg(feature = "rbd")]
     Rbd(RbdEngine),
@@ -79,6 +83,8 @@ impl Engine {
             Engine::Uring(e) => unsafe { e.push(fd, op, user_data) },
             // SAFETY: forwarded contract.
             Engine::Sync(e) => unsafe { e.push(fd, op, user_data) },
+            // SAFETY: forwarded contract.
+            Engine::Nbd(e) => unsafe { e.push(op, user_data) },
             // SAFETY: forwarded contract.
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => unsafe { e.push(op, user_data) },
@@ -98,6 +104,7 @@ impl Engine {
         match self {
             Engine::Uring(e) => e.wait_one(),
             Engine::Sync(_) => Ok(()),
+            Engine::Nbd(e) => e.wait_one(),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => e.wait_one(),
         }
@@ -108,6 +115,7 @@ impl Engine {
         match self {
             Engine::Uring(e) => e.reap(out),
             Engine::Sync(e) => e.reap(out),
+            Engine::Nbd(e) => e.reap(out),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => e.reap(out),
         }
@@ -118,6 +126,7 @@ impl Engine {
         match self {
             Engine::Uring(e) => e.has_completions(),
             Engine::Sync(e) => e.has_completions(),
+            Engine::Nbd(e) => e.has_completions(),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => e.has_completions(),
         }
@@ -142,6 +151,7 @@ impl Engine {
         match self {
             Engine::Uring(e) => Some(e.event_fd()),
             Engine::Sync(_) => None,
+            Engine::Nbd(e) => Some(e.event_fd()),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => Some(e.event_fd()),
         }
@@ -151,6 +161,7 @@ impl Engine {
         match self {
             Engine::Uring(_) => "io_uring",
             Engine::Sync(_) => "threads",
+            Engine::Nbd(_) => "nbd",
             #[cfg(feature = "rbd")]
             Engine::Rbd(_) => "librbd",
         }

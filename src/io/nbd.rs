@@ -1,0 +1,701 @@
+//! The NBD engine: one connection to an NBD server per queue (servers that allow several,
+//! `NBD_FLAG_CAN_MULTI_CONN`), driven on the queue's own loop. Requests are encoded and sent
+//! as they are pushed (pipelined, matched by handle); the socket sits in the engine's own
+//! epoll set, whose descriptor is the engine's event fd: the queue's epoll loop wakes when
+//! replies arrive or when output that did not fit the socket can go on, and [`NbdEngine::reap`]
+//! moves both directions forward without blocking.
+//!
+//! Requests larger than the server's maximum block size are split; writes with `dsync` use
+//! FUA where the server offers it, else a flush after them; zeroing without
+//! `SEND_WRITE_ZEROES` writes zeroes; discards without `SEND_TRIM` and flushes without
+//! `SEND_FLUSH` complete at once. A server error reply fails that request only. Replies are
+//! read through a buffer and copied into the request's buffers.
+//!
+//! (Groundwork of issue 19: not yet used by the daemon; reconnecting is not written yet, a
+//! lost connection fails what is in flight with EIO.)
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use super::{sys, Completion, Op};
+use crate::nbd::wire::*;
+use crate::nbd::{Export, Stream};
+
+/// Bytes of the receive buffer (a read reply's data passes through it).
+const RX_BUF: usize = 256 << 10;
+/// Zeroes for servers without WRITE_ZEROES (one write per this many bytes).
+static ZEROES: [u8; 64 << 10] = [0; 64 << 10];
+
+/// One NBD request in flight (a part of a pushed operation).
+struct Part {
+    user_data: u64,
+    kind: u16,
+    offset: u64,
+    len: u32,
+    /// Reads: where the data goes (the part's own slice of the operation's buffers).
+    dst: Vec<libc::iovec>,
+    /// The encoded header, sent from here.
+    header: Box<[u8; REQUEST_LEN]>,
+    /// Writes: the data's iovecs.
+    src: Vec<libc::iovec>,
+}
+
+/// An operation split into parts: how many are left, and the first error.
+struct Agg {
+    left: usize,
+    result: i32,
+    /// A write-through write on a server without FUA: flush once the parts are done.
+    flush_after: bool,
+}
+
+enum Rx {
+    /// Waiting for a reply header.
+    Header,
+    /// A simple reply's read data for `handle`: `done` of the part's length copied.
+    SimpleData { handle: u64, done: usize },
+    /// A structured chunk's payload, `len` bytes: metadata gathered in `meta`, or data
+    /// copied to `handle`'s buffers from `at` (bytes into the part).
+    Chunk {
+        handle: u64,
+        flags: u16,
+        kind: u16,
+        len: usize,
+        got: usize,
+        meta: Vec<u8>,
+        at: Option<usize>,
+    },
+}
+
+pub struct NbdEngine {
+    sock: Stream,
+    export: Export,
+    epoll: OwnedFd,
+    next_handle: u64,
+    parts: HashMap<u64, Part>,
+    ops: HashMap<u64, Agg>,
+    /// Iovecs of requests not yet (fully) sent, in order.
+    out: VecDeque<libc::iovec>,
+    want_out: bool,
+    rx: Vec<u8>,
+    rx_start: usize,
+    rx_end: usize,
+    state: Rx,
+    done: Vec<Completion>,
+    /// The connection failed: why (everything since fails with EIO).
+    broken: Option<String>,
+}
+
+// SAFETY: the raw pointers are iovecs into buffers the queue's in-flight slots own (guest
+// memory, bounce buffers) and into the parts' own headers; the engine moves with its queue
+// worker and is only used from the thread that owns that worker.
+unsafe impl Send for NbdEngine {}
+
+fn epoll_ctl(ep: RawFd, op: i32, fd: RawFd, events: u32) -> io::Result<()> {
+    let mut ev = libc::epoll_event {
+        events,
+        u64: fd as u64,
+    };
+    // SAFETY: plain syscall with a valid event struct.
+    if unsafe { libc::epoll_ctl(ep, op, fd, &mut ev) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Split `iov` at byte `at`, taking `len` bytes: the iovecs of that range.
+fn sub_iov(iov: &[libc::iovec], mut at: usize, mut len: usize) -> Vec<libc::iovec> {
+    let mut out = Vec::new();
+    for v in iov {
+        if len == 0 {
+            break;
+        }
+        if at >= v.iov_len {
+            at -= v.iov_len;
+            continue;
+        }
+        let n = (v.iov_len - at).min(len);
+        out.push(libc::iovec {
+            // SAFETY: pointer arithmetic inside the iovec's own buffer.
+            iov_base: unsafe { v.iov_base.cast::<u8>().add(at) }.cast(),
+            iov_len: n,
+        });
+        len -= n;
+        at = 0;
+    }
+    out
+}
+
+/// Copy `src` into `dst` iovecs starting `at` bytes in.
+///
+/// # Safety
+/// `dst` must describe writable memory owned by the request.
+unsafe fn copy_into(dst: &[libc::iovec], at: usize, src: &[u8]) {
+    let mut pos = 0;
+    for v in sub_iov(dst, at, src.len()) {
+        // SAFETY: the caller's buffers; `v` lies inside them (sub_iov) and `src` holds
+        // `pos + v.iov_len` bytes (sub_iov gives at most `src.len()` in all).
+        unsafe { std::ptr::copy_nonoverlapping(src[pos..].as_ptr(), v.iov_base.cast(), v.iov_len) };
+        pos += v.iov_len;
+    }
+}
+
+/// Zero `len` bytes of `dst` from `at`.
+///
+/// # Safety
+/// As for [`copy_into`].
+unsafe fn zero_into(dst: &[libc::iovec], at: usize, len: usize) {
+    for v in sub_iov(dst, at, len) {
+        // SAFETY: inside the caller's buffers.
+        unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
+    }
+}
+
+impl NbdEngine {
+    /// An engine over a connection `connect` made (`sock` is made non-blocking).
+    pub fn new(sock: Stream, export: Export) -> io::Result<Self> {
+        sock.set_nonblocking(true)?;
+        // SAFETY: plain syscall; the result is checked.
+        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if ep < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let epoll = unsafe { OwnedFd::from_raw_fd(ep) };
+        epoll_ctl(
+            ep,
+            libc::EPOLL_CTL_ADD,
+            sock.as_raw_fd(),
+            libc::EPOLLIN as u32,
+        )?;
+        Ok(NbdEngine {
+            sock,
+            export,
+            epoll,
+            next_handle: 1,
+            parts: HashMap::new(),
+            ops: HashMap::new(),
+            out: VecDeque::new(),
+            want_out: false,
+            rx: vec![0; RX_BUF],
+            rx_start: 0,
+            rx_end: 0,
+            state: Rx::Header,
+            done: Vec::new(),
+            broken: None,
+        })
+    }
+
+    pub fn export(&self) -> &Export {
+        &self.export
+    }
+
+    /// Readable when replies arrived or pending output can go on.
+    pub fn event_fd(&self) -> RawFd {
+        self.epoll.as_raw_fd()
+    }
+
+    fn queue_part(&mut self, user_data: u64, kind: u16, flags: u16, offset: u64, len: u32) -> u64 {
+        let handle = self.next_handle;
+        self.next_handle = self.next_handle.wrapping_add(1).max(1);
+        let header = Box::new(
+            Request {
+                flags,
+                kind,
+                handle,
+                offset,
+                len,
+            }
+            .encode(),
+        );
+        self.out.push_back(libc::iovec {
+            iov_base: header.as_ptr() as *mut _,
+            iov_len: REQUEST_LEN,
+        });
+        self.parts.insert(
+            handle,
+            Part {
+                user_data,
+                kind,
+                offset,
+                len,
+                dst: Vec::new(),
+                header,
+                src: Vec::new(),
+            },
+        );
+        handle
+    }
+
+    /// # Safety
+    /// See [`super::Engine::push`].
+    pub unsafe fn push(&mut self, op: &Op, user_data: u64) -> io::Result<()> {
+        if self.broken.is_some() {
+            self.done.push(Completion {
+                user_data,
+                result: -libc::EIO,
+            });
+            return Ok(());
+        }
+        let e = self.export;
+        let max = e.max_block.max(e.min_block) as usize;
+        let mut n = 0usize;
+        let mut flush_after = false;
+        match *op {
+            Op::Readv {
+                iov,
+                iovcnt,
+                offset,
+            }
+            | Op::Writev {
+                iov,
+                iovcnt,
+                offset,
+                ..
+            } => {
+                // SAFETY: the caller guarantees `iovcnt` valid iovecs until completion.
+                let iov = unsafe { std::slice::from_raw_parts(iov, iovcnt as usize) };
+                let total: usize = iov.iter().map(|v| v.iov_len).sum();
+                let write = matches!(op, Op::Writev { .. });
+                let dsync = matches!(op, Op::Writev { dsync: true, .. });
+                let fua = dsync && e.has(FLAG_SEND_FUA);
+                flush_after = dsync && !fua && e.has(FLAG_SEND_FLUSH);
+                let mut at = 0;
+                while at < total || (total == 0 && n == 0) {
+                    let len = (total - at).min(max);
+                    let kind = if write { CMD_WRITE } else { CMD_READ };
+                    let flags = if fua { CMD_FLAG_FUA } else { 0 };
+                    let h = self.queue_part(user_data, kind, flags, offset + at as u64, len as u32);
+                    let range = sub_iov(iov, at, len);
+                    let p = self.parts.get_mut(&h).expect("just queued");
+                    if write {
+                        self.out.extend(range.iter().copied());
+                        p.src = range;
+                    } else {
+                        p.dst = range;
+                    }
+                    n += 1;
+                    at += len;
+                    if total == 0 {
+                        break;
+                    }
+                }
+            }
+            Op::Fdatasync if e.has(FLAG_SEND_FLUSH) => {
+                self.queue_part(user_data, CMD_FLUSH, 0, 0, 0);
+                n = 1;
+            }
+            Op::Discard { offset, len } if e.has(FLAG_SEND_TRIM) => {
+                n = self.queue_ranges(user_data, CMD_TRIM, 0, offset, len);
+            }
+            Op::Fallocate { mode, offset, len } if e.has(FLAG_SEND_WRITE_ZEROES) => {
+                let flags = if mode & libc::FALLOC_FL_PUNCH_HOLE == 0 {
+                    CMD_FLAG_NO_HOLE
+                } else {
+                    0
+                };
+                debug_assert!(mode == sys::PUNCH_HOLE || mode == sys::ZERO_RANGE);
+                n = self.queue_ranges(user_data, CMD_WRITE_ZEROES, flags, offset, len);
+            }
+            Op::Fallocate { offset, len, .. } => {
+                // Zeroes written as data.
+                let mut at = 0u64;
+                while at < len {
+                    let l = (len - at).min(ZEROES.len().min(max) as u64) as usize;
+                    let h = self.queue_part(user_data, CMD_WRITE, 0, offset + at, l as u32);
+                    let z = libc::iovec {
+                        iov_base: ZEROES.as_ptr() as *mut _,
+                        iov_len: l,
+                    };
+                    self.out.push_back(z);
+                    self.parts.get_mut(&h).expect("just queued").src = vec![z];
+                    n += 1;
+                    at += l as u64;
+                }
+            }
+            // Nothing to send: a server without flush (or trim) has nothing to do.
+            Op::Fdatasync | Op::Discard { .. } => {}
+        }
+        if n == 0 {
+            self.done.push(Completion {
+                user_data,
+                result: 0,
+            });
+            return Ok(());
+        }
+        self.ops.insert(
+            user_data,
+            Agg {
+                left: n,
+                result: 0,
+                flush_after,
+            },
+        );
+        self.send();
+        Ok(())
+    }
+
+    /// Ranges of at most the maximum block size for a command without data.
+    fn queue_ranges(&mut self, ud: u64, kind: u16, flags: u16, offset: u64, len: u64) -> usize {
+        let max = u64::from(self.export.max_block.max(self.export.min_block));
+        let mut at = 0;
+        let mut n = 0;
+        while at < len {
+            let l = (len - at).min(max);
+            self.queue_part(ud, kind, flags, offset + at, l as u32);
+            at += l;
+            n += 1;
+        }
+        n
+    }
+
+    /// Send what is queued, as far as the socket takes it.
+    fn send(&mut self) {
+        while !self.out.is_empty() && self.broken.is_none() {
+            let (a, b) = self.out.as_slices();
+            let v = if a.is_empty() { b } else { a };
+            let cnt = v.len().min(libc::UIO_MAXIOV as usize);
+            // SAFETY: iovecs of buffers that live until their requests complete (headers in
+            // the parts, data in the caller's buffers).
+            let r = unsafe { libc::writev(self.sock.as_raw_fd(), v.as_ptr(), cnt as i32) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::WouldBlock => break,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => return self.fail(format!("sending: {e}")),
+                }
+            }
+            let mut left = r as usize;
+            while left > 0 {
+                let Some(front) = self.out.front_mut() else {
+                    break;
+                };
+                if front.iov_len <= left {
+                    left -= front.iov_len;
+                    self.out.pop_front();
+                } else {
+                    // SAFETY: advancing inside the iovec's buffer.
+                    front.iov_base = unsafe { front.iov_base.cast::<u8>().add(left) }.cast();
+                    front.iov_len -= left;
+                    left = 0;
+                }
+            }
+        }
+        let want = !self.out.is_empty();
+        if want != self.want_out && self.broken.is_none() {
+            let ev = libc::EPOLLIN as u32 | if want { libc::EPOLLOUT as u32 } else { 0 };
+            let fd = self.sock.as_raw_fd();
+            if epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, ev).is_ok() {
+                self.want_out = want;
+            }
+        }
+    }
+
+    /// The connection is gone: everything in flight fails.
+    fn fail(&mut self, why: String) {
+        log::error!("NBD connection lost: {why}");
+        self.broken = Some(why);
+        self.out.clear();
+        let parts: Vec<u64> = self.parts.keys().copied().collect();
+        for h in parts {
+            self.finish_part(h, -libc::EIO);
+        }
+        let _ = epoll_ctl(
+            self.epoll.as_raw_fd(),
+            libc::EPOLL_CTL_DEL,
+            self.sock.as_raw_fd(),
+            0,
+        );
+    }
+
+    /// A part ended with `result` (0 or a negative errno).
+    fn finish_part(&mut self, handle: u64, result: i32) {
+        let Some(p) = self.parts.remove(&handle) else {
+            return;
+        };
+        drop(p.header);
+        let Some(agg) = self.ops.get_mut(&p.user_data) else {
+            return;
+        };
+        if result < 0 && agg.result >= 0 {
+            agg.result = result;
+        }
+        if matches!(p.kind, CMD_READ | CMD_WRITE) && result == 0 && agg.result >= 0 {
+            agg.result += p.len as i32;
+        }
+        agg.left -= 1;
+        if agg.left > 0 {
+            return;
+        }
+        let agg = self.ops.remove(&p.user_data).expect("present");
+        if agg.flush_after && agg.result >= 0 && self.broken.is_none() {
+            // Its result is the write's once the flush is done.
+            self.queue_part(p.user_data, CMD_FLUSH, 0, 0, 0);
+            self.ops.insert(
+                p.user_data,
+                Agg {
+                    left: 1,
+                    result: agg.result,
+                    flush_after: false,
+                },
+            );
+            self.send();
+            return;
+        }
+        self.done.push(Completion {
+            user_data: p.user_data,
+            result: agg.result,
+        });
+    }
+
+    /// Read what arrived and handle the replies in it.
+    fn receive(&mut self) {
+        loop {
+            if self.broken.is_some() {
+                return;
+            }
+            if self.rx_start == self.rx_end {
+                self.rx_start = 0;
+                self.rx_end = 0;
+            } else if self.rx_end == self.rx.len() {
+                self.rx.copy_within(self.rx_start..self.rx_end, 0);
+                self.rx_end -= self.rx_start;
+                self.rx_start = 0;
+            }
+            let r = self.sock.read(&mut self.rx[self.rx_end..]);
+            match r {
+                Ok(0) => return self.fail("the server closed the connection".into()),
+                Ok(n) => self.rx_end += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return self.fail(format!("receiving: {e}")),
+            }
+            if let Err(why) = self.parse() {
+                return self.fail(why);
+            }
+        }
+    }
+
+    /// Handle every complete message in the receive buffer.
+    fn parse(&mut self) -> Result<(), String> {
+        loop {
+            let avail = &self.rx[self.rx_start..self.rx_end];
+            match &mut self.state {
+                Rx::Header => {
+                    let Some((h, n)) = decode_reply(avail)? else {
+                        return Ok(());
+                    };
+                    self.rx_start += n;
+                    match h {
+                        ReplyHeader::Simple { handle, error } => {
+                            let p = self
+                                .parts
+                                .get(&handle)
+                                .ok_or(format!("a reply to unknown handle {handle}"))?;
+                            if error == 0 && p.kind == CMD_READ && p.len > 0 {
+                                self.state = Rx::SimpleData { handle, done: 0 };
+                            } else {
+                                let r = if error == 0 { 0 } else { -errno_of(error) };
+                                self.finish_part(handle, r);
+                            }
+                        }
+                        ReplyHeader::Chunk {
+                            handle,
+                            flags,
+                            kind,
+                            len,
+                        } => {
+                            if !self.parts.contains_key(&handle) {
+                                return Err(format!("a chunk for unknown handle {handle}"));
+                            }
+                            if len > 64 << 20 {
+                                return Err(format!("a chunk of {len} bytes"));
+                            }
+                            self.state = Rx::Chunk {
+                                handle,
+                                flags,
+                                kind,
+                                len: len as usize,
+                                got: 0,
+                                meta: Vec::new(),
+                                at: None,
+                            };
+                        }
+                    }
+                }
+                Rx::SimpleData { handle, done } => {
+                    let (handle, d) = (*handle, *done);
+                    let p = self.parts.get(&handle).ok_or("a read part vanished")?;
+                    let n = (p.len as usize - d).min(avail.len());
+                    // SAFETY: the part's destination, inside the request's buffers.
+                    unsafe { copy_into(&p.dst, d, &avail[..n]) };
+                    self.rx_start += n;
+                    if d + n == p.len as usize {
+                        self.state = Rx::Header;
+                        self.finish_part(handle, 0);
+                    } else {
+                        self.state = Rx::SimpleData {
+                            handle,
+                            done: d + n,
+                        };
+                        return Ok(());
+                    }
+                }
+                Rx::Chunk { .. } => {
+                    if !self.chunk_step()? {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Move a structured chunk forward; true when it is complete.
+    fn chunk_step(&mut self) -> Result<bool, String> {
+        let avail_len = self.rx_end - self.rx_start;
+        let Rx::Chunk {
+            handle,
+            flags,
+            kind,
+            len,
+            got,
+            meta,
+            at,
+        } = &mut self.state
+        else {
+            return Ok(true);
+        };
+        let (handle, flags, kind, len) = (*handle, *flags, *kind, *len);
+        let p = self.parts.get(&handle).ok_or("a chunk's part vanished")?;
+        // OFFSET_DATA: 8 bytes of offset, then data copied as it comes; everything else is
+        // small metadata gathered first.
+        let meta_len = if kind == REPLY_TYPE_OFFSET_DATA {
+            8.min(len)
+        } else {
+            len.min(4096)
+        };
+        if meta.len() < meta_len {
+            let n = (meta_len - meta.len()).min(avail_len);
+            meta.extend_from_slice(&self.rx[self.rx_start..self.rx_start + n]);
+            self.rx_start += n;
+            *got += n;
+            if meta.len() < meta_len {
+                return Ok(false);
+            }
+        }
+        let rel = |m: &[u8]| -> Result<usize, String> {
+            let o = u64::from_be_bytes(m[..8].try_into().map_err(|_| "short chunk")?);
+            o.checked_sub(p.offset)
+                .map(|r| r as usize)
+                .ok_or_else(|| "a chunk before its request".to_string())
+        };
+        if kind == REPLY_TYPE_OFFSET_DATA {
+            if p.kind != CMD_READ || len < 8 {
+                return Err("data for a request that is not a read".into());
+            }
+            let start = match *at {
+                Some(s) => s,
+                None => {
+                    let s = rel(meta)?;
+                    if s + (len - 8) > p.len as usize {
+                        return Err("a data chunk beyond its request".into());
+                    }
+                    *at = Some(s);
+                    s
+                }
+            };
+            let done = *got - 8;
+            let n = (len - *got).min(self.rx_end - self.rx_start);
+            // SAFETY: inside the part's destination (checked above).
+            unsafe {
+                copy_into(
+                    &p.dst,
+                    start + done,
+                    &self.rx[self.rx_start..self.rx_start + n],
+                )
+            };
+            self.rx_start += n;
+            *got += n;
+            if *got < len {
+                return Ok(false);
+            }
+        } else if *got < len {
+            // Skip what is beyond the metadata kept.
+            let n = (len - *got).min(self.rx_end - self.rx_start);
+            self.rx_start += n;
+            *got += n;
+            if *got < len {
+                return Ok(false);
+            }
+        }
+        let mut result = None;
+        match kind {
+            REPLY_TYPE_OFFSET_HOLE => {
+                if meta.len() < 12 || p.kind != CMD_READ {
+                    return Err("a bad hole chunk".into());
+                }
+                let s = rel(meta)?;
+                let n = u32::from_be_bytes(meta[8..12].try_into().unwrap_or([0; 4])) as usize;
+                if s + n > p.len as usize {
+                    return Err("a hole beyond its request".into());
+                }
+                // SAFETY: inside the part's destination.
+                unsafe { zero_into(&p.dst, s, n) };
+            }
+            REPLY_TYPE_ERROR | REPLY_TYPE_ERROR_OFFSET => {
+                let e = meta
+                    .get(..4)
+                    .map(|b| u32::from_be_bytes(b.try_into().unwrap_or([0; 4])))
+                    .unwrap_or(5);
+                result = Some(-errno_of(e));
+            }
+            _ => {}
+        }
+        self.state = Rx::Header;
+        if let Some(r) = result {
+            // The first error sticks; the part ends with the chunk marked DONE.
+            if let Some(agg) = self
+                .parts
+                .get(&handle)
+                .and_then(|p| self.ops.get_mut(&p.user_data))
+            {
+                if agg.result >= 0 {
+                    agg.result = r;
+                }
+            }
+        }
+        if flags & REPLY_FLAG_DONE != 0 {
+            self.finish_part(handle, 0);
+        }
+        Ok(true)
+    }
+
+    /// Block until something may have completed (at most a short while).
+    pub fn wait_one(&mut self) -> io::Result<()> {
+        let mut p = libc::pollfd {
+            fd: self.epoll.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut p, 1, 50) };
+        Ok(())
+    }
+
+    pub fn has_completions(&mut self) -> bool {
+        !self.done.is_empty()
+    }
+
+    pub fn reap(&mut self, out: &mut Vec<Completion>) {
+        self.send();
+        self.receive();
+        self.send();
+        out.append(&mut self.done);
+    }
+
+    /// Requests sent and not answered yet.
+    pub fn in_flight(&self) -> usize {
+        self.parts.len()
+    }
+}
