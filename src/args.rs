@@ -19,10 +19,24 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub fd: Option<i32>,
 
-    /// Disk image (or block device) to serve, or a Ceph RBD image: rbd:POOL/IMAGE[@SNAPSHOT]
-    /// (a snapshot is served read-only; needs a vublk built with --features rbd).
+    /// Disk image (or block device) to serve; an NBD export: nbd://HOST[:PORT]/EXPORT or
+    /// nbd+unix:///EXPORT?socket=PATH; or a Ceph RBD image: rbd:POOL/IMAGE[@SNAPSHOT] (a
+    /// snapshot is served read-only; needs a vublk built with --features rbd).
     #[arg(long, value_name = "PATH")]
     pub blk_file: Option<PathBuf>,
+
+    /// NBD: give up one connection attempt (connect and handshake) after this many seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 10)]
+    pub nbd_timeout: u32,
+
+    /// NBD: seconds between attempts to connect again after the server was lost.
+    #[arg(long, value_name = "SECS", default_value_t = 2)]
+    pub nbd_reconnect_delay: u32,
+
+    /// NBD: how long requests wait for a lost server to come back before they fail (0: they
+    /// fail at once).
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    pub nbd_reconnect_timeout: u32,
 
     /// RBD: the Ceph configuration file (monitors, auth).
     #[arg(long, value_name = "PATH", default_value = "/etc/ceph/ceph.conf")]

@@ -69,6 +69,8 @@ pub struct Config {
     pub log_level: log::LevelFilter,
     /// `--ceph-*` (librbd's cache comes from `cache`).
     pub ceph: crate::image::CephOptions,
+    /// `--nbd-*`.
+    pub nbd: crate::image::nbd::NbdOptions,
 }
 
 /// A rejected option: the message names it.
@@ -218,6 +220,15 @@ impl Config {
                 "--ceph-timeout, --ceph-op-timeout and --ceph-lock-wait: at most 3600 seconds",
             ));
         }
+        if args.nbd_timeout > 3600
+            || args.nbd_reconnect_delay > 3600
+            || args.nbd_reconnect_timeout > 86400
+        {
+            return Err(bad(
+                "--nbd-timeout and --nbd-reconnect-delay: at most 3600 seconds; \
+                 --nbd-reconnect-timeout: at most 86400",
+            ));
+        }
         if args.ceph_id.is_empty() || args.ceph_id.contains(['\0', ' ']) {
             return Err(bad(format!(
                 "--ceph-id {:?}: a client name such as admin",
@@ -279,6 +290,16 @@ impl Config {
             prealloc_size,
             prealloc_align,
             log_level,
+            nbd: crate::image::nbd::NbdOptions {
+                timeout: std::time::Duration::from_secs(u64::from(args.nbd_timeout.max(1))),
+                reconnect_delay: std::time::Duration::from_millis(
+                    u64::from(args.nbd_reconnect_delay) * 1000,
+                )
+                .max(std::time::Duration::from_millis(100)),
+                reconnect_timeout: std::time::Duration::from_secs(u64::from(
+                    args.nbd_reconnect_timeout,
+                )),
+            },
             ceph: crate::image::CephOptions {
                 conf: args.ceph_conf.clone(),
                 id: args.ceph_id.clone(),
@@ -337,6 +358,7 @@ impl Config {
             compress,
             cow_threads: self.cow_threads,
             ceph: self.ceph.clone(),
+            nbd: self.nbd,
         }
     }
 }

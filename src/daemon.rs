@@ -171,7 +171,7 @@ fn watch_rbd_resizes(dev: &Arc<Device>) -> Result<(), DaemonError> {
         .watch_rbd_updates(Arc::new(move || {
             let _ = tx.send(());
         }))
-        .map_err(|e| DaemonError::Image(ImageOpenError::Rbd(e)))
+        .map_err(|e| DaemonError::Image(ImageOpenError::Remote(e)))
 }
 
 /// Serial derived from the file's identity: stable across restarts, distinct per file.
@@ -181,7 +181,7 @@ fn default_serial((dev, ino): (u64, u64)) -> Vec<u8> {
     s
 }
 
-/// Pick the engine: librbd for an RBD image; for files io_uring, falling back to threads
+/// Pick the engine: NBD or librbd for remote images; for files io_uring, falling back to threads
 /// (once, with one warning line).
 pub fn make_engine(
     aio: AioMode,
@@ -189,6 +189,12 @@ pub fn make_engine(
     image: &Image,
     warned: &mut bool,
 ) -> Result<Engine, DaemonError> {
+    if let Some((target, export, nbd)) = image.nbd() {
+        return Ok(Engine::Nbd(
+            crate::io::NbdEngine::connect(target.clone(), *export, nbd)
+                .map_err(DaemonError::Engine)?,
+        ));
+    }
     #[cfg(feature = "rbd")]
     if let Some((img, cached)) = image.rbd() {
         return Ok(Engine::Rbd(

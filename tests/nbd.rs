@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use vublk::nbd::wire::*;
-use vublk::nbd::{connect, NbdTarget, Stream};
+use vublk::nbd::{connect as nbd_connect, NbdTarget, Stream};
 
 /// A server process, killed (by PID) and reaped when dropped.
 struct Server(Child);
@@ -208,7 +208,7 @@ fn qemu_nbd_handshake_and_requests_on_the_wire() {
     };
     let uri = format!("nbd+unix:///disk?socket={}", sock.display());
     let t = NbdTarget::parse(&uri).unwrap();
-    let (mut s, e) = connect(&t, Duration::from_secs(5)).unwrap();
+    let (mut s, e) = nbd_connect(&t, Duration::from_secs(5)).unwrap();
     println!("qemu-nbd: {e:?}");
     assert_eq!(e.size, 64 * MIB);
     for f in [
@@ -229,7 +229,9 @@ fn qemu_nbd_handshake_and_requests_on_the_wire() {
 
     // An export that is not there: the server's answer, named.
     let t = NbdTarget::parse(&format!("nbd+unix:///nope?socket={}", sock.display())).unwrap();
-    let err = connect(&t, Duration::from_secs(5)).unwrap_err().to_string();
+    let err = nbd_connect(&t, Duration::from_secs(5))
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("nope") && err.contains("no such export"),
         "{err}"
@@ -242,7 +244,7 @@ fn nbdkit_memory_over_tcp() {
         return;
     };
     let t = NbdTarget::parse(&format!("nbd://127.0.0.1:{port}/")).unwrap();
-    let (mut s, e) = connect(&t, Duration::from_secs(5)).unwrap();
+    let (mut s, e) = nbd_connect(&t, Duration::from_secs(5)).unwrap();
     println!("nbdkit memory: {e:?}");
     assert_eq!(e.size, 64 * MIB);
     assert!(e.has(FLAG_CAN_MULTI_CONN), "{:#x}", e.flags);
@@ -258,14 +260,18 @@ fn unreachable_and_foreign_servers_fail_in_bounded_time() {
         .unwrap()
         .port();
     let t = NbdTarget::parse(&format!("nbd://127.0.0.1:{port}/x")).unwrap();
-    let err = connect(&t, Duration::from_secs(2)).unwrap_err().to_string();
+    let err = nbd_connect(&t, Duration::from_secs(2))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("connecting to"), "{err}");
     // A server that accepts and says nothing: the deadline.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = silent.local_addr().unwrap().port();
     let t = NbdTarget::parse(&format!("nbd://127.0.0.1:{port}/x")).unwrap();
     let t0 = Instant::now();
-    let err = connect(&t, Duration::from_secs(1)).unwrap_err().to_string();
+    let err = nbd_connect(&t, Duration::from_secs(1))
+        .unwrap_err()
+        .to_string();
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     assert!(err.contains("handshake"), "{err}");
     // A server that speaks something else.
@@ -277,7 +283,9 @@ fn unreachable_and_foreign_servers_fail_in_bounded_time() {
         std::thread::sleep(Duration::from_millis(200));
     });
     let t = NbdTarget::parse(&format!("nbd://127.0.0.1:{port}/x")).unwrap();
-    let err = connect(&t, Duration::from_secs(2)).unwrap_err().to_string();
+    let err = nbd_connect(&t, Duration::from_secs(2))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("not an NBD server"), "{err}");
     h.join().unwrap();
     drop(silent);
@@ -291,7 +299,7 @@ fn engine_model_check(target: &str) -> Option<(Vec<u8>, Vec<bool>)> {
     use vublk::io::{Completion, Engine, NbdEngine, Op};
     const SIZE: u64 = 32 * MIB;
     let t = NbdTarget::parse(target).unwrap();
-    let (s, e) = connect(&t, Duration::from_secs(5)).unwrap();
+    let (s, e) = nbd_connect(&t, Duration::from_secs(5)).unwrap();
     assert!(e.size >= SIZE);
     let mut eng = Engine::Nbd(NbdEngine::new(s, e).unwrap());
     let mut model = vec![0u8; SIZE as usize];
@@ -484,7 +492,289 @@ fn the_nbd_engine_splits_requests_for_nbdkit_block_limits() {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
     let t = format!("nbd://127.0.0.1:{port}/");
-    let (_, e) = connect(&NbdTarget::parse(&t).unwrap(), Duration::from_secs(5)).unwrap();
+    let (_, e) = nbd_connect(&NbdTarget::parse(&t).unwrap(), Duration::from_secs(5)).unwrap();
     assert_eq!(e.max_block, 65536, "{e:?}");
     engine_model_check(&t).unwrap();
+}
+
+/// vublk serving the NBD URI `uri` with `extra` options.
+fn serve(dir: &TestDir, uri: &str, queues: u32, extra: &[&str]) -> Backend {
+    Backend::start(
+        dir,
+        Path::new(uri),
+        &BackendOpts {
+            num_queues: Some(queues),
+            extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        },
+    )
+}
+
+/// The randomized model check through vublk (libblkio, every request type) on qemu-nbd
+/// serving a file over a UNIX socket: every read, the whole disk and the file afterwards
+/// equal the model.
+#[test]
+fn served_qemu_nbd_export_matches_the_model_and_the_file() {
+    let dir = TestDir::new("nbd-serve-qemu");
+    let img = dir.join("disk.raw");
+    create_sparse_image(&img, 32 * MIB);
+    let Some((srv, sock)) = qemu_nbd(&dir, &img) else {
+        return;
+    };
+    let uri = format!("nbd+unix:///disk?socket={}", sock.display());
+    let backend = serve(&dir, &uri, 2, &["--discard", "unmap"]);
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    assert_eq!(c.capacity(), 32 * MIB);
+    let m = random_requests(&mut c, 32 * MIB, 400, 0x5eed_0191);
+    let all = c.read_all(0);
+    m.check(&all, 0, "the whole disk through vublk");
+    drop(c);
+    let st = backend.sigterm_and_wait(EXIT_DEADLINE);
+    assert!(st.success(), "{st}\n{}", backend.log_contents());
+    drop(srv);
+    assert_same(&read_file(&img), &all, "the served file");
+}
+
+/// The same on nbdkit's memory plugin over TCP (127.0.0.1), two queues.
+#[test]
+fn served_nbdkit_memory_export_matches_the_model() {
+    let dir = TestDir::new("nbd-serve-nbdkit");
+    let Some((_srv, port)) = nbdkit_memory("32M") else {
+        return;
+    };
+    let uri = format!("nbd://127.0.0.1:{port}/");
+    let backend = serve(
+        &dir,
+        &uri,
+        2,
+        &["--discard", "unmap", "--cache", "writethrough"],
+    );
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    let m = random_requests(&mut c, 32 * MIB, 400, 0x5eed_0192);
+    let all = c.read_all(0);
+    m.check(&all, 0, "the whole disk through vublk");
+    drop(c);
+    assert!(backend.sigterm_and_wait(EXIT_DEADLINE).success());
+}
+
+/// qemu-nbd killed and started again a second later while the guest side writes and reads:
+/// requests wait for the reconnection and none fails; the data is all there.
+#[test]
+fn a_server_restarted_under_load_fails_no_request() {
+    let dir = TestDir::new("nbd-restart");
+    let img = dir.join("disk.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let Some((srv, sock)) = qemu_nbd(&dir, &img) else {
+        return;
+    };
+    let uri = format!("nbd+unix:///disk?socket={}", sock.display());
+    let backend = serve(&dir, &uri, 1, &["--nbd-reconnect-delay", "1"]);
+    let socket = backend.socket.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let io = std::thread::spawn(move || {
+        let mut c = connect(&socket, ClientOpts::default());
+        let mut n = 0u64;
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) || n < 20 {
+            let off = (n % 200) * 65536;
+            let data = pattern(65536, off, n);
+            let r = c.write_at(0, off, &data);
+            assert_eq!(r, 0, "write {n}: {}", errno_name(r));
+            let back = c
+                .read_at(0, off, 65536)
+                .unwrap_or_else(|e| panic!("read {n}: {e}"));
+            assert_same(&back, &data, &format!("read {n}"));
+            n += 1;
+        }
+        n
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    drop(srv);
+    let _ = std::fs::remove_file(&sock);
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let (srv, _) = qemu_nbd(&dir, &img).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let n = io.join().expect("a request failed across the restart");
+    println!(
+        "{n} write+read pairs across a restart of {:?}",
+        t0.elapsed()
+    );
+    backend.assert_running();
+    let log = backend.log_contents();
+    assert!(log.contains("connected again"), "{log}");
+    drop(srv);
+    drop(backend);
+}
+
+/// nbdkit's error filter fails a fifth of the requests: those get IOERR, the rest succeed,
+/// vublk keeps serving.
+#[test]
+fn server_errors_fail_only_their_requests() {
+    let dir = TestDir::new("nbd-errors");
+    if !have("nbdkit") {
+        skip_or_fail::<()>("nbdkit missing (apt-get install nbdkit)");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new("nbdkit")
+        .args([
+            "--foreground",
+            "--exit-with-parent",
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .args([
+            "--filter=error",
+            "memory",
+            "16M",
+            "error-rate=20%",
+            "error=EIO",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _srv = Server(child);
+    wait_until("nbdkit listening", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let backend = serve(&dir, &format!("nbd://127.0.0.1:{port}/"), 1, &[]);
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    let (mut ok, mut failed) = (0, 0);
+    for i in 0..200u64 {
+        let r = if i % 2 == 0 {
+            c.write_at(0, i * 4096, &[i as u8; 4096])
+        } else {
+            c.read_at(0, (i - 1) * 4096, 4096)
+                .map(|_| 0)
+                .unwrap_or_else(|e| e)
+        };
+        match r {
+            0 => ok += 1,
+            e if e == -libc::EIO => failed += 1,
+            e => panic!("request {i}: {}", errno_name(e)),
+        }
+    }
+    println!("{ok} succeeded, {failed} failed with EIO");
+    assert!(failed > 10 && ok > 100, "{ok} ok, {failed} failed");
+    backend.assert_running();
+    drop(c);
+    assert!(backend.sigterm_and_wait(EXIT_DEADLINE).success());
+}
+
+/// nbdkit's delay filter (reads 150 ms): the latency shows in `vublk ctl stats`, nothing
+/// times out.
+#[test]
+fn server_latency_shows_in_stats() {
+    let dir = TestDir::new("nbd-delay");
+    if !have("nbdkit") {
+        skip_or_fail::<()>("nbdkit missing (apt-get install nbdkit)");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new("nbdkit")
+        .args([
+            "--foreground",
+            "--exit-with-parent",
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .args(["--filter=delay", "memory", "16M", "rdelay=150ms"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _srv = Server(child);
+    wait_until("nbdkit listening", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let ctl = dir.join("ctl.sock");
+    let ctl_arg = ctl.display().to_string();
+    let backend = serve(
+        &dir,
+        &format!("nbd://127.0.0.1:{port}/"),
+        1,
+        &["--control-socket", &ctl_arg],
+    );
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    for i in 0..5 {
+        c.read_at(0, i * 4096, 4096).unwrap();
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .args(["ctl", "--control-socket", &ctl_arg, "stats"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let read = &v["total"]["requests"]["read"];
+    println!("read stats: {read}");
+    let mean = read["latency_us"]["mean"].as_u64().unwrap();
+    assert!(read["requests"].as_u64().unwrap() >= 5, "{v}");
+    assert!(
+        (150_000..2_000_000).contains(&mean),
+        "mean read latency {mean} us: {v}"
+    );
+    drop(c);
+    assert!(backend.sigterm_and_wait(EXIT_DEADLINE).success());
+}
+
+/// Start-up against nothing listening, or a server that never answers: exit 1 with the
+/// reason within `--nbd-timeout`.
+#[test]
+fn an_unreachable_server_at_start_up_is_exit_1_in_bounded_time() {
+    let dir = TestDir::new("nbd-unreachable");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    for (uri, want) in [
+        (format!("nbd://127.0.0.1:{port}/x"), "connecting to"),
+        (format!("nbd://127.0.0.1:{silent_port}/x"), "handshake"),
+        ("nbds://127.0.0.1/x".to_string(), "TLS"),
+        (
+            format!("nbd+unix:///x?socket={}", dir.join("none.sock").display()),
+            "connecting to",
+        ),
+    ] {
+        let t0 = Instant::now();
+        let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .arg("--socket-path")
+            .arg(dir.join("v.sock"))
+            .args(["--blk-file", &uri, "--nbd-timeout", "2"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        println!(
+            "{uri}: {:?} after {:?}: {}",
+            o.status.code(),
+            t0.elapsed(),
+            err.trim()
+        );
+        assert!(matches!(o.status.code(), Some(1) | Some(2)), "{uri}: {err}");
+        assert!(err.contains(want), "{uri}: {err}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{uri}: {:?}",
+            t0.elapsed()
+        );
+    }
+    drop(silent);
 }

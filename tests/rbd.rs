@@ -20,7 +20,6 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blkio::ReqFlags;
 use common::*;
 use vublk::io::Completion;
 use vublk::offload::Inbox;
@@ -288,33 +287,6 @@ fn serve(dir: &TestDir, ceph: &Ceph, name: &str, extra: &[&str], read_only: bool
     )
 }
 
-/// What the disk holds: known bytes, and ranges a discard left unspecified (old data or
-/// zeroes: librbd skips discards below its granularity).
-struct Model {
-    data: Vec<u8>,
-    unknown: Vec<bool>,
-}
-
-impl Model {
-    fn check(&self, got: &[u8], offset: usize, what: &str) {
-        for (i, &g) in got.iter().enumerate() {
-            let j = offset + i;
-            let ok = g == self.data[j] || (self.unknown[j] && g == 0);
-            assert!(
-                ok,
-                "{what}: byte {j}: {g:#x}, expected {:#x}{}",
-                self.data[j],
-                if self.unknown[j] { " or 0" } else { "" }
-            );
-        }
-    }
-
-    fn set(&mut self, offset: usize, bytes: &[u8]) {
-        self.data[offset..offset + bytes.len()].copy_from_slice(bytes);
-        self.unknown[offset..offset + bytes.len()].fill(false);
-    }
-}
-
 /// The randomized model check on an RBD image: writes (some all zeroes), reads, WRITE_ZEROES
 /// with and without UNMAP, DISCARD, FLUSH; every read and the whole disk at the end equal
 /// the model, and so does `rbd export` of the image after vublk exited.
@@ -331,87 +303,7 @@ fn model_check(name: &str, extra: &[&str]) {
     let backend = serve(&dir, &ceph, "disk", &extra, false);
     let mut c = connect(&backend.socket, ClientOpts::default());
     assert_eq!(c.capacity(), SIZE);
-    let mut m = Model {
-        data: vec![0; SIZE as usize],
-        unknown: vec![false; SIZE as usize],
-    };
-    let mut rng = Rng::new(0x5eed_0018);
-    let mut counts = [0usize; 6];
-    for i in 0..OPS {
-        let sectors = if rng.below(2) == 0 {
-            rng.range(1, 16)
-        } else {
-            rng.range(1, 2048)
-        };
-        let len = sectors as usize * 512;
-        let offset = (rng.below((SIZE - len as u64) / 512 + 1) * 512) as usize;
-        let what = rng.below(16);
-        let ret = match what {
-            0..=6 => {
-                counts[0] += 1;
-                let mut data = vec![0u8; len];
-                if rng.below(4) != 0 {
-                    rng.fill(&mut data);
-                }
-                c.mem_mut()[..len].copy_from_slice(&data);
-                m.set(offset, &data);
-                c.submit(
-                    0,
-                    Op::Write {
-                        offset: offset as u64,
-                        buf: 0,
-                        len,
-                    },
-                )
-            }
-            7..=11 => {
-                counts[1] += 1;
-                c.mem_mut()[..len].fill(0x5a);
-                let got = c.read_at(0, offset as u64, len).unwrap_or_else(|e| {
-                    panic!("op {i}: read {len} at {offset}: {}", errno_name(e))
-                });
-                m.check(&got, offset, &format!("op {i}: read {len} at {offset}"));
-                0
-            }
-            12 | 13 => {
-                counts[2] += 1;
-                let flags = if what == 12 {
-                    ReqFlags::empty()
-                } else {
-                    ReqFlags::NO_UNMAP
-                };
-                m.set(offset, &vec![0; len]);
-                c.submit(
-                    0,
-                    Op::WriteZeroes {
-                        offset: offset as u64,
-                        len: len as u64,
-                        flags,
-                    },
-                )
-            }
-            14 => {
-                counts[3] += 1;
-                m.unknown[offset..offset + len].fill(true);
-                c.submit(
-                    0,
-                    Op::Discard {
-                        offset: offset as u64,
-                        len: len as u64,
-                    },
-                )
-            }
-            _ => {
-                counts[4] += 1;
-                c.submit(0, Op::Flush)
-            }
-        };
-        assert_eq!(ret, 0, "op {i} ({what}): {}", errno_name(ret));
-    }
-    println!(
-        "{} writes, {} reads, {} write-zeroes, {} discards, {} flushes",
-        counts[0], counts[1], counts[2], counts[3], counts[4]
-    );
+    let m = random_requests(&mut c, SIZE, OPS, 0x5eed_0018);
     let all = c.read_all(0);
     m.check(&all, 0, "the whole disk through vublk");
     drop(c);

@@ -35,6 +35,8 @@ pub enum GrowError {
     Image(#[source] ImageError),
     #[error("resizing the RBD image: {0}")]
     Rbd(String),
+    #[error("an NBD export cannot be resized from the client (resize it on the server)")]
+    Nbd,
 }
 
 impl Image {
@@ -94,6 +96,7 @@ impl Image {
             // Resized in the cluster above.
             #[cfg(feature = "rbd")]
             Kind::Rbd(_) => {}
+            Kind::Nbd(_) => return Err(GrowError::Nbd),
         }
         self.size_bytes.store(new, Ordering::Release);
         Ok(new)

@@ -20,6 +20,7 @@ pub mod fuzz;
 mod grow;
 pub mod handover;
 pub mod lock;
+pub mod nbd;
 mod open;
 pub mod parallels;
 pub mod prealloc;
@@ -46,6 +47,16 @@ use crate::offload::Pool;
 use chain::Layer;
 use parallels::ParallelsImage;
 use qcow2::{CowInstall, Qcow2Image};
+
+/// A stable identity for the default serial of an image without a file: its name, hashed
+/// (FNV-1a).
+fn identity(name: &str) -> (u64, u64) {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in name.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    (0x0072_6264, h)
+}
 
 /// A data-path failure of an image format (host side: never the guest's fault).
 #[derive(Debug, thiserror::Error)]
@@ -152,6 +163,8 @@ enum Kind {
     Raw,
     Qcow2(Qcow2Disk),
     Parallels(ParallelsImage),
+    /// An NBD export (`file` is /dev/null, never used: the NBD engine does every access).
+    Nbd(nbd::NbdDisk),
     /// A Ceph RBD image (`file` is /dev/null, never used: librbd does every access).
     #[cfg(feature = "rbd")]
     Rbd(rbd::RbdDisk),
@@ -246,9 +259,10 @@ impl Image {
             Kind::Raw => Format::Raw,
             Kind::Qcow2(_) => Format::Qcow2,
             Kind::Parallels(_) => Format::Parallels,
-            // Raw data, in the cluster.
+            // Raw data, in the cluster, or on the server.
             #[cfg(feature = "rbd")]
             Kind::Rbd(_) => Format::Raw,
+            Kind::Nbd(_) => Format::Raw,
         }
     }
 
@@ -284,6 +298,19 @@ impl Image {
         let _ = other;
     }
 
+    /// The NBD export this is (for the NBD engine: where to connect, what it offers).
+    pub fn nbd(&self) -> Option<(&crate::nbd::NbdTarget, &crate::nbd::Export, nbd::NbdOptions)> {
+        match &self.kind {
+            Kind::Nbd(n) => Some((&n.target, &n.export, n.opts)),
+            _ => None,
+        }
+    }
+
+    /// Is this image elsewhere (RBD, NBD), served by a network engine with raw semantics?
+    pub fn is_remote(&self) -> bool {
+        matches!(self.kind, Kind::Nbd(_)) || self.is_rbd()
+    }
+
     /// Is this an RBD image (served by the librbd engine, not through a file)?
     pub fn is_rbd(&self) -> bool {
         #[cfg(feature = "rbd")]
@@ -306,7 +333,7 @@ impl Image {
     /// Host I/O must stay below this offset (raw: the file is the disk); None where the
     /// file may end anywhere (formats: reads past its end are zeroes).
     pub fn host_limit(&self) -> Option<u64> {
-        if matches!(self.kind, Kind::Raw) || self.is_rbd() {
+        if matches!(self.kind, Kind::Raw) || self.is_remote() {
             Some(self.size_bytes())
         } else {
             None
@@ -352,6 +379,7 @@ impl Image {
             Kind::Raw => return Ok(Some(offset)),
             #[cfg(feature = "rbd")]
             Kind::Rbd(_) => return Ok(Some(offset)),
+            Kind::Nbd(_) => return Ok(Some(offset)),
             Kind::Parallels(p) => p.map(offset, len, &mut plan.pieces),
             Kind::Qcow2(d) => chain::resolve_read(
                 &d.q,
@@ -429,6 +457,7 @@ impl Image {
             Kind::Raw => Ok(engine(offset, false)),
             #[cfg(feature = "rbd")]
             Kind::Rbd(_) => Ok(engine(offset, false)),
+            Kind::Nbd(_) => Ok(engine(offset, false)),
             Kind::Parallels(p) => {
                 // Allocated and contiguous: in place. Else allocate here (new clusters read
                 // as zeroes, so no fill is needed); write-through and scattered clusters
@@ -486,6 +515,8 @@ impl Image {
             // librbd takes any alignment: never smaller than a block.
             #[cfg(feature = "rbd")]
             Kind::Rbd(_) => None,
+            // The engine splits and the device's block size is at least the server's.
+            Kind::Nbd(_) => None,
         }
     }
 
@@ -573,6 +604,11 @@ impl Image {
                     "RBD images are written by the librbd engine".into(),
                 ))
             }
+            Kind::Nbd(_) => {
+                return Err(ImageError::Unsupported(
+                    "NBD exports are written by the NBD engine".into(),
+                ))
+            }
             Kind::Parallels(p) => p.write(&self.file, offset, data)?,
             Kind::Qcow2(d) => {
                 let mut fill_old = |cl: u64, buf: &mut [u8]| self.read_guest_cluster(d, cl, buf);
@@ -634,7 +670,7 @@ impl Image {
     /// DISCARD / WRITE_ZEROES go through the format ([`Self::zero_range`]) rather than the
     /// engine's fallocate (raw).
     pub fn zeroes_through_format(&self) -> bool {
-        !matches!(self.kind, Kind::Raw) && !self.is_rbd()
+        !matches!(self.kind, Kind::Raw) && !self.is_remote()
     }
 
     /// Zero or discard [offset, offset + len) through the format, synchronously.
@@ -644,6 +680,7 @@ impl Image {
             Kind::Raw => Err(ImageError::Corrupt("raw images are zeroed by the engine")),
             #[cfg(feature = "rbd")]
             Kind::Rbd(_) => Err(ImageError::Corrupt("RBD images are zeroed by the engine")),
+            Kind::Nbd(_) => Err(ImageError::Corrupt("NBD exports are zeroed by the engine")),
             Kind::Parallels(p) => p.zero_range(&self.file, offset, len, mode),
             Kind::Qcow2(d) => {
                 let mut fill_old = |cl: u64, buf: &mut [u8]| self.read_guest_cluster(d, cl, buf);
@@ -668,6 +705,7 @@ impl Image {
             Kind::Raw => Ok(()),
             #[cfg(feature = "rbd")]
             Kind::Rbd(_) => Ok(()),
+            Kind::Nbd(_) => Ok(()),
             Kind::Parallels(p) => p.flush(&self.file),
             Kind::Qcow2(d) => d.q.flush(&self.file),
         }
@@ -684,6 +722,7 @@ impl Image {
             Kind::Raw => Ok(()),
             #[cfg(feature = "rbd")]
             Kind::Rbd(_) => Ok(()),
+            Kind::Nbd(_) => Ok(()),
             Kind::Parallels(p) => p.publish(&self.file),
             Kind::Qcow2(d) => d.q.publish(&self.file),
         }
@@ -697,6 +736,15 @@ impl Image {
         #[cfg(feature = "rbd")]
         if let Kind::Rbd(r) = &self.kind {
             return r.sync();
+        }
+        if let Kind::Nbd(_) = &self.kind {
+            // The image holds no connection: each queue's flushes its own, on the guest's
+            // FLUSH and when the queue stops.
+            return Err(ImageError::Unsupported(
+                "an NBD export is flushed by the guest's FLUSH and when its queues stop, not \
+                 from here"
+                    .into(),
+            ));
         }
         self.write_back()?;
         Ok(self.file.sync_data()?)
@@ -712,6 +760,8 @@ impl Image {
             Kind::Raw => {}
             #[cfg(feature = "rbd")]
             Kind::Rbd(r) => return r.sync(),
+            // Each queue's connection was flushed when the queue stopped.
+            Kind::Nbd(_) => return Ok(()),
             Kind::Parallels(p) => p.close(&self.file)?,
             Kind::Qcow2(d) => d.q.close(&self.file)?,
         }

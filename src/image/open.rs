@@ -66,6 +66,8 @@ pub struct ImageOptions {
     pub cow_threads: usize,
     /// How an RBD image (`rbd:POOL/IMAGE`) is reached and cached.
     pub ceph: CephOptions,
+    /// How an NBD export is reached.
+    pub nbd: super::nbd::NbdOptions,
 }
 
 /// `--ceph-conf`, `--ceph-id`, `--ceph-keyring`, `--ceph-timeout`, `--ceph-op-timeout`,
@@ -143,9 +145,23 @@ pub enum ImageOpenError {
     /// An option that does not fit this image (like other bad options: exit status 2).
     #[error("{0}")]
     Option(String),
-    /// A Ceph cluster or RBD image that cannot be served: librbd's reason, what to check.
+    /// A Ceph cluster, RBD image or NBD server that cannot be served: the reason, what to
+    /// check.
     #[error("{0}")]
-    Rbd(String),
+    Remote(String),
+}
+
+/// The NBD export `opts.path` names, if it is an NBD URI: Some(open result).
+fn open_nbd(opts: &ImageOptions) -> Option<Result<(Image, DioAlign, RawFacts), ImageOpenError>> {
+    let s = opts.path.to_str()?;
+    if !crate::nbd::is_nbd_uri(s) {
+        return None;
+    }
+    Some(
+        crate::nbd::NbdTarget::parse(s)
+            .map_err(ImageOpenError::Option)
+            .and_then(|t| super::nbd::open(opts, t)),
+    )
 }
 
 /// The RBD image `opts.path` names, if it names one: Some(open result).
@@ -198,6 +214,9 @@ impl Image {
     /// Open the image as `opts` says; returns it with the file's direct-I/O alignment.
     pub fn open(opts: &ImageOptions) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
         if let Some(r) = open_rbd(opts, false) {
+            return r;
+        }
+        if let Some(r) = open_nbd(opts) {
             return r;
         }
         let img = open_raw(
@@ -282,6 +301,13 @@ impl Image {
     pub fn incoming(opts: &ImageOptions) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
         if let Some(r) = open_rbd(opts, true) {
             return r;
+        }
+        // An NBD export has no locks nor metadata: what is read now holds then.
+        if let Some(r) = open_nbd(opts) {
+            return r.map(|(image, dio, facts)| {
+                image.deactivate();
+                (image, dio, facts)
+            });
         }
         let img = open_raw(&opts.path, true, opts.direct, opts.logical_block_size)?;
         let (dio, _) = align::probe(&img.file, opts.direct);

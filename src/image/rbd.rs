@@ -35,7 +35,7 @@ pub(super) fn spec_of(opts: &ImageOptions) -> Option<Result<RbdSpec, ImageOpenEr
 }
 
 fn rbd_err(e: RbdError) -> ImageOpenError {
-    ImageOpenError::Rbd(e.to_string())
+    ImageOpenError::Remote(e.to_string())
 }
 
 /// librbd's options for a `--cache` mode (QEMU's mapping: `none` turns librbd's cache off).
@@ -66,15 +66,6 @@ fn caches_writes(cluster: &Cluster) -> Result<bool, ImageOpenError> {
     let on = cluster.conf_get("rbd_cache").map_err(rbd_err)? == "true";
     let max_dirty = cluster.conf_get("rbd_cache_max_dirty").map_err(rbd_err)?;
     Ok(on && max_dirty.trim() != "0")
-}
-
-/// A stable identity for the default serial: the image's name, hashed (FNV-1a).
-fn identity(name: &str) -> (u64, u64) {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for b in name.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-    }
-    (0x0072_6264, h)
 }
 
 /// Open an RBD image as `opts` say. `incoming`: a migration destination's image (read-only
@@ -125,14 +116,14 @@ pub(super) fn open(
     );
     let facts = RawFacts {
         is_block_device: false,
-        dev_ino: identity(&name),
+        dev_ino: super::identity(&name),
         file_size_bytes: size,
         write_cache: Some(cached),
     };
     // Nothing reads or writes this: every path of an RBD image goes to librbd. /dev/null,
     // read-only, so that a path that forgot fails loudly instead of losing data.
     let file = std::fs::File::open("/dev/null").map_err(|e| {
-        ImageOpenError::Rbd(format!("opening /dev/null (stands in for the file): {e}"))
+        ImageOpenError::Remote(format!("opening /dev/null (stands in for the file): {e}"))
     })?;
     let image = Image {
         file,
@@ -166,7 +157,7 @@ fn lock(img: &RbdImage, name: &str, mode: Locking, wait: Duration) -> Result<boo
             name.trim_start_matches("rbd:")
         );
         if mode == Locking::On {
-            return Err(ImageOpenError::Rbd(format!("{why} (--locking on)")));
+            return Err(ImageOpenError::Remote(format!("{why} (--locking on)")));
         }
         warn!("{why}");
         return Ok(false);
@@ -187,7 +178,7 @@ fn lock(img: &RbdImage, name: &str, mode: Locking, wait: Duration) -> Result<boo
                 std::thread::sleep(Duration::from_millis(200));
             }
             Err(e) => {
-                return Err(ImageOpenError::Rbd(format!(
+                return Err(ImageOpenError::Remote(format!(
                     "{name}: in use by another client: {e} (`rbd lock ls` and `rbd status` \
                      show who; --locking off serves it anyway, at the risk of two writers)"
                 )))

@@ -13,6 +13,7 @@ impl Image {
             Kind::Raw => serde_json::json!({}),
             #[cfg(feature = "rbd")]
             Kind::Rbd(_) => serde_json::json!({}),
+            Kind::Nbd(_) => serde_json::json!({}),
             Kind::Parallels(p) => serde_json::json!({
                 "clusters_allocated": n(&p.stats.allocated),
                 "clusters_reused": n(&p.stats.reused),

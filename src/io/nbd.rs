@@ -11,16 +11,20 @@
 //! `SEND_FLUSH` complete at once. A server error reply fails that request only. Replies are
 //! read through a buffer and copied into the request's buffers.
 //!
-//! (Groundwork of issue 19: not yet used by the daemon; reconnecting is not written yet, a
-//! lost connection fails what is in flight with EIO.)
+//! A lost connection (the server restarted, the network gone) is made again: every
+//! `reconnect_delay` for up to `reconnect_timeout`, on the queue's thread (its requests wait,
+//! new ones are not taken meanwhile); then everything not answered is sent again. Past the
+//! timeout what is in flight fails with EIO, and so does everything after. When the engine
+//! goes (the queue stopped) it flushes the server and ends the session.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use super::{sys, Completion, Op};
+use crate::image::nbd::NbdOptions;
 use crate::nbd::wire::*;
-use crate::nbd::{Export, Stream};
+use crate::nbd::{Export, NbdTarget, Stream};
 
 /// Bytes of the receive buffer (a read reply's data passes through it).
 const RX_BUF: usize = 256 << 10;
@@ -82,8 +86,10 @@ pub struct NbdEngine {
     rx_end: usize,
     state: Rx,
     done: Vec<Completion>,
-    /// The connection failed: why (everything since fails with EIO).
+    /// The connection failed for good: why (everything since fails with EIO).
     broken: Option<String>,
+    /// Where to connect again when the connection is lost (None: never).
+    target: Option<(NbdTarget, NbdOptions)>,
 }
 
 // SAFETY: the raw pointers are iovecs into buffers the queue's in-flight slots own (guest
@@ -183,7 +189,24 @@ impl NbdEngine {
             state: Rx::Header,
             done: Vec::new(),
             broken: None,
+            target: None,
         })
+    }
+
+    /// Connect to `target`, whose export must still be `export` (its size), and keep what
+    /// is needed to connect again.
+    pub fn connect(target: NbdTarget, export: Export, opts: NbdOptions) -> io::Result<Self> {
+        let (sock, now) = crate::nbd::connect(&target, opts.timeout)
+            .map_err(|e| io::Error::new(io::ErrorKind::ConnectionRefused, e.to_string()))?;
+        if now.size != export.size {
+            return Err(io::Error::other(format!(
+                "{target}: the export is {} bytes now, the guest was shown {}",
+                now.size, export.size
+            )));
+        }
+        let mut e = NbdEngine::new(sock, now)?;
+        e.target = Some((target, opts));
+        Ok(e)
     }
 
     pub fn export(&self) -> &Export {
@@ -392,9 +415,16 @@ impl NbdEngine {
         }
     }
 
-    /// The connection is gone: everything in flight fails.
+    /// The connection is gone: connect again and resend what is not answered, or (past the
+    /// reconnect timeout, or without a target) fail everything in flight.
     fn fail(&mut self, why: String) {
-        log::error!("NBD connection lost: {why}");
+        if self.reconnect(&why) {
+            return;
+        }
+        log::error!(
+            "NBD connection lost: {why}; failing {} requests",
+            self.parts.len()
+        );
         self.broken = Some(why);
         self.out.clear();
         let parts: Vec<u64> = self.parts.keys().copied().collect();
@@ -407,6 +437,88 @@ impl NbdEngine {
             self.sock.as_raw_fd(),
             0,
         );
+    }
+
+    fn reconnect(&mut self, why: &str) -> bool {
+        let Some((target, opts)) = self.target.clone() else {
+            return false;
+        };
+        log::warn!(
+            "{target}: connection lost ({why}); reconnecting every {:?} for up to {:?}, {} \
+             requests waiting",
+            opts.reconnect_delay,
+            opts.reconnect_timeout,
+            self.parts.len()
+        );
+        let t0 = std::time::Instant::now();
+        let _ = epoll_ctl(
+            self.epoll.as_raw_fd(),
+            libc::EPOLL_CTL_DEL,
+            self.sock.as_raw_fd(),
+            0,
+        );
+        let mut first = true;
+        loop {
+            if !first {
+                if t0.elapsed() + opts.reconnect_delay > opts.reconnect_timeout {
+                    log::error!("{target}: not back after {:?}", t0.elapsed());
+                    return false;
+                }
+                std::thread::sleep(opts.reconnect_delay);
+            }
+            first = false;
+            let (sock, e) = match crate::nbd::connect(&target, opts.timeout) {
+                Ok(x) => x,
+                Err(e) => {
+                    log::debug!("{target}: {e}");
+                    continue;
+                }
+            };
+            if e.size != self.export.size {
+                log::error!(
+                    "{target}: the export is {} bytes now, the guest was shown {}: not \
+                     serving it",
+                    e.size,
+                    self.export.size
+                );
+                return false;
+            }
+            if sock.set_nonblocking(true).is_err()
+                || epoll_ctl(
+                    self.epoll.as_raw_fd(),
+                    libc::EPOLL_CTL_ADD,
+                    sock.as_raw_fd(),
+                    libc::EPOLLIN as u32,
+                )
+                .is_err()
+            {
+                continue;
+            }
+            self.sock = sock;
+            self.export = e;
+            self.want_out = false;
+            self.rx_start = 0;
+            self.rx_end = 0;
+            self.state = Rx::Header;
+            // Everything not answered, again, in the order it was first sent.
+            self.out.clear();
+            let mut handles: Vec<u64> = self.parts.keys().copied().collect();
+            handles.sort_unstable();
+            for h in &handles {
+                let p = &self.parts[h];
+                self.out.push_back(libc::iovec {
+                    iov_base: p.header.as_ptr() as *mut _,
+                    iov_len: REQUEST_LEN,
+                });
+                self.out.extend(p.src.iter().copied());
+            }
+            log::info!(
+                "{target}: connected again after {:?}; resending {} requests",
+                t0.elapsed(),
+                handles.len()
+            );
+            return true;
+        }
     }
 
     /// A part ended with `result` (0 or a negative errno).
@@ -697,5 +809,59 @@ impl NbdEngine {
     /// Requests sent and not answered yet.
     pub fn in_flight(&self) -> usize {
         self.parts.len()
+    }
+}
+
+impl Drop for NbdEngine {
+    /// The queue stopped: what completed is made durable on the server (FLUSH, waited for a
+    /// few seconds at most), then the session ends (NBD_CMD_DISC).
+    fn drop(&mut self) {
+        if self.broken.is_some() {
+            return;
+        }
+        // No reconnecting from here on.
+        self.target = None;
+        if self.parts.is_empty() && self.export.has(FLAG_SEND_FLUSH) {
+            const FLUSH_ID: u64 = u64::MAX;
+            self.queue_part(FLUSH_ID, CMD_FLUSH, 0, 0, 0);
+            self.ops.insert(
+                FLUSH_ID,
+                Agg {
+                    left: 1,
+                    result: 0,
+                    flush_after: false,
+                },
+            );
+            let t0 = std::time::Instant::now();
+            let mut out = Vec::new();
+            while self.broken.is_none()
+                && !out.iter().any(|c: &Completion| c.user_data == FLUSH_ID)
+                && t0.elapsed() < std::time::Duration::from_secs(5)
+            {
+                self.send();
+                let _ = self.wait_one();
+                self.reap(&mut out);
+            }
+            if let Some(c) = out.iter().find(|c| c.user_data == FLUSH_ID) {
+                if c.result < 0 {
+                    log::error!(
+                        "the final NBD flush failed: {}",
+                        io::Error::from_raw_os_error(-c.result)
+                    );
+                }
+            }
+        }
+        if self.broken.is_none() {
+            let _ = self.sock.set_nonblocking(false);
+            let disc = Request {
+                flags: 0,
+                kind: CMD_DISC,
+                handle: 0,
+                offset: 0,
+                len: 0,
+            }
+            .encode();
+            let _ = std::io::Write::write_all(&mut self.sock, &disc);
+        }
     }
 }

@@ -202,6 +202,18 @@ fn rep_error_name(kind: u32) -> String {
     }
 }
 
+/// End the session politely (NBD_CMD_DISC) and close the socket.
+pub fn disconnect(mut s: Stream) {
+    let disc = Request {
+        flags: 0,
+        kind: CMD_DISC,
+        handle: 0,
+        offset: 0,
+        len: 0,
+    };
+    let _ = s.write_all(&disc.encode());
+}
+
 /// Connect and negotiate, giving up after `timeout`. Returns the stream (blocking, no
 /// timeouts) and what the server said about the export.
 pub fn connect(target: &NbdTarget, timeout: Duration) -> Result<(Stream, Export), ConnectError> {
@@ -211,9 +223,15 @@ pub fn connect(target: &NbdTarget, timeout: Duration) -> Result<(Stream, Export)
         target: name.clone(),
         source,
     })?;
-    let io_err = |source| ConnectError::Io {
+    let io_err = |source: io::Error| ConnectError::Io {
         target: name.clone(),
-        source,
+        source: match source.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no answer within {timeout:?}"),
+            ),
+            _ => source,
+        },
     };
     let proto = |what: String| ConnectError::Protocol {
         target: name.clone(),

@@ -2,12 +2,12 @@
 //! with structured replies and block-size constraints (`handshake`), and the transmission
 //! phase's messages (`wire`).
 //!
-//! Groundwork for serving `--blk-file nbd://...` (issue 19): the engine that runs requests
-//! on each queue's own loop is not written yet.
+//! The engine that runs requests on each queue's own loop is `io::NbdEngine`; the image kind
+//! (size, flags, options) is `image::nbd`.
 
 pub mod handshake;
 pub mod uri;
 pub mod wire;
 
-pub use handshake::{connect, ConnectError, Export, Stream};
+pub use handshake::{connect, disconnect, ConnectError, Export, Stream};
 pub use uri::{is_nbd_uri, NbdAddr, NbdTarget};

@@ -15,6 +15,7 @@ mod client;
 mod files;
 mod frontend;
 mod loopdev;
+mod model;
 mod process;
 mod qemu_img;
 mod seccomp;
@@ -31,6 +32,8 @@ pub use files::*;
 pub use frontend::*;
 #[allow(unused_imports)]
 pub use loopdev::*;
+#[allow(unused_imports)]
+pub use model::*;
 #[allow(unused_imports)]
 pub use process::*;
 #[allow(unused_imports)]
