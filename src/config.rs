@@ -359,6 +359,7 @@ impl Config {
             cow_threads: self.cow_threads,
             ceph: self.ceph.clone(),
             nbd: self.nbd,
+            num_queues: self.num_queues,
         }
     }
 }

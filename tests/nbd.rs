@@ -778,3 +778,59 @@ fn an_unreachable_server_at_start_up_is_exit_1_in_bounded_time() {
     }
     drop(silent);
 }
+
+/// A server without NBD_FLAG_CAN_MULTI_CONN (nbdkit's multi-conn filter turning it off): one
+/// queue is served, several are refused at start-up with what to do.
+#[test]
+fn a_server_without_multi_conn_is_served_by_one_queue() {
+    let dir = TestDir::new("nbd-single-conn");
+    if !have("nbdkit") {
+        skip_or_fail::<()>("nbdkit missing (apt-get install nbdkit)");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new("nbdkit")
+        .args([
+            "--foreground",
+            "--exit-with-parent",
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .args([
+            "--filter=multi-conn",
+            "memory",
+            "16M",
+            "multi-conn-mode=disable",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _srv = Server(child);
+    wait_until("nbdkit listening", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let uri = format!("nbd://127.0.0.1:{port}/");
+    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .arg("--socket-path")
+        .arg(dir.join("v.sock"))
+        .args(["--blk-file", &uri, "--num-queues", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--num-queues 1"), "{err}");
+    let backend = serve(&dir, &uri, 1, &[]);
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    assert_eq!(c.write_at(0, 0, &[3u8; 4096]), 0);
+    assert_eq!(c.read_at(0, 0, 4096).unwrap(), vec![3u8; 4096]);
+    drop(c);
+    assert!(backend.sigterm_and_wait(EXIT_DEADLINE).success());
+}

@@ -106,6 +106,8 @@ struct Variant {
     prepare: Option<fn(&Path, u64) -> PathBuf>,
     /// Serve an RBD image of a throwaway Ceph cluster instead (checked through `rbd export`).
     rbd: bool,
+    /// Serve the image through qemu-nbd (a UNIX socket) as an NBD export.
+    nbd: bool,
 }
 
 /// What a zero-write run may leave allocated in the image, in bytes.
@@ -136,6 +138,7 @@ fn guest_mkfs_fsck_and_pattern_io() {
         device_props: "",
         prepare: None,
         rbd: false,
+        nbd: false,
     });
 }
 
@@ -158,6 +161,7 @@ fn guest_on_4k_blocks_with_threads_engine_and_page_cache() {
         device_props: "",
         prepare: None,
         rbd: false,
+        nbd: false,
     });
 }
 
@@ -184,6 +188,7 @@ fn guest_zero_writes_with_and_without_detect_zeroes() {
                 device_props: ",write-zeroes=off",
                 prepare: None,
                 rbd: false,
+                nbd: false,
             });
         }
     }
@@ -271,7 +276,7 @@ fn run_guest(variant: &Variant) {
     } else {
         None
     };
-    let image = match variant.prepare {
+    let file_image = match variant.prepare {
         _ if variant.rbd => PathBuf::from("rbd:rbd/disk"),
         Some(prepare) => prepare(&run.path, disk_size),
         None => {
@@ -281,6 +286,26 @@ fn run_guest(variant: &Variant) {
                 .expect("creating sparse disk image");
             image
         }
+    };
+    // An NBD export of the file: qemu-nbd on a UNIX socket, one connection per queue.
+    let mut nbd_server = None;
+    let image = if variant.nbd {
+        let nsock = run.path.join("nbd.sock");
+        let mut cmd = Command::new("qemu-nbd");
+        cmd.arg("--socket")
+            .arg(&nsock)
+            .args(["--export-name", "disk", "--format", "raw", "--persistent"])
+            .args(["--shared", "8", "--cache", "none", "--aio", "io_uring"])
+            .arg(&file_image)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(File::create(run.path.join("qemu-nbd.log")).unwrap());
+        let mut p = ChildGuard::spawn("qemu-nbd", &mut cmd).expect("starting qemu-nbd");
+        vm::wait_for_socket(&nsock, &mut p, Duration::from_secs(20)).unwrap();
+        nbd_server = Some(p);
+        PathBuf::from(format!("nbd+unix:///disk?socket={}", nsock.display()))
+    } else {
+        file_image.clone()
     };
     let mut sock = run.path.join("vhost-user-blk.sock");
     if sock.as_os_str().len() > 100 {
@@ -539,6 +564,11 @@ fn run_guest(variant: &Variant) {
     }
 
     // ---- host-side checks on the image the guest wrote
+    // An NBD export: the file qemu-nbd served, once it is gone.
+    if let Some(mut p) = nbd_server.take() {
+        p.terminate(Duration::from_secs(10));
+    }
+    let image = if variant.nbd { file_image } else { image };
     // An RBD image: what the cluster has, exported.
     #[cfg(feature = "rbd")]
     let image = match &ceph {
@@ -751,6 +781,7 @@ fn guest_reads_a_compressed_qcow2_over_a_raw_backing_file() {
         device_props: "",
         prepare: Some(prepare_qcow2_chain),
         rbd: false,
+        nbd: false,
     });
 }
 
@@ -779,6 +810,7 @@ fn guest_mkfs_and_files_on_a_fresh_qcow2() {
         device_props: "",
         prepare: Some(prepare_qcow2_fresh),
         rbd: false,
+        nbd: false,
     });
 }
 
@@ -796,6 +828,7 @@ fn guest_mkfs_and_files_on_a_compressing_qcow2() {
         device_props: "",
         prepare: Some(prepare_qcow2_fresh),
         rbd: false,
+        nbd: false,
     });
 }
 
@@ -814,6 +847,24 @@ fn guest_mkfs_and_files_on_an_rbd_image() {
         device_props: "",
         prepare: None,
         rbd: true,
+        nbd: false,
+    });
+}
+
+/// The full guest workload on an NBD export (qemu-nbd serving a raw file on a UNIX socket,
+/// a connection per queue), checked on the file afterwards.
+#[test]
+fn guest_mkfs_and_files_on_an_nbd_export() {
+    run_guest(&Variant {
+        name: "nbd",
+        vublk_args: &["--discard", "unmap"],
+        serial: None,
+        logical_block: 512,
+        mode: None,
+        device_props: "",
+        prepare: None,
+        rbd: false,
+        nbd: true,
     });
 }
 
@@ -857,5 +908,6 @@ fn guest_mkfs_and_files_on_a_fresh_parallels_image() {
         device_props: "",
         prepare: Some(prepare_parallels_fresh),
         rbd: false,
+        nbd: false,
     });
 }

@@ -78,6 +78,13 @@ pub(super) fn open(
             export.size
         )));
     }
+    if !export.has(FLAG_CAN_MULTI_CONN) && opts.num_queues > 1 {
+        return Err(ImageOpenError::Option(format!(
+            "{name}: the server does not allow several connections (no \
+             NBD_FLAG_CAN_MULTI_CONN), and each queue has its own: serve it with \
+             --num-queues 1 (qemu-nbd: --shared N offers them)"
+        )));
+    }
     let read_only = opts.read_only || export.has(FLAG_READ_ONLY);
     let cached = export.has(FLAG_SEND_FLUSH);
     info!(

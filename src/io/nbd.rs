@@ -195,9 +195,25 @@ impl NbdEngine {
 
     /// Connect to `target`, whose export must still be `export` (its size), and keep what
     /// is needed to connect again.
+    /// A server that is not there is tried again as a lost one is (`reconnect_delay`, up to
+    /// `reconnect_timeout`).
     pub fn connect(target: NbdTarget, export: Export, opts: NbdOptions) -> io::Result<Self> {
-        let (sock, now) = crate::nbd::connect(&target, opts.timeout)
-            .map_err(|e| io::Error::new(io::ErrorKind::ConnectionRefused, e.to_string()))?;
+        let t0 = std::time::Instant::now();
+        let (sock, now) = loop {
+            match crate::nbd::connect(&target, opts.timeout) {
+                Ok(x) => break x,
+                Err(e) if t0.elapsed() + opts.reconnect_delay <= opts.reconnect_timeout => {
+                    log::warn!("{e}; trying again in {:?}", opts.reconnect_delay);
+                    std::thread::sleep(opts.reconnect_delay);
+                }
+                Err(e) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionRefused,
+                        e.to_string(),
+                    ))
+                }
+            }
+        };
         if now.size != export.size {
             return Err(io::Error::other(format!(
                 "{target}: the export is {} bytes now, the guest was shown {}",
