@@ -70,8 +70,8 @@ struct Opts {
     /// Extra backends: NAME=vublk[+BINARY][@IMAGE]:ARGS (vublk with extra options,
     /// whitespace-separated) or NAME=qsd[@IMAGE]:OPTS (extra --blockdev options,
     /// comma-separated); use NAME in --backends. @IMAGE serves another image (e.g. a qcow2
-    /// copy of --image, or a Ceph RBD image rbd:POOL/IMAGE: vublk then needs --ceph-conf in
-    /// ARGS, qsd conf=PATH in OPTS); +BINARY runs another vublk build (e.g. the one before a
+    /// copy of --image, a Ceph RBD image rbd:POOL/IMAGE: vublk then needs --ceph-conf in
+    /// ARGS, qsd conf=PATH in OPTS; or an NBD export nbd+unix:///EXPORT?socket=PATH); +BINARY runs another vublk build (e.g. the one before a
     /// change, measured side by side with this one).
     #[arg(long = "variant", value_name = "NAME=KIND:ARGS")]
     variants: Vec<String>,
@@ -270,13 +270,19 @@ fn resolve_backends(opts: &Opts) -> Vec<Backend> {
                     .unwrap_or_else(|| {
                         panic!("unknown backend {other}: file, vublk, qsd or a --variant")
                     });
-                // An RBD image (`@rbd:POOL/IMAGE`) has a colon of its own.
-                let (kind, args) = match spec.split_once("@rbd:") {
-                    Some((k, rest)) => {
-                        let (img, args) = rest.split_once(':').unwrap_or((rest, ""));
-                        let at = k.len() + "@rbd:".len() + img.len();
-                        (&spec[..at], args)
-                    }
+                // An RBD image (`@rbd:POOL/IMAGE`) and an NBD URI on a UNIX socket
+                // (`@nbd+unix:///EXPORT?socket=PATH`) have colons of their own: the options
+                // start at the first colon after the image.
+                let image_end = if let Some(i) = spec.find("@rbd:") {
+                    Some(i + "@rbd:".len())
+                } else {
+                    spec.find("?socket=")
+                };
+                let (kind, args) = match image_end {
+                    Some(from) => match spec[from..].find(':') {
+                        Some(j) => (&spec[..from + j], &spec[from + j + 1..]),
+                        None => (spec, ""),
+                    },
                     None => spec.split_once(':').unwrap_or((spec, "")),
                 };
                 let (kind, image) = match kind.split_once('@') {
@@ -388,7 +394,17 @@ fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work
                 extra
             };
             let rbd = image.to_str().and_then(|s| s.strip_prefix("rbd:"));
-            let blockdev = if let Some(spec) = rbd {
+            let nbd_unix = image
+                .to_str()
+                .and_then(|s| s.strip_prefix("nbd+unix:///"))
+                .and_then(|s| s.split_once("?socket="));
+            let blockdev = if let Some((export, path)) = nbd_unix {
+                // QEMU's NBD client on the same export.
+                format!(
+                    "driver=nbd,node-name=file0,server.type=unix,server.path={path},\
+                     export={export}{extra}"
+                )
+            } else if let Some(spec) = rbd {
                 // QEMU's rbd driver; cache.direct=on is librbd's cache off (vublk's
                 // --cache none). The conf=PATH option comes with the variant's options.
                 let (pool, img) = spec.split_once('/').expect("rbd:POOL/IMAGE");
