@@ -359,7 +359,6 @@ impl Config {
             cow_threads: self.cow_threads,
             ceph: self.ceph.clone(),
             nbd: self.nbd,
-            num_queues: self.num_queues,
         }
     }
 }

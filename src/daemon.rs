@@ -187,8 +187,14 @@ pub fn make_engine(
     aio: AioMode,
     entries: u32,
     image: &Image,
+    nbd_shared: Option<&crate::io::NbdConnection>,
     warned: &mut bool,
 ) -> Result<Engine, DaemonError> {
+    if let Some(conn) = nbd_shared {
+        return Ok(Engine::NbdShared(
+            conn.queue().map_err(DaemonError::Engine)?,
+        ));
+    }
     if let Some((target, export, nbd)) = image.nbd() {
         return Ok(Engine::Nbd(
             crate::io::NbdEngine::connect(target.clone(), *export, nbd)
@@ -365,11 +371,23 @@ fn serve_loop(
     loop {
         let mem = GuestMemoryAtomic::new(crate::guest_memory::Mem::new());
         let mut workers = Vec::with_capacity(usize::from(cfg.num_queues));
+        // A server that allows one connection only: all queues share it (its thread).
+        let nbd_shared = match dev.image.get().nbd() {
+            Some((target, export, opts))
+                if cfg.num_queues > 1 && !export.has(crate::nbd::wire::FLAG_CAN_MULTI_CONN) =>
+            {
+                let engine = crate::io::NbdEngine::connect(target.clone(), *export, opts)
+                    .map_err(DaemonError::Engine)?;
+                Some(crate::io::NbdConnection::start(engine).map_err(DaemonError::Engine)?)
+            }
+            _ => None,
+        };
         for q in 0..cfg.num_queues {
             let engine = make_engine(
                 cfg.aio,
                 u32::from(cfg.queue_size) * 2,
                 &dev.image.get(),
+                nbd_shared.as_ref(),
                 &mut warned,
             )?;
             if q == 0 && first {

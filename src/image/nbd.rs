@@ -1,5 +1,6 @@
 //! NBD exports (`--blk-file nbd://HOST[:PORT]/EXPORT` or `nbd+unix:///EXPORT?socket=PATH`):
-//! served like raw images by the NBD engine (`io::NbdEngine`), one connection per queue.
+//! served like raw images by the NBD engine (`io::NbdEngine`), one connection per queue
+//! (or one shared by all queues, `io::NbdConnection`, where the server allows only one).
 //! Opening connects once to learn the export's size, flags and block sizes, checks them
 //! against the options, and disconnects; each queue connects on its own when a frontend
 //! starts it.
@@ -76,13 +77,6 @@ pub(super) fn open(
         return Err(ImageOpenError::Option(format!(
             "{name}: {} bytes, smaller than one {lbs}-byte block",
             export.size
-        )));
-    }
-    if !export.has(FLAG_CAN_MULTI_CONN) && opts.num_queues > 1 {
-        return Err(ImageOpenError::Option(format!(
-            "{name}: the server does not allow several connections (no \
-             NBD_FLAG_CAN_MULTI_CONN), and each queue has its own: serve it with \
-             --num-queues 1 (qemu-nbd: --shared N offers them)"
         )));
     }
     let read_only = opts.read_only || export.has(FLAG_READ_ONLY);

@@ -68,8 +68,6 @@ pub struct ImageOptions {
     pub ceph: CephOptions,
     /// How an NBD export is reached.
     pub nbd: super::nbd::NbdOptions,
-    /// Queues the device offers (an NBD export gets a connection per queue).
-    pub num_queues: u16,
 }
 
 /// `--ceph-conf`, `--ceph-id`, `--ceph-keyring`, `--ceph-timeout`, `--ceph-op-timeout`,

@@ -6,6 +6,7 @@ pub mod align;
 pub mod aligned;
 pub mod bounce;
 mod nbd;
+mod nbd_shared;
 pub mod ranges;
 #[cfg(feature = "rbd")]
 mod rbd;
@@ -18,6 +19,7 @@ use std::io;
 use std::os::fd::RawFd;
 
 pub use nbd::NbdEngine;
+pub use nbd_shared::{NbdConnection, NbdQueue};
 #[cfg(feature = "rbd")]
 pub use rbd::RbdEngine;
 pub use storage::Storage;
@@ -68,6 +70,8 @@ pub enum Engine {
     Sync(SyncEngine),
     /// An NBD connection (the `fd` of an operation is not used).
     Nbd(NbdEngine),
+    /// A queue's share of one NBD connection (the `fd` of an operation is not used).
+    NbdShared(NbdQueue),
     /// librbd's asynchronous calls (the `fd` of an operation is not used).
     #[cfg(feature = "rbd")]
     Rbd(RbdEngine),
@@ -85,6 +89,8 @@ impl Engine {
             Engine::Sync(e) => unsafe { e.push(fd, op, user_data) },
             // SAFETY: forwarded contract.
             Engine::Nbd(e) => unsafe { e.push(op, user_data) },
+            // SAFETY: forwarded contract.
+            Engine::NbdShared(e) => unsafe { e.push(op, user_data) },
             // SAFETY: forwarded contract.
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => unsafe { e.push(op, user_data) },
@@ -105,6 +111,7 @@ impl Engine {
             Engine::Uring(e) => e.wait_one(),
             Engine::Sync(_) => Ok(()),
             Engine::Nbd(e) => e.wait_one(),
+            Engine::NbdShared(e) => e.wait_one(),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => e.wait_one(),
         }
@@ -116,6 +123,7 @@ impl Engine {
             Engine::Uring(e) => e.reap(out),
             Engine::Sync(e) => e.reap(out),
             Engine::Nbd(e) => e.reap(out),
+            Engine::NbdShared(e) => e.reap(out),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => e.reap(out),
         }
@@ -127,6 +135,7 @@ impl Engine {
             Engine::Uring(e) => e.has_completions(),
             Engine::Sync(e) => e.has_completions(),
             Engine::Nbd(e) => e.has_completions(),
+            Engine::NbdShared(e) => e.has_completions(),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => e.has_completions(),
         }
@@ -152,6 +161,7 @@ impl Engine {
             Engine::Uring(e) => Some(e.event_fd()),
             Engine::Sync(_) => None,
             Engine::Nbd(e) => Some(e.event_fd()),
+            Engine::NbdShared(e) => Some(e.event_fd()),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => Some(e.event_fd()),
         }
@@ -162,6 +172,7 @@ impl Engine {
             Engine::Uring(_) => "io_uring",
             Engine::Sync(_) => "threads",
             Engine::Nbd(_) => "nbd",
+            Engine::NbdShared(_) => "nbd (one connection for all queues)",
             #[cfg(feature = "rbd")]
             Engine::Rbd(_) => "librbd",
         }
