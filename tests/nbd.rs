@@ -65,8 +65,8 @@ fn qemu_nbd(dir: &TestDir, file: &Path) -> Option<(Server, PathBuf)> {
     Some((s, sock))
 }
 
-/// nbdkit's memory plugin (`size`) on 127.0.0.1 at a free port.
-fn nbdkit_memory(size: &str) -> Option<(Server, u16)> {
+/// nbdkit with `args` (filters, plugin, parameters) on 127.0.0.1 at a free port.
+fn nbdkit(args: &[&str]) -> Option<(Server, u16)> {
     if !have("nbdkit") {
         return skip_or_fail("nbdkit missing (apt-get install nbdkit)");
     }
@@ -84,7 +84,7 @@ fn nbdkit_memory(size: &str) -> Option<(Server, u16)> {
             "-p",
         ])
         .arg(port.to_string())
-        .args(["memory", size])
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -95,6 +95,11 @@ fn nbdkit_memory(size: &str) -> Option<(Server, u16)> {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
     Some((s, port))
+}
+
+/// nbdkit's memory plugin (`size`).
+fn nbdkit_memory(size: &str) -> Option<(Server, u16)> {
+    nbdkit(&["memory", size])
 }
 
 fn send(s: &mut Stream, r: Request, data: &[u8]) {
@@ -456,41 +461,16 @@ fn the_nbd_engine_matches_the_model_on_qemu_nbd_and_the_file() {
 /// the maximum is an error with `blocksize-error-policy=error`).
 #[test]
 fn the_nbd_engine_splits_requests_for_nbdkit_block_limits() {
-    if !have("nbdkit") {
-        skip_or_fail::<()>("nbdkit missing (apt-get install nbdkit)");
+    let Some((_srv, port)) = nbdkit(&[
+        "--filter=blocksize-policy",
+        "memory",
+        "64M",
+        "blocksize-preferred=4096",
+        "blocksize-maximum=65536",
+        "blocksize-error-policy=error",
+    ]) else {
         return;
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("nbdkit")
-        .args([
-            "--foreground",
-            "--exit-with-parent",
-            "-i",
-            "127.0.0.1",
-            "-p",
-        ])
-        .arg(port.to_string())
-        .args([
-            "--filter=blocksize-policy",
-            "memory",
-            "64M",
-            "blocksize-preferred=4096",
-            "blocksize-maximum=65536",
-            "blocksize-error-policy=error",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _srv = Server(child);
-    wait_until("nbdkit listening", || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
+    };
     let t = format!("nbd://127.0.0.1:{port}/");
     let (_, e) = nbd_connect(&NbdTarget::parse(&t).unwrap(), Duration::from_secs(5)).unwrap();
     assert_eq!(e.max_block, 65536, "{e:?}");
@@ -613,40 +593,15 @@ fn a_server_restarted_under_load_fails_no_request() {
 #[test]
 fn server_errors_fail_only_their_requests() {
     let dir = TestDir::new("nbd-errors");
-    if !have("nbdkit") {
-        skip_or_fail::<()>("nbdkit missing (apt-get install nbdkit)");
+    let Some((_srv, port)) = nbdkit(&[
+        "--filter=error",
+        "memory",
+        "16M",
+        "error-rate=20%",
+        "error=EIO",
+    ]) else {
         return;
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("nbdkit")
-        .args([
-            "--foreground",
-            "--exit-with-parent",
-            "-i",
-            "127.0.0.1",
-            "-p",
-        ])
-        .arg(port.to_string())
-        .args([
-            "--filter=error",
-            "memory",
-            "16M",
-            "error-rate=20%",
-            "error=EIO",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _srv = Server(child);
-    wait_until("nbdkit listening", || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
+    };
     let backend = serve(&dir, &format!("nbd://127.0.0.1:{port}/"), 1, &[]);
     let mut c = connect(&backend.socket, ClientOpts::default());
     let (mut ok, mut failed) = (0, 0);
@@ -676,34 +631,9 @@ fn server_errors_fail_only_their_requests() {
 #[test]
 fn server_latency_shows_in_stats() {
     let dir = TestDir::new("nbd-delay");
-    if !have("nbdkit") {
-        skip_or_fail::<()>("nbdkit missing (apt-get install nbdkit)");
+    let Some((_srv, port)) = nbdkit(&["--filter=delay", "memory", "16M", "rdelay=150ms"]) else {
         return;
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("nbdkit")
-        .args([
-            "--foreground",
-            "--exit-with-parent",
-            "-i",
-            "127.0.0.1",
-            "-p",
-        ])
-        .arg(port.to_string())
-        .args(["--filter=delay", "memory", "16M", "rdelay=150ms"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _srv = Server(child);
-    wait_until("nbdkit listening", || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
+    };
     let ctl = dir.join("ctl.sock");
     let ctl_arg = ctl.display().to_string();
     let backend = serve(
@@ -785,41 +715,16 @@ fn an_unreachable_server_at_start_up_is_exit_1_in_bounded_time() {
 #[test]
 fn a_server_without_multi_conn_is_shared_by_the_queues() {
     let dir = TestDir::new("nbd-single-conn");
-    if !have("nbdkit") {
-        skip_or_fail::<()>("nbdkit missing (apt-get install nbdkit)");
+    let Some((_srv, port)) = nbdkit(&[
+        "--filter=multi-conn",
+        "--filter=noparallel",
+        "memory",
+        "32M",
+        "multi-conn-mode=disable",
+        "serialize=connections",
+    ]) else {
         return;
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("nbdkit")
-        .args([
-            "--foreground",
-            "--exit-with-parent",
-            "-i",
-            "127.0.0.1",
-            "-p",
-        ])
-        .arg(port.to_string())
-        .args([
-            "--filter=multi-conn",
-            "--filter=noparallel",
-            "memory",
-            "32M",
-            "multi-conn-mode=disable",
-            "serialize=connections",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _srv = Server(child);
-    wait_until("nbdkit listening", || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
+    };
     let uri = format!("nbd://127.0.0.1:{port}/");
     let backend = serve(&dir, &uri, 2, &["--discard", "unmap"]);
     let mut c = connect(

@@ -9,8 +9,8 @@
 //! `parallels/`, `chain` (backing files), `prealloc` (the preallocation planner, executor
 //! and background thread), `durable` (metadata written back later, releases after it is
 //! durable), `handover` (giving the image to another process during a live migration and
-//! taking it back), `grow` (online resize), `report` (counters for stats and logs), `create` (`vublk create`), `fuzz` (fuzzing entry points), `rbd` (Ceph RBD images through librbd: served like raw ones,
-//! by the librbd engine).
+//! taking it back), `grow` (online resize), `report` (counters for stats and logs), `create` (`vublk create`), `fuzz` (fuzzing entry points), `rbd` (Ceph RBD images through librbd) and `nbd` (NBD exports), served like raw
+//! images by their engines, with what they share in `remote`.
 
 pub mod chain;
 pub mod create;
@@ -28,6 +28,7 @@ pub mod qcow2;
 mod raw;
 #[cfg(feature = "rbd")]
 mod rbd;
+mod remote;
 mod report;
 
 use std::fs::File;
@@ -47,16 +48,6 @@ use crate::offload::Pool;
 use chain::Layer;
 use parallels::ParallelsImage;
 use qcow2::{CowInstall, Qcow2Image};
-
-/// A stable identity for the default serial of an image without a file: its name, hashed
-/// (FNV-1a).
-fn identity(name: &str) -> (u64, u64) {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for b in name.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-    }
-    (0x0072_6264, h)
-}
 
 /// A data-path failure of an image format (host side: never the guest's fault).
 #[derive(Debug, thiserror::Error)]
@@ -264,60 +255,6 @@ impl Image {
             Kind::Rbd(_) => Format::Raw,
             Kind::Nbd(_) => Format::Raw,
         }
-    }
-
-    /// The RBD image this is, with whether librbd caches writes (for the librbd engine).
-    #[cfg(feature = "rbd")]
-    pub fn rbd(&self) -> Option<(std::sync::Arc<crate::rbd::RbdImage>, bool)> {
-        match &self.kind {
-            Kind::Rbd(r) => Some((r.img.clone(), r.cached)),
-            _ => None,
-        }
-    }
-
-    /// Call `f` (on a librbd thread) whenever the RBD image's header changes in the cluster.
-    #[cfg(feature = "rbd")]
-    pub fn watch_rbd_updates(&self, f: crate::rbd::UpdateFn) -> Result<(), String> {
-        match &self.kind {
-            Kind::Rbd(r) => r.watch(f),
-            _ => Ok(()),
-        }
-    }
-
-    /// The update watch `other` (the handle this one replaces) had, on this one too.
-    fn inherit_rbd_watch(&self, other: &Image) {
-        #[cfg(feature = "rbd")]
-        if let (Kind::Rbd(new), Kind::Rbd(old)) = (&self.kind, &other.kind) {
-            if let Some(f) = old.watcher() {
-                if let Err(e) = new.watch(f) {
-                    log::warn!("{}: resizes in the cluster go unseen: {e}", new.name);
-                }
-            }
-        }
-        #[cfg(not(feature = "rbd"))]
-        let _ = other;
-    }
-
-    /// The NBD export this is (for the NBD engine: where to connect, what it offers).
-    pub fn nbd(&self) -> Option<(&crate::nbd::NbdTarget, &crate::nbd::Export, nbd::NbdOptions)> {
-        match &self.kind {
-            Kind::Nbd(n) => Some((&n.target, &n.export, n.opts)),
-            _ => None,
-        }
-    }
-
-    /// Is this image elsewhere (RBD, NBD), served by a network engine with raw semantics?
-    pub fn is_remote(&self) -> bool {
-        matches!(self.kind, Kind::Nbd(_)) || self.is_rbd()
-    }
-
-    /// Is this an RBD image (served by the librbd engine, not through a file)?
-    pub fn is_rbd(&self) -> bool {
-        #[cfg(feature = "rbd")]
-        if let Kind::Rbd(_) = self.kind {
-            return true;
-        }
-        false
     }
 
     /// The image file (layer 0).

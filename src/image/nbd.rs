@@ -5,13 +5,10 @@
 //! against the options, and disconnects; each queue connects on its own when a frontend
 //! starts it.
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use log::info;
 
-use super::lock::ImageLock;
 use super::{Image, ImageOpenError, ImageOptions, Kind, RawFacts};
 use crate::io::align::DioAlign;
 use crate::nbd::wire::*;
@@ -51,16 +48,7 @@ pub(super) fn open(
     target: NbdTarget,
 ) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
     let name = target.to_string();
-    if opts.compress.is_some() {
-        return Err(ImageOpenError::Option(
-            "--compress-writes on: needs a qcow2 image, not an NBD export".into(),
-        ));
-    }
-    if matches!(opts.format, Some(f) if f != super::Format::Raw) {
-        return Err(ImageOpenError::Option(format!(
-            "{name}: NBD exports are served as raw (--format raw or no --format)"
-        )));
-    }
+    super::remote::refuse_format_options(opts, &name, "NBD exports")?;
     let (sock, export) = crate::nbd::connect(&target, opts.nbd.timeout)
         .map_err(|e| ImageOpenError::Remote(format!("{e} (is the server up? --blk-file)")))?;
     crate::nbd::disconnect(sock);
@@ -98,28 +86,20 @@ pub(super) fn open(
     );
     let facts = RawFacts {
         is_block_device: false,
-        dev_ino: super::identity(&name),
+        dev_ino: super::remote::identity(&name),
         file_size_bytes: export.size,
         // A server that takes FLUSH may hold written data in a cache until then.
         write_cache: Some(cached),
     };
-    let file = std::fs::File::open("/dev/null").map_err(|e| {
-        ImageOpenError::Remote(format!("opening /dev/null (stands in for the file): {e}"))
-    })?;
-    let image = Image {
-        file,
-        kind: Kind::Nbd(NbdDisk {
-            target,
-            export,
-            opts: opts.nbd,
-        }),
-        size_bytes: AtomicU64::new(export.size),
-        read_only,
-        block_device: false,
-        prealloc_raw: false,
-        guard_header: false,
-        lock: Mutex::new(ImageLock::unlocked()),
-        active: AtomicBool::new(true),
-    };
-    Ok((image, DioAlign::NONE, facts))
+    let size = export.size;
+    let kind = Kind::Nbd(NbdDisk {
+        target,
+        export,
+        opts: opts.nbd,
+    });
+    Ok((
+        Image::remote(kind, size, read_only, true)?,
+        DioAlign::NONE,
+        facts,
+    ))
 }

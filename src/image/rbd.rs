@@ -4,13 +4,13 @@
 //! from `--cache`, watches the image for resizes made in the cluster, and does the
 //! synchronous parts: flush, resize, close, giving the lock up.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use log::{info, warn};
 
-use super::lock::{ImageLock, Locking};
+use super::lock::Locking;
 use super::open::{CephOptions, RbdCache};
 use super::{Image, ImageError, ImageOpenError, ImageOptions, Kind, RawFacts};
 use crate::io::align::DioAlign;
@@ -76,16 +76,7 @@ pub(super) fn open(
     incoming: bool,
 ) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
     let name = opts.path.display().to_string();
-    if opts.compress.is_some() {
-        return Err(ImageOpenError::Option(
-            "--compress-writes on: needs a qcow2 image, not an RBD image".into(),
-        ));
-    }
-    if matches!(opts.format, Some(f) if f != super::Format::Raw) {
-        return Err(ImageOpenError::Option(format!(
-            "{name}: RBD images are served as raw (--format raw or no --format)"
-        )));
-    }
+    super::remote::refuse_format_options(opts, &name, "RBD images")?;
     let t0 = Instant::now();
     let cluster = connect(&opts.ceph)?;
     let cached = caches_writes(&cluster)?;
@@ -116,33 +107,24 @@ pub(super) fn open(
     );
     let facts = RawFacts {
         is_block_device: false,
-        dev_ino: super::identity(&name),
+        dev_ino: super::remote::identity(&name),
         file_size_bytes: size,
         write_cache: Some(cached),
     };
     // Nothing reads or writes this: every path of an RBD image goes to librbd. /dev/null,
     // read-only, so that a path that forgot fails loudly instead of losing data.
-    let file = std::fs::File::open("/dev/null").map_err(|e| {
-        ImageOpenError::Remote(format!("opening /dev/null (stands in for the file): {e}"))
-    })?;
-    let image = Image {
-        file,
-        kind: Kind::Rbd(RbdDisk {
-            img: Arc::new(img),
-            cached,
-            locked: AtomicBool::new(locked),
-            name,
-            on_update: Mutex::new(None),
-        }),
-        size_bytes: AtomicU64::new(size),
-        read_only,
-        block_device: false,
-        prealloc_raw: false,
-        guard_header: false,
-        lock: Mutex::new(ImageLock::unlocked()),
-        active: AtomicBool::new(!incoming),
-    };
-    Ok((image, DioAlign::NONE, facts))
+    let kind = Kind::Rbd(RbdDisk {
+        img: Arc::new(img),
+        cached,
+        locked: AtomicBool::new(locked),
+        name,
+        on_update: Mutex::new(None),
+    });
+    Ok((
+        Image::remote(kind, size, read_only, !incoming)?,
+        DioAlign::NONE,
+        facts,
+    ))
 }
 
 /// Take the exclusive lock, waiting a while for another client to give it up. Images without

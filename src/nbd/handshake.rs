@@ -204,14 +204,7 @@ fn rep_error_name(kind: u32) -> String {
 
 /// End the session politely (NBD_CMD_DISC) and close the socket.
 pub fn disconnect(mut s: Stream) {
-    let disc = Request {
-        flags: 0,
-        kind: CMD_DISC,
-        handle: 0,
-        offset: 0,
-        len: 0,
-    };
-    let _ = s.write_all(&disc.encode());
+    let _ = s.write_all(&Request::disc().encode());
 }
 
 /// Connect and negotiate, giving up after `timeout`. Returns the stream (blocking, no

@@ -76,6 +76,17 @@ pub struct Request {
 }
 
 impl Request {
+    /// NBD_CMD_DISC: the end of the session.
+    pub fn disc() -> Request {
+        Request {
+            flags: 0,
+            kind: CMD_DISC,
+            handle: 0,
+            offset: 0,
+            len: 0,
+        }
+    }
+
     pub fn encode(&self) -> [u8; REQUEST_LEN] {
         let mut b = [0u8; REQUEST_LEN];
         b[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
