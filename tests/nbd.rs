@@ -757,3 +757,169 @@ fn a_server_without_multi_conn_is_shared_by_the_queues() {
         backend.log_contents()
     );
 }
+
+/// A fake NBD server on 127.0.0.1: a correct handshake (16 MiB, flush), then every read is
+/// answered with `bad` (raw bytes after the request's handle is patched in at `at`).
+fn hostile_server(bad: Vec<u8>, at: Option<usize>) -> (u16, std::thread::JoinHandle<()>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let h = std::thread::spawn(move || {
+        l.set_nonblocking(false).unwrap();
+        for conn in l.incoming().take(3) {
+            let Ok(mut c) = conn else { return };
+            let bad = bad.clone();
+            std::thread::spawn(move || {
+                let mut w = |b: &[u8]| c.write_all(b).is_ok();
+                let mut hello = Vec::new();
+                hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+                hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+                hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+                if !w(&hello) {
+                    return;
+                }
+                let mut c = c;
+                let mut buf = [0u8; 4];
+                if c.read_exact(&mut buf).is_err() {
+                    return;
+                }
+                loop {
+                    let mut h = [0u8; 16];
+                    if c.read_exact(&mut h).is_err() {
+                        return;
+                    }
+                    let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
+                    let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
+                    let mut data = vec![0u8; len as usize];
+                    c.read_exact(&mut data).unwrap();
+                    let reply = |c: &mut std::net::TcpStream, kind: u32, d: &[u8]| {
+                        let mut r = Vec::new();
+                        r.extend_from_slice(&0x0003_e889_0455_65a9u64.to_be_bytes());
+                        r.extend_from_slice(&opt.to_be_bytes());
+                        r.extend_from_slice(&kind.to_be_bytes());
+                        r.extend_from_slice(&(d.len() as u32).to_be_bytes());
+                        r.extend_from_slice(d);
+                        c.write_all(&r).unwrap();
+                    };
+                    if opt == OPT_GO {
+                        let mut info = vec![0u8, 0];
+                        info.extend_from_slice(&(16 * MIB).to_be_bytes());
+                        info.extend_from_slice(&(FLAG_HAS_FLAGS | FLAG_SEND_FLUSH).to_be_bytes());
+                        reply(&mut c, REP_INFO, &info);
+                        reply(&mut c, REP_ACK, &[]);
+                        break;
+                    }
+                    reply(&mut c, REP_ACK, &[]);
+                }
+                // Transmission: garbage for every read, a correct reply to anything else.
+                loop {
+                    let mut r = [0u8; REQUEST_LEN];
+                    if c.read_exact(&mut r).is_err() {
+                        return;
+                    }
+                    let kind = u16::from_be_bytes(r[6..8].try_into().unwrap());
+                    let handle = &r[8..16];
+                    let len = u32::from_be_bytes(r[24..28].try_into().unwrap());
+                    if kind == CMD_DISC {
+                        return;
+                    }
+                    if kind == CMD_WRITE {
+                        let mut d = vec![0u8; len as usize];
+                        c.read_exact(&mut d).unwrap();
+                    }
+                    let out = if kind == CMD_READ {
+                        let mut b = bad.clone();
+                        if let Some(at) = at {
+                            b[at..at + 8].copy_from_slice(handle);
+                        }
+                        b
+                    } else {
+                        let mut ok = Vec::new();
+                        ok.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+                        ok.extend_from_slice(&0u32.to_be_bytes());
+                        ok.extend_from_slice(handle);
+                        ok
+                    };
+                    if c.write_all(&out).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, h)
+}
+
+fn chunk(kind: u16, flags: u16, payload: &[u8]) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+    b.extend_from_slice(&flags.to_be_bytes());
+    b.extend_from_slice(&kind.to_be_bytes());
+    b.extend_from_slice(&[0u8; 8]);
+    b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    b.extend_from_slice(payload);
+    b
+}
+
+/// Replies a server has no business sending (data beyond the request, a hole at an offset
+/// that overflows, a data chunk too short for its offset, an unknown handle, a bad magic, an
+/// error chunk without its fields): the read fails with IOERR, vublk keeps running and
+/// serves the next frontend; nothing is written outside the request's buffer.
+#[test]
+fn hostile_server_replies_fail_the_request_not_the_daemon() {
+    let dir = TestDir::new("nbd-hostile");
+    let mut data_beyond = (4096u64 * 1000).to_be_bytes().to_vec();
+    data_beyond.extend_from_slice(&[0xee; 4096]);
+    let mut hole_overflow = u64::MAX.to_be_bytes().to_vec();
+    hole_overflow.extend_from_slice(&4096u32.to_be_bytes());
+    let mut unknown = Vec::new();
+    unknown.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+    unknown.extend_from_slice(&0u32.to_be_bytes());
+    unknown.extend_from_slice(&0xdead_beefu64.to_be_bytes());
+    let cases: Vec<(&str, Vec<u8>, Option<usize>)> = vec![
+        (
+            "data beyond",
+            chunk(REPLY_TYPE_OFFSET_DATA, REPLY_FLAG_DONE, &data_beyond),
+            Some(8),
+        ),
+        (
+            "hole overflow",
+            chunk(REPLY_TYPE_OFFSET_HOLE, REPLY_FLAG_DONE, &hole_overflow),
+            Some(8),
+        ),
+        (
+            "short data",
+            chunk(REPLY_TYPE_OFFSET_DATA, REPLY_FLAG_DONE, &[1, 2, 3, 4]),
+            Some(8),
+        ),
+        ("unknown handle", unknown, None),
+        (
+            "bad magic",
+            vec![0xde, 0xad, 0xbe, 0xef, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            None,
+        ),
+        (
+            "bare error",
+            chunk(REPLY_TYPE_ERROR, REPLY_FLAG_DONE, &[0, 0]),
+            Some(8),
+        ),
+    ];
+    for (what, bad, at) in cases {
+        let (port, _h) = hostile_server(bad, at);
+        let backend = serve(
+            &dir,
+            &format!("nbd://127.0.0.1:{port}/"),
+            1,
+            &["--nbd-reconnect-timeout", "0"],
+        );
+        let mut c = connect(&backend.socket, ClientOpts::default());
+        c.mem_mut()[..8192].fill(0x77);
+        let r = c.read_at(0, 0, 4096);
+        assert_eq!(r.err(), Some(-libc::EIO), "{what}");
+        // Past the request's buffer nothing was written.
+        assert!(c.mem()[4096..8192].iter().all(|&b| b == 0x77), "{what}");
+        backend.assert_running();
+        drop(c);
+        assert!(backend.sigterm_and_wait(EXIT_DEADLINE).success(), "{what}");
+        println!("{what}: IOERR, vublk kept running");
+    }
+}

@@ -94,6 +94,10 @@ pub struct NbdEngine {
     broken: Option<String>,
     /// Where to connect again when the connection is lost (None: never).
     target: Option<(NbdTarget, NbdOptions)>,
+    /// Since when the server has not answered properly (a loss, and any reconnection that
+    /// did not bring an answer): the reconnect timeout runs from here, so a server that
+    /// accepts and then misbehaves cannot keep requests waiting for ever.
+    lost_since: Option<std::time::Instant>,
 }
 
 // SAFETY: the raw pointers are iovecs into buffers the queue's in-flight slots own (guest
@@ -146,6 +150,7 @@ impl NbdEngine {
             done: Vec::new(),
             broken: None,
             target: None,
+            lost_since: None,
         })
     }
 
@@ -159,7 +164,11 @@ impl NbdEngine {
             match crate::nbd::connect(&target, opts.timeout) {
                 Ok(x) => break x,
                 Err(e) if t0.elapsed() + opts.reconnect_delay <= opts.reconnect_timeout => {
-                    log::warn!("{e}; trying again in {:?}", opts.reconnect_delay);
+                    crate::log_limited!(
+                        log::Level::Warn,
+                        "{e}; trying again in {:?}",
+                        opts.reconnect_delay
+                    );
                     std::thread::sleep(opts.reconnect_delay);
                 }
                 Err(e) => {
@@ -393,7 +402,8 @@ impl NbdEngine {
         if self.reconnect(&why) {
             return;
         }
-        log::error!(
+        crate::log_limited!(
+            log::Level::Error,
             "NBD connection lost: {why}; failing {} requests",
             self.parts.len()
         );
@@ -415,25 +425,37 @@ impl NbdEngine {
         let Some((target, opts)) = self.target.clone() else {
             return false;
         };
-        log::warn!(
-            "{target}: connection lost ({why}); reconnecting every {:?} for up to {:?}, {} \
-             requests waiting",
-            opts.reconnect_delay,
-            opts.reconnect_timeout,
-            self.parts.len()
-        );
-        let t0 = std::time::Instant::now();
+        // A new loss, or the same one going on (the last reconnection brought no answer):
+        // then wait before trying again and say nothing new.
+        let ongoing = self.lost_since.is_some();
+        let t0 = *self.lost_since.get_or_insert_with(std::time::Instant::now);
+        if ongoing {
+            log::debug!("{target}: lost again ({why})");
+        } else {
+            crate::log_limited!(
+                log::Level::Warn,
+                "{target}: connection lost ({why}); reconnecting every {:?} for up to {:?}, {} \
+                 requests waiting",
+                opts.reconnect_delay,
+                opts.reconnect_timeout,
+                self.parts.len()
+            );
+        }
         let _ = epoll_ctl(
             self.epoll.as_raw_fd(),
             libc::EPOLL_CTL_DEL,
             self.sock.as_raw_fd(),
             0,
         );
-        let mut first = true;
+        let mut first = !ongoing;
         loop {
             if !first {
                 if t0.elapsed() + opts.reconnect_delay > opts.reconnect_timeout {
-                    log::error!("{target}: not back after {:?}", t0.elapsed());
+                    crate::log_limited!(
+                        log::Level::Error,
+                        "{target}: not back after {:?}",
+                        t0.elapsed()
+                    );
                     return false;
                 }
                 std::thread::sleep(opts.reconnect_delay);
@@ -447,7 +469,8 @@ impl NbdEngine {
                 }
             };
             if e.size != self.export.size {
-                log::error!(
+                crate::log_limited!(
+                    log::Level::Error,
                     "{target}: the export is {} bytes now, the guest was shown {}: not \
                      serving it",
                     e.size,
@@ -484,11 +507,14 @@ impl NbdEngine {
                 });
                 self.out.extend(p.src.iter().copied());
             }
-            log::info!(
-                "{target}: connected again after {:?}; resending {} requests",
-                t0.elapsed(),
-                handles.len()
-            );
+            if !ongoing {
+                crate::log_limited!(
+                    log::Level::Info,
+                    "{target}: connected again after {:?}; resending {} requests",
+                    t0.elapsed(),
+                    handles.len()
+                );
+            }
             return true;
         }
     }
@@ -594,7 +620,8 @@ impl Drop for NbdEngine {
             }
             if let Some(c) = out.iter().find(|c| c.user_data == FLUSH_ID) {
                 if c.result < 0 {
-                    log::error!(
+                    crate::log_limited!(
+                        log::Level::Error,
                         "the final NBD flush failed: {}",
                         io::Error::from_raw_os_error(-c.result)
                     );

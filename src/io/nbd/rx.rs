@@ -100,6 +100,8 @@ impl NbdEngine {
                                 .parts
                                 .get(&handle)
                                 .ok_or(format!("a reply to unknown handle {handle}"))?;
+                            // The server answers properly again.
+                            self.lost_since = None;
                             if error == 0 && p.kind == CMD_READ && p.len > 0 {
                                 self.state = Rx::SimpleData { handle, done: 0 };
                             } else {
@@ -192,7 +194,11 @@ impl NbdEngine {
             }
         }
         let rel = |m: &[u8]| -> Result<usize, String> {
-            let o = u64::from_be_bytes(m[..8].try_into().map_err(|_| "short chunk")?);
+            let o = m
+                .get(..8)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_be_bytes)
+                .ok_or("a short chunk")?;
             o.checked_sub(p.offset)
                 .map(|r| r as usize)
                 .ok_or_else(|| "a chunk before its request".to_string())
@@ -205,7 +211,9 @@ impl NbdEngine {
                 Some(s) => s,
                 None => {
                     let s = rel(meta)?;
-                    if s + (len - 8) > p.len as usize {
+                    if s.checked_add(len - 8)
+                        .is_none_or(|end| end > p.len as usize)
+                    {
                         return Err("a data chunk beyond its request".into());
                     }
                     *at = Some(s);
@@ -244,7 +252,7 @@ impl NbdEngine {
                 }
                 let s = rel(meta)?;
                 let n = u32::from_be_bytes(meta[8..12].try_into().unwrap_or([0; 4])) as usize;
-                if s + n > p.len as usize {
+                if s.checked_add(n).is_none_or(|end| end > p.len as usize) {
                     return Err("a hole beyond its request".into());
                 }
                 // SAFETY: inside the part's destination.
@@ -273,6 +281,7 @@ impl NbdEngine {
             }
         }
         if flags & REPLY_FLAG_DONE != 0 {
+            self.lost_since = None;
             self.finish_part(handle, 0);
         }
         Ok(true)
