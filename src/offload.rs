@@ -149,6 +149,46 @@ impl Inbox {
     }
 }
 
+/// An inbox with an eventfd of its own: what an engine whose completions come from other
+/// threads (librbd's, an NBD connection thread) gives its queue to watch.
+pub struct Mailbox {
+    event: vmm_sys_util::eventfd::EventFd,
+    inbox: Arc<Inbox>,
+}
+
+impl Mailbox {
+    pub fn new() -> io::Result<Self> {
+        let event = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK)?;
+        let inbox = Inbox::new(event.as_raw_fd())?;
+        Ok(Mailbox { event, inbox })
+    }
+
+    /// Where the other threads post.
+    pub fn inbox(&self) -> &Arc<Inbox> {
+        &self.inbox
+    }
+
+    /// Readable when something was posted.
+    pub fn event_fd(&self) -> RawFd {
+        self.event.as_raw_fd()
+    }
+
+    pub fn has(&self) -> bool {
+        self.inbox.has()
+    }
+
+    /// Block until something is posted (at most a short while: the caller loops).
+    pub fn wait(&self) {
+        self.inbox.wait(Duration::from_millis(50));
+    }
+
+    /// Take what was posted (and the eventfd's signal).
+    pub fn take(&self, out: &mut Vec<Completion>) {
+        let _ = self.event.read();
+        self.inbox.take(out);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

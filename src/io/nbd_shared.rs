@@ -9,12 +9,11 @@ use std::collections::HashMap;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::{Completion, NbdEngine, Op};
-use crate::offload::Inbox;
+use crate::offload::{Inbox, Mailbox};
 
 /// An operation on its way to the connection thread.
 struct Handed {
@@ -57,12 +56,9 @@ impl NbdConnection {
 
     /// A queue's engine on this connection.
     pub fn queue(&self) -> io::Result<NbdQueue> {
-        let event = EventFd::new(EFD_NONBLOCK)?;
-        let inbox = Inbox::new(event.as_raw_fd())?;
         Ok(NbdQueue {
             conn: self.shared.clone(),
-            event,
-            inbox,
+            mailbox: Mailbox::new()?,
         })
     }
 }
@@ -134,8 +130,7 @@ fn route(got: &mut Vec<Completion>, ids: &mut HashMap<u64, (u64, Arc<Inbox>)>) {
 /// A queue's engine on a shared connection.
 pub struct NbdQueue {
     conn: Arc<Shared>,
-    event: EventFd,
-    inbox: Arc<Inbox>,
+    mailbox: Mailbox,
 }
 
 impl NbdQueue {
@@ -149,26 +144,25 @@ impl NbdQueue {
             .push(Handed {
                 op: *op,
                 user_data,
-                to: self.inbox.clone(),
+                to: self.mailbox.inbox().clone(),
             });
         self.conn.wake.write(1)
     }
 
     pub fn wait_one(&mut self) -> io::Result<()> {
-        self.inbox.wait(Duration::from_millis(50));
+        self.mailbox.wait();
         Ok(())
     }
 
     pub fn has_completions(&mut self) -> bool {
-        self.inbox.has()
+        self.mailbox.has()
     }
 
     pub fn reap(&mut self, out: &mut Vec<Completion>) {
-        let _ = self.event.read();
-        self.inbox.take(out);
+        self.mailbox.take(out);
     }
 
     pub fn event_fd(&self) -> i32 {
-        self.event.as_raw_fd()
+        self.mailbox.event_fd()
     }
 }

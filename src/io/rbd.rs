@@ -9,20 +9,15 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io;
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::time::Duration;
-
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::{sys, Completion, Op};
-use crate::offload::Inbox;
+use crate::offload::Mailbox;
 use crate::rbd::RbdImage;
 
 pub struct RbdEngine {
     image: Arc<RbdImage>,
-    event: EventFd,
-    inbox: Arc<Inbox>,
+    mailbox: Mailbox,
     /// librbd caches writes: a write-through write needs a flush after it.
     cached: bool,
     /// Write-through writes in flight that need a flush when they complete (user_data).
@@ -35,12 +30,9 @@ pub struct RbdEngine {
 impl RbdEngine {
     /// An engine over `image`; `cached`: librbd's write-back cache is on.
     pub fn new(image: Arc<RbdImage>, cached: bool) -> io::Result<Self> {
-        let event = EventFd::new(EFD_NONBLOCK)?;
-        let inbox = Inbox::new(event.as_raw_fd())?;
         Ok(RbdEngine {
             image,
-            event,
-            inbox,
+            mailbox: Mailbox::new()?,
             cached,
             flush_after: HashSet::new(),
             flushing: HashMap::new(),
@@ -58,7 +50,7 @@ impl RbdEngine {
     /// # Safety
     /// See [`super::Engine::push`].
     pub unsafe fn push(&mut self, op: &Op, user_data: u64) -> io::Result<()> {
-        let (img, to) = (&self.image, &self.inbox);
+        let (img, to) = (&self.image, self.mailbox.inbox());
         match *op {
             Op::Readv {
                 iov,
@@ -103,17 +95,16 @@ impl RbdEngine {
 
     /// Block until librbd reports something (at most a short while: the caller loops).
     pub fn wait_one(&mut self) -> io::Result<()> {
-        self.inbox.wait(Duration::from_millis(50));
+        self.mailbox.wait();
         Ok(())
     }
 
     pub fn has_completions(&mut self) -> bool {
-        self.inbox.has()
+        self.mailbox.has()
     }
 
     pub fn reap(&mut self, out: &mut Vec<Completion>) {
-        let _ = self.event.read();
-        self.inbox.take(&mut self.got);
+        self.mailbox.take(&mut self.got);
         for c in self.got.drain(..) {
             if let Some(written) = self.flushing.remove(&c.user_data) {
                 // The flush after a write-through write: the write completes now, with its
@@ -127,7 +118,7 @@ impl RbdEngine {
                 out.push(c);
                 continue;
             }
-            match self.image.flush(&self.inbox, c.user_data) {
+            match self.image.flush(self.mailbox.inbox(), c.user_data) {
                 Ok(()) => {
                     self.flushing.insert(c.user_data, c.result);
                 }
@@ -140,6 +131,6 @@ impl RbdEngine {
     }
 
     pub fn event_fd(&self) -> i32 {
-        self.event.as_raw_fd()
+        self.mailbox.event_fd()
     }
 }
