@@ -21,29 +21,39 @@ impl Ceph {
     /// Ceph packages are missing, a failure under CI.
     pub fn start(dir: &Path, bytes: u64) -> Option<Ceph> {
         let cdir = dir.join("ceph");
-        let o = Command::new("bash")
-            .arg(script())
-            .arg("start")
-            .arg(&cdir)
-            .arg(bytes.to_string())
-            .output()
-            .unwrap();
-        if o.status.code() == Some(77) {
-            return skip_or_fail(&format!(
-                "no Ceph here: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            ));
+        // A start sometimes fails while other clusters run on the machine ("problem getting
+        // command descriptions from mon", "wrong fsid"); the script then stops what it
+        // started, and a fresh attempt succeeds.
+        let mut last = String::new();
+        for attempt in 1..=3 {
+            let _ = std::fs::remove_dir_all(&cdir);
+            let o = Command::new("bash")
+                .arg(script())
+                .arg("start")
+                .arg(&cdir)
+                .arg(bytes.to_string())
+                .output()
+                .unwrap();
+            if o.status.code() == Some(77) {
+                return skip_or_fail(&format!(
+                    "no Ceph here: {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ));
+            }
+            if o.status.success() {
+                return Some(Ceph {
+                    conf: cdir.join("ceph.conf"),
+                    dir: cdir,
+                });
+            }
+            last = format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+            eprintln!("starting the cluster (attempt {attempt}) failed: {last}");
         }
-        assert!(
-            o.status.success(),
-            "starting the cluster: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        Some(Ceph {
-            conf: cdir.join("ceph.conf"),
-            dir: cdir,
-        })
+        panic!("starting the cluster: {last}");
     }
 
     /// A cluster with room for an image `rbd/disk` of `disk_bytes` (a whole MiB), created.
