@@ -173,9 +173,16 @@ pub struct Args {
     pub throttle_write_bps: u64,
 
     /// Busy-poll each queue this many microseconds after its last request or completion
-    /// before sleeping (0-10000; 0 = never). Lowers latency at low queue depth; costs CPU.
-    #[arg(long, value_name = "US", default_value_t = 0)]
-    pub poll_us: u32,
+    /// before sleeping (0-10000; 0 = never), or `auto`: poll only while work follows work
+    /// faster than a sleep and wake-up cost, up to 50 us. Lowers latency at low queue depth;
+    /// a fixed window costs CPU while the guest is busy.
+    #[arg(long, value_name = "US|auto", default_value = "0")]
+    pub poll_us: PollArg,
+
+    /// Pin queue N's thread to the N-th CPU of LIST (comma-separated CPUs and ranges, e.g.
+    /// `2,3` or `0-3`; cycled when there are more queues than CPUs). Default: unpinned.
+    #[arg(long, value_name = "LIST")]
+    pub queue_cpus: Option<String>,
 
     /// qcow2 L2 table cache per image, e.g. 32M (at least 4 tables, at most 4 GiB; default:
     /// 32 MiB, or enough to map 64 GiB of guest data when clusters are small, never more than
@@ -184,7 +191,8 @@ pub struct Args {
     pub l2_cache_size: Option<String>,
 
     /// Preallocate file space ahead of writes past the end of a growing image (qcow2):
-    /// on, off, or auto (on when the image's file system sits on a non-rotational device).
+    /// on, off, or auto (on when the image's file system sits on a non-rotational device or
+    /// on a virtual disk, whose rotational flag is only a default).
     #[arg(long, value_enum, default_value_t = PreallocArg::Auto)]
     pub prealloc: PreallocArg,
 
@@ -291,6 +299,26 @@ pub enum OnOff {
     Off,
 }
 
+/// `--poll-us` values: a fixed window in microseconds, or adaptive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PollArg {
+    Fixed(u32),
+    Auto,
+}
+
+impl std::str::FromStr for PollArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(PollArg::Auto);
+        }
+        s.parse()
+            .map(PollArg::Fixed)
+            .map_err(|_| format!("{s:?}: expected microseconds (0-10000) or auto"))
+    }
+}
+
 /// `--prealloc-mode` values (parallels).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PreallocModeArg {
@@ -305,7 +333,7 @@ pub enum PreallocModeArg {
 pub enum PreallocArg {
     On,
     Off,
-    /// On when the file system's block device says it is not rotational.
+    /// On when the file system's block device is not rotational, or is a virtual disk.
     Auto,
 }
 

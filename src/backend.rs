@@ -5,7 +5,8 @@ use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+
+use crate::worker::poll::Poller;
 
 use log::{error, info};
 use vhost::vhost_user::message::{
@@ -47,7 +48,7 @@ pub struct VhostUserBlkBackend {
 }
 
 impl VhostUserBlkBackend {
-    pub fn new(dev: Arc<Device>, workers: Vec<QueueWorker>, poll: Duration) -> Self {
+    pub fn new(dev: Arc<Device>, workers: Vec<QueueWorker>, poll: Poller) -> Self {
         let poll_abort: Vec<Arc<AtomicBool>> = workers
             .iter()
             .map(|_| Arc::new(AtomicBool::new(false)))
@@ -388,6 +389,7 @@ impl VhostUserBackend for VhostUserBlkBackend {
         let Some(mut w) = self.worker(thread_id) else {
             return Ok(());
         };
+        w.on_queue_thread();
         let completion = completion_event_id(self.workers.len() as u16);
         if u64::from(device_event) == completion {
             w.handle_completions();

@@ -9,7 +9,6 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixListener;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::GuestMemoryAtomic;
@@ -77,7 +76,11 @@ pub fn messages(data: &[u8]) {
     let dev = Arc::new(Device::new(Image::raw(image, 1 << 20, false), params));
     let mem = GuestMemoryAtomic::new(crate::guest_memory::Mem::new());
     let worker = QueueWorker::new(0, dev.clone(), Engine::Sync(SyncEngine::new()), mem.clone());
-    let backend = Arc::new(VhostUserBlkBackend::new(dev, vec![worker], Duration::ZERO));
+    let backend = Arc::new(VhostUserBlkBackend::new(
+        dev,
+        vec![worker],
+        crate::worker::poll::Poller::default(),
+    ));
     let Ok(mut daemon) = VhostUserDaemon::new("vublk-fuzz".into(), backend.clone(), mem) else {
         let _ = std::fs::remove_file(&path);
         return;

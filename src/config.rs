@@ -2,8 +2,10 @@
 //! the option, so `main` can print one line and exit with status 2.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
-use crate::args::{AioMode, Args, CacheMode, DetectZeroesArg, DiscardMode, Format};
+use crate::args::{AioMode, Args, CacheMode, DetectZeroesArg, DiscardMode, Format, PollArg};
+use crate::worker::poll::Poller;
 use crate::zero::DetectZeroes;
 
 /// Most queues we serve; each queue costs a thread and an io_uring.
@@ -49,7 +51,10 @@ pub struct Config {
     pub serial: Option<String>,
     pub cache: CacheMode,
     pub aio: AioMode,
-    pub poll_us: u32,
+    /// `--poll-us`.
+    pub poll: Poller,
+    /// `--queue-cpus`, in queue order (empty: unpinned).
+    pub queue_cpus: Vec<usize>,
     /// `--throttle-*`.
     pub throttle: crate::throttle::Limits,
     pub detect_zeroes: DetectZeroes,
@@ -86,6 +91,29 @@ const MAX_L2_CACHE: u64 = 4 << 30;
 const MAX_COMPRESSED_CACHE: u64 = 1 << 30;
 /// Most `--compress-threads`.
 const MAX_COMPRESS_THREADS: usize = 64;
+
+/// CPUs as the kernel lists them (`0-3,6`).
+fn cpu_ranges(cpus: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let mut j = i;
+        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            cpus[i].to_string()
+        } else {
+            format!("{}-{}", cpus[i], cpus[j])
+        });
+        i = j + 1;
+    }
+    if out.is_empty() {
+        "none".into()
+    } else {
+        format!("allowed: {}", out.join(","))
+    }
+}
 
 fn bad(msg: impl Into<String>) -> ConfigError {
     ConfigError(msg.into())
@@ -142,12 +170,31 @@ impl Config {
                 )));
             }
         }
-        if args.poll_us > MAX_POLL_US {
-            return Err(bad(format!(
-                "--poll-us {}: must be at most {MAX_POLL_US}",
-                args.poll_us
-            )));
-        }
+        let poll = match args.poll_us {
+            PollArg::Fixed(us) if us > MAX_POLL_US => {
+                return Err(bad(format!(
+                    "--poll-us {us}: must be at most {MAX_POLL_US}"
+                )));
+            }
+            PollArg::Fixed(us) => Poller::fixed(Duration::from_micros(u64::from(us))),
+            PollArg::Auto => Poller::auto(crate::worker::poll::AUTO_MAX),
+        };
+        let queue_cpus = match &args.queue_cpus {
+            None => Vec::new(),
+            Some(list) => {
+                let cpus = crate::worker::thread::parse_cpu_list(list)
+                    .map_err(|e| bad(format!("--queue-cpus {list}: {e}")))?;
+                let allowed = crate::worker::thread::allowed_cpus();
+                if let Some(c) = cpus.iter().find(|c| !allowed.contains(c)) {
+                    return Err(bad(format!(
+                        "--queue-cpus {list}: CPU {c} is not one this process may run on \
+                         ({})",
+                        cpu_ranges(&allowed)
+                    )));
+                }
+                cpus
+            }
+        };
         let detect_zeroes = match args.detect_zeroes {
             DetectZeroesArg::Off => DetectZeroes::Off,
             DetectZeroesArg::On => DetectZeroes::On,
@@ -268,7 +315,8 @@ impl Config {
             serial: args.serial.clone(),
             cache: args.cache,
             aio: args.aio,
-            poll_us: args.poll_us,
+            poll,
+            queue_cpus,
             throttle: crate::throttle::Limits {
                 iops: args.throttle_iops,
                 bps: args.throttle_bps,
@@ -415,6 +463,11 @@ mod tests {
             (vec!["--serial", "123456789012345678901"], "--serial"),
             (vec!["--log-level", "loud"], "--log-level"),
             (vec!["--poll-us", "10001"], "--poll-us"),
+            (vec!["--queue-cpus", "0-"], "--queue-cpus"),
+            (
+                vec!["--queue-cpus", "1023"],
+                "--queue-cpus 1023: CPU 1023 is not one",
+            ),
             (vec!["--detect-zeroes", "unmap"], "--discard unmap"),
             (vec!["--force-share"], "--force-share"),
             (
@@ -427,6 +480,26 @@ mod tests {
             let e = parse(&all).unwrap_err();
             assert!(e.0.contains(opt), "{e}");
         }
+    }
+
+    #[test]
+    fn poll_and_queue_cpus() {
+        let base = ["--socket-path", "/s", "--blk-file", "/f"];
+        let c = parse(&base).unwrap();
+        assert_eq!(c.poll, Poller::fixed(Duration::ZERO));
+        assert!(c.queue_cpus.is_empty());
+        let c =
+            parse(&[&base[..], &["--poll-us", "auto", "--queue-cpus", "0,0"]].concat()).unwrap();
+        assert_eq!(c.poll, Poller::auto(crate::worker::poll::AUTO_MAX));
+        assert_eq!(c.queue_cpus, [0, 0]);
+        assert_eq!(
+            parse(&[&base[..], &["--poll-us", "20"]].concat())
+                .unwrap()
+                .poll,
+            Poller::fixed(Duration::from_micros(20))
+        );
+        assert!(Args::try_parse_from(["vublk", "--poll-us", "sometimes"]).is_err());
+        assert_eq!(cpu_ranges(&[0, 1, 2, 5, 7, 8]), "allowed: 0-2,5,7-8");
     }
 
     #[test]

@@ -393,11 +393,14 @@ fn serve_loop(
             if q == 0 && first {
                 info!("I/O engine: {}", engine.name());
             }
-            workers.push(QueueWorker::new(q, dev.clone(), engine, mem.clone()));
+            let mut w = QueueWorker::new(q, dev.clone(), engine, mem.clone());
+            if !cfg.queue_cpus.is_empty() {
+                w.set_cpu(Some(cfg.queue_cpus[usize::from(q) % cfg.queue_cpus.len()]));
+            }
+            workers.push(w);
         }
         first = false;
-        let poll = std::time::Duration::from_micros(u64::from(cfg.poll_us));
-        let backend = Arc::new(VhostUserBlkBackend::new(dev.clone(), workers, poll));
+        let backend = Arc::new(VhostUserBlkBackend::new(dev.clone(), workers, cfg.poll));
         let mut daemon = VhostUserDaemon::new("vublk".into(), backend.clone(), mem)
             .map_err(DaemonError::Vhost)?;
         let handlers = daemon.get_epoll_handlers();

@@ -131,6 +131,36 @@ impl Collector for Vublk {
         )?;
         family(
             &mut enc,
+            "vublk_queue_wakeups",
+            "Times a queue thread was woken by an event (guest kick, completion signal)",
+            MetricType::Counter,
+            queues
+                .iter()
+                .enumerate()
+                .map(|(qi, q)| (vec![("queue", qi.to_string())], q.wakeups)),
+        )?;
+        family(
+            &mut enc,
+            "vublk_poll_hits",
+            "Times busy-polling found work (a wake-up saved)",
+            MetricType::Counter,
+            queues
+                .iter()
+                .enumerate()
+                .map(|(qi, q)| (vec![("queue", qi.to_string())], q.poll_hits)),
+        )?;
+        family(
+            &mut enc,
+            "vublk_poll_window_microseconds",
+            "A queue's busy-poll window now (--poll-us; adapted with auto)",
+            MetricType::Gauge,
+            queues
+                .iter()
+                .enumerate()
+                .map(|(qi, q)| (vec![("queue", qi.to_string())], q.poll_window_us)),
+        )?;
+        family(
+            &mut enc,
             "vublk_capacity_bytes",
             "Size of the disk the guest sees",
             MetricType::Gauge,

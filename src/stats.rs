@@ -65,6 +65,12 @@ pub struct QueueCounters {
     pub statuses: [AtomicU64; 3],
     /// Requests taken from the ring and not yet completed.
     pub in_flight: AtomicU64,
+    /// Times the queue thread was woken by an event (a guest kick, a completion signal).
+    pub wakeups: AtomicU64,
+    /// Times busy-polling found work (each one a wake-up saved).
+    pub poll_hits: AtomicU64,
+    /// The poll window now, microseconds (`--poll-us`; adapted with `auto`).
+    pub poll_window_us: AtomicU64,
 }
 
 impl QueueCounters {
@@ -98,6 +104,18 @@ impl QueueCounters {
         self.in_flight.store(n as u64, Ordering::Relaxed);
     }
 
+    /// The queue thread woke for an event.
+    pub fn record_wakeup(&self) {
+        bump(&self.wakeups, 1);
+    }
+
+    /// A poll of `window` ended: `hits` times it found work.
+    pub fn record_poll(&self, hits: u64, window: std::time::Duration) {
+        bump(&self.poll_hits, hits);
+        self.poll_window_us
+            .store(window.as_micros() as u64, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self) -> QueueSnapshot {
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
         QueueSnapshot {
@@ -114,6 +132,9 @@ impl QueueCounters {
                 .collect(),
             statuses: self.statuses.iter().map(ld).collect(),
             in_flight: ld(&self.in_flight),
+            wakeups: ld(&self.wakeups),
+            poll_hits: ld(&self.poll_hits),
+            poll_window_us: ld(&self.poll_window_us),
         }
     }
 }
@@ -184,6 +205,10 @@ pub struct QueueSnapshot {
     pub ops: Vec<OpSnapshot>,
     pub statuses: Vec<u64>,
     pub in_flight: u64,
+    pub wakeups: u64,
+    pub poll_hits: u64,
+    /// A gauge: in a total, the largest of the queues'.
+    pub poll_window_us: u64,
 }
 
 impl QueueSnapshot {
@@ -192,7 +217,7 @@ impl QueueSnapshot {
         let mut t = QueueSnapshot {
             ops: vec![OpSnapshot::default(); OPS.len()],
             statuses: vec![0; STATUSES.len()],
-            in_flight: 0,
+            ..QueueSnapshot::default()
         };
         for q in queues {
             for (a, b) in t.ops.iter_mut().zip(&q.ops) {
@@ -202,6 +227,9 @@ impl QueueSnapshot {
                 *a += b;
             }
             t.in_flight += q.in_flight;
+            t.wakeups += q.wakeups;
+            t.poll_hits += q.poll_hits;
+            t.poll_window_us = t.poll_window_us.max(q.poll_window_us);
         }
         t
     }
@@ -222,6 +250,9 @@ impl QueueSnapshot {
             bytes_read: self.ops[0].bytes,
             bytes_written: self.ops[1].bytes,
             in_flight: self.in_flight,
+            wakeups: self.wakeups,
+            poll_hits: self.poll_hits,
+            poll_window_us: self.poll_window_us,
         }
     }
 }
@@ -250,6 +281,10 @@ pub struct QueueReport {
     pub bytes_read: u64,
     pub bytes_written: u64,
     pub in_flight: u64,
+    /// Times the queue thread woke for an event, and times polling found work instead.
+    pub wakeups: u64,
+    pub poll_hits: u64,
+    pub poll_window_us: u64,
 }
 
 #[cfg(test)]

@@ -146,6 +146,11 @@ fn random_io_with_busy_polling() {
 }
 
 #[test]
+fn random_io_with_adaptive_polling() {
+    random_io_with_vublk_options("random-io-poll-auto", &["--poll-us", "auto"]);
+}
+
+#[test]
 fn random_io_with_detect_zeroes_on() {
     random_io_with_vublk_options("random-io-dz-on", &["--detect-zeroes", "on"]);
 }

@@ -577,3 +577,132 @@ fn control_group_makes_the_socket_group_accessible() {
     assert_eq!(code, Some(1), "{msg}");
     assert!(msg.contains("no-such-group-vublk"), "{msg}");
 }
+
+/// CPU time (user + system) the process `pid` has used, in clock ticks.
+fn cpu_ticks(pid: libc::pid_t) -> u64 {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces): state is field 3, utime 14.
+    let rest = &st[st.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// `--poll-us auto` polls while requests follow each other quickly (its window grows from
+/// nothing and the queue's poll hits are counted) and leaves an idle daemon asleep;
+/// `--queue-cpus` names and pins each queue's thread.
+#[test]
+fn adaptive_polling_and_queue_cpus() {
+    if skip_unless_vublk("vublk's polling and pinning") {
+        return;
+    }
+    let dir = TestDir::new("control-poll-auto");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, 16 * MIB, 7);
+    // Pin queue 0 to the last CPU this test may use and queue 1 to the first.
+    let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| {
+            // SAFETY: a zeroed cpu_set_t filled by sched_getaffinity, then read below its size.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) == 0
+                    && libc::CPU_ISSET(c, &set)
+            }
+        })
+        .collect();
+    let (first, last) = (allowed[0], *allowed.last().unwrap());
+    let cpus = format!("{last},{first}");
+    // Page-cache reads complete within microseconds: the gaps are the client's round trips.
+    let (backend, sock) = start(
+        &dir,
+        &img,
+        2,
+        &[
+            "--poll-us",
+            "auto",
+            "--queue-cpus",
+            &cpus,
+            "--cache",
+            "writeback",
+        ],
+    );
+    let mut c = connect_queues(&backend.socket, 2);
+    let want = pattern(16 * MIB as usize, 0, 7);
+    for i in 0..3000u64 {
+        let off = (i * 4096 * 7) % (16 * MIB);
+        let got = c.read_at(0, off, 4096).unwrap();
+        assert!(
+            got == want[off as usize..off as usize + 4096],
+            "read at {off}"
+        );
+    }
+    assert_eq!(c.read_at(1, 0, 4096).unwrap(), want[..4096]);
+    let (ok, s, err) = ctl(&sock, "stats", &[]);
+    assert!(ok, "{err}");
+    let q0 = &s["queues"][0];
+    let hits = q0["poll_hits"].as_u64().unwrap();
+    let wakeups = q0["wakeups"].as_u64().unwrap();
+    let window = q0["poll_window_us"].as_u64().unwrap();
+    eprintln!("queue 0 under load: {hits} poll hits, {wakeups} wake-ups, window {window} us");
+    assert!(hits > 0, "auto never polled successfully: {q0}");
+    assert!(wakeups < 2 * 3000, "polling saved no wake-up: {q0}");
+    assert!(window > 0 && window <= 50, "{q0}");
+
+    // Idle: the daemon sleeps (under 5% of a core over a second).
+    // SAFETY: sysconf has no preconditions.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    let t0 = cpu_ticks(backend.pid());
+    std::thread::sleep(Duration::from_secs(1));
+    let used = cpu_ticks(backend.pid()) - t0;
+    assert!(
+        used * 20 <= tick,
+        "idle daemon used {used} of {tick} ticks in a second"
+    );
+    // Each queue thread is named and pinned where --queue-cpus said.
+    let mut seen = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{}/task", backend.pid())).unwrap() {
+        let t = t.unwrap().path();
+        let comm = std::fs::read_to_string(t.join("comm")).unwrap_or_default();
+        let Some(q) = comm.trim().strip_prefix("vublk-q") else {
+            continue;
+        };
+        let status = std::fs::read_to_string(t.join("status")).unwrap();
+        let list = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim()
+            .to_owned();
+        seen.push((q.to_owned(), list));
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("0".into(), last.to_string()),
+            ("1".into(), first.to_string())
+        ],
+        "queue threads and their CPUs"
+    );
+    assert!(backend
+        .log_contents()
+        .contains(&format!("queue 0: thread pinned to CPU {last}")));
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// `--queue-cpus` naming a CPU the daemon may not use is refused before serving.
+#[test]
+fn queue_cpus_outside_the_allowed_set_are_refused() {
+    if skip_unless_vublk("vublk's --queue-cpus") {
+        return;
+    }
+    let dir = TestDir::new("control-queue-cpus-bad");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, MIB, 1);
+    let (code, log) = vublk_refuses(&dir, &img, &["--queue-cpus", "1000"]);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains("--queue-cpus 1000: CPU 1000 is not one"),
+        "{log}"
+    );
+}

@@ -102,37 +102,137 @@ pub fn write_zeroes(fd: RawFd, offset: u64, len: u64, pool: &mut BouncePool) -> 
     ret
 }
 
-/// Is the block device holding this file rotational? (`/sys/dev/block/MAJ:MIN`, or its
-/// parent disk for a partition.) None for files on no block device (tmpfs, network).
-pub fn rotational(meta: &std::fs::Metadata) -> Option<(String, bool)> {
+/// What the block device under a file system says about itself, for `--prealloc auto`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskInfo {
+    /// `/dev/NAME`, or `block device MAJ:MIN`.
+    pub name: String,
+    /// `queue/rotational`.
+    pub rotational: bool,
+    /// The disk is virtual (virtio-blk, Xen): its driver cannot know what the host stores it
+    /// on, and `rotational` is only the kernel's default (1).
+    pub virtual_disk: Option<&'static str>,
+}
+
+/// Drivers of virtual disks whose `rotational` flag is a default, not a measurement.
+const VIRTUAL_DISK_DRIVERS: &[&str] = &["virtio_blk", "xen_blkfront", "vdc"];
+
+/// The block device holding this file (`/sys/dev/block/MAJ:MIN`, or its parent disk for a
+/// partition). None for files on no block device (tmpfs, network).
+pub fn disk_info(meta: &std::fs::Metadata) -> Option<DiskInfo> {
     use std::os::unix::fs::MetadataExt;
     let dev = meta.dev();
     let (major, minor) = (libc::major(dev), libc::minor(dev));
     if major == 0 {
         return None;
     }
-    let base = std::path::PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
-    for q in [
-        base.join("queue/rotational"),
-        base.join("../queue/rotational"),
-    ] {
-        if let Ok(s) = std::fs::read_to_string(&q) {
-            let name = std::fs::canonicalize(&base)
-                .ok()
-                .and_then(|p| {
-                    p.file_name()
-                        .map(|n| format!("/dev/{}", n.to_string_lossy()))
-                })
-                .unwrap_or_else(|| format!("block device {major}:{minor}"));
-            return Some((name, s.trim() == "1"));
-        }
+    disk_info_at(std::path::Path::new("/sys/dev/block"), major, minor)
+}
+
+/// [`disk_info`] under another sysfs root (tests).
+pub fn disk_info_at(root: &std::path::Path, major: u32, minor: u32) -> Option<DiskInfo> {
+    let base = root.join(format!("{major}:{minor}"));
+    // A partition's queue and device are its disk's, one level up.
+    let disk = [base.clone(), base.join("..")]
+        .into_iter()
+        .find(|d| d.join("queue/rotational").exists())?;
+    let rotational = std::fs::read_to_string(disk.join("queue/rotational")).ok()?;
+    let name = std::fs::canonicalize(&base)
+        .ok()
+        .and_then(|p| {
+            p.file_name()
+                .map(|n| format!("/dev/{}", n.to_string_lossy()))
+        })
+        .unwrap_or_else(|| format!("block device {major}:{minor}"));
+    Some(DiskInfo {
+        name,
+        rotational: rotational.trim() == "1",
+        virtual_disk: virtual_driver(&disk),
+    })
+}
+
+/// The virtual-disk driver of `disk` (a sysfs block directory), or of every disk under it
+/// when it is stacked (device mapper, md: `slaves/`).
+fn virtual_driver(disk: &std::path::Path) -> Option<&'static str> {
+    let driver_of = |d: &std::path::Path| {
+        let link = std::fs::read_link(d.join("device/driver")).ok()?;
+        let name = link.file_name()?.to_string_lossy().into_owned();
+        VIRTUAL_DISK_DRIVERS.iter().copied().find(|v| *v == name)
+    };
+    if let Some(v) = driver_of(disk) {
+        return Some(v);
     }
-    None
+    let slaves: Vec<_> = std::fs::read_dir(disk.join("slaves"))
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .collect();
+    let mut found = None;
+    for s in &slaves {
+        // A partition under a stacked device: its disk is one level up.
+        let v = driver_of(s).or_else(|| driver_of(&s.join("..")))?;
+        found = Some(v);
+    }
+    found
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A fake sysfs: /sys/dev/block/MAJ:MIN links to a disk directory with `queue/rotational`
+    /// and a `device/driver` link.
+    fn fake_disk(root: &std::path::Path, id: &str, name: &str, rot: &str, driver: Option<&str>) {
+        let disk = root.join("devices").join(name);
+        std::fs::create_dir_all(disk.join("queue")).unwrap();
+        std::fs::write(disk.join("queue/rotational"), rot).unwrap();
+        if let Some(d) = driver {
+            std::fs::create_dir_all(disk.join("device")).unwrap();
+            std::fs::create_dir_all(root.join("drivers").join(d)).unwrap();
+            std::os::unix::fs::symlink(root.join("drivers").join(d), disk.join("device/driver"))
+                .unwrap();
+        }
+        std::fs::create_dir_all(root.join("dev/block")).unwrap();
+        std::os::unix::fs::symlink(&disk, root.join("dev/block").join(id)).unwrap();
+    }
+
+    #[test]
+    fn virtio_disks_are_told_apart_from_rotational_ones() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("target/unit-tmp/sysfs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        fake_disk(&dir, "254:0", "vda", "1\n", Some("virtio_blk"));
+        fake_disk(&dir, "8:0", "sda", "1\n", Some("sd"));
+        fake_disk(&dir, "259:0", "nvme0n1", "0\n", Some("nvme"));
+        // A partition of vda, and a device-mapper volume over it.
+        std::fs::create_dir_all(dir.join("devices/vda/vda1")).unwrap();
+        std::os::unix::fs::symlink(dir.join("devices/vda/vda1"), dir.join("dev/block/254:1"))
+            .unwrap();
+        fake_disk(&dir, "253:0", "dm-0", "1\n", None);
+        std::fs::create_dir_all(dir.join("devices/dm-0/slaves")).unwrap();
+        std::os::unix::fs::symlink(
+            dir.join("devices/vda/vda1"),
+            dir.join("devices/dm-0/slaves/vda1"),
+        )
+        .unwrap();
+        let root = dir.join("dev/block");
+        let info = |maj, min| disk_info_at(&root, maj, min).unwrap();
+        assert_eq!(info(254, 0).virtual_disk, Some("virtio_blk"));
+        assert!(info(254, 0).rotational);
+        assert_eq!(info(254, 1).name, "/dev/vda1");
+        assert_eq!(info(254, 1).virtual_disk, Some("virtio_blk"));
+        assert_eq!(info(253, 0).virtual_disk, Some("virtio_blk"));
+        assert_eq!(
+            (info(8, 0).rotational, info(8, 0).virtual_disk),
+            (true, None)
+        );
+        assert_eq!(
+            (info(259, 0).rotational, info(259, 0).virtual_disk),
+            (false, None)
+        );
+        assert!(disk_info_at(&root, 7, 7).is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn last_resort_zeroing_writes_zeroes() {

@@ -21,10 +21,12 @@ mod complete;
 mod failure;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
+pub mod poll;
 mod read;
 mod slot;
 mod start;
 mod submit;
+pub mod thread;
 mod throttle;
 mod write;
 mod zero;
@@ -94,11 +96,15 @@ pub struct QueueWorker {
     stalled: bool,
     bounce: BouncePool,
     pub stats: QueueStats,
-    /// Busy-poll the avail ring and the completion ring this long after the last work
-    /// before sleeping again (0: never poll).
-    poll: Duration,
+    /// How long to busy-poll the avail ring and the completion ring after the last work
+    /// before sleeping again (`--poll-us`: fixed, or adapted to the gaps between work).
+    poll: poll::Poller,
     /// Set by another thread (queue stop) to end a poll loop early.
     poll_abort: Arc<AtomicBool>,
+    /// `--queue-cpus`: the CPU this queue's thread runs on.
+    cpu: Option<usize>,
+    /// The queue thread has been named and pinned (`thread::set_up`).
+    thread_set_up: bool,
     /// Where the image's pools report this queue's writes (None: no pools, or an engine
     /// without an eventfd: those writes run on this thread).
     inbox: Option<Arc<Inbox>>,
@@ -158,8 +164,10 @@ impl QueueWorker {
                 .ok(),
             used_log: None,
             lost_pages: crate::guest_memory::lost_pages(),
-            poll: Duration::ZERO,
+            poll: poll::Poller::default(),
             poll_abort: Arc::new(AtomicBool::new(false)),
+            cpu: None,
+            thread_set_up: false,
             index,
             dev,
             engine,
@@ -178,9 +186,22 @@ impl QueueWorker {
     }
 
     /// Enable bounded busy-polling; `abort` ends a poll loop from another thread.
-    pub fn set_polling(&mut self, poll: Duration, abort: Arc<AtomicBool>) {
+    pub fn set_polling(&mut self, poll: poll::Poller, abort: Arc<AtomicBool>) {
         self.poll = poll;
         self.poll_abort = abort;
+    }
+
+    /// Pin this queue's thread to `cpu` (done on its first event).
+    pub fn set_cpu(&mut self, cpu: Option<usize>) {
+        self.cpu = cpu;
+    }
+
+    /// Called on the queue thread before each event: the first time, name and pin it.
+    pub fn on_queue_thread(&mut self) {
+        if !self.thread_set_up {
+            self.thread_set_up = true;
+            thread::set_up(self.index, self.cpu);
+        }
     }
 
     pub fn engine_event_fd(&self) -> Option<i32> {
@@ -236,6 +257,7 @@ impl QueueWorker {
         if self.vring.is_none() {
             self.vring = Some(vring.clone());
         }
+        self.woke();
         self.process_queue(vring, true);
         self.poll_for_work(vring);
     }
@@ -245,6 +267,7 @@ impl QueueWorker {
         let Some(vring) = self.vring.clone() else {
             return;
         };
+        self.woke();
         // The eventfd is watched edge-triggered: no need to read (clear) it.
         self.reap_and_complete(&vring);
         if self.stalled {
@@ -253,11 +276,28 @@ impl QueueWorker {
         self.poll_for_work(&vring);
     }
 
+    /// An event woke the queue thread: let an adaptive poll window learn from the gap.
+    fn woke(&mut self) {
+        if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
+            c.record_wakeup();
+        }
+        if self.poll.is_auto() {
+            self.poll.woke(Instant::now());
+        }
+    }
+
     /// Busy-poll for new requests and completions, with guest kicks and completion signals
-    /// off, until `poll` has passed without work. Saves the guest's kick and our wake-ups
-    /// at low queue depth, at the price of CPU time while polling.
+    /// off, until the poll window has passed without work. Saves the guest's kick and our
+    /// wake-ups at low queue depth, at the price of CPU time while polling.
     fn poll_for_work(&mut self, vring: &Vring) {
-        if self.poll.is_zero() {
+        let window = self.poll.window();
+        if window.is_zero() {
+            if self.poll.is_auto() {
+                self.poll.idle(Instant::now());
+                if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
+                    c.record_poll(0, window);
+                }
+            }
             return;
         }
         let mem = self.mem.memory().into_inner();
@@ -270,6 +310,7 @@ impl QueueWorker {
             );
         }
         let mut last_work = Instant::now();
+        let mut hits = 0;
         while !self.poll_abort.load(Ordering::Relaxed) {
             let mut worked = false;
             if self.engine.has_completions() || self.inbox_ready() {
@@ -286,8 +327,9 @@ impl QueueWorker {
                 worked = true;
             }
             if worked {
+                hits += 1;
                 last_work = Instant::now();
-            } else if last_work.elapsed() >= self.poll {
+            } else if last_work.elapsed() >= window {
                 break;
             } else {
                 std::hint::spin_loop();
@@ -298,6 +340,10 @@ impl QueueWorker {
         self.engine.set_event_enabled(true);
         self.process_queue(vring, true);
         self.reap_and_complete(vring);
+        self.poll.idle(last_work);
+        if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
+            c.record_poll(hits, self.poll.window());
+        }
     }
 
     /// Wait for every in-flight request and complete it (queue stop, disconnect, shutdown).
