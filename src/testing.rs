@@ -111,6 +111,8 @@ struct SimState {
     current: Vec<u8>,
     /// Writes and size changes since the last sync, in order.
     pending: Vec<Pending>,
+    /// `sync_data` calls so far.
+    syncs: u64,
 }
 
 enum Pending {
@@ -138,8 +140,14 @@ impl SimDisk {
                 durable: bytes.clone(),
                 current: bytes,
                 pending: Vec::new(),
+                syncs: 0,
             }),
         }
+    }
+
+    /// How many times the disk was synced.
+    pub fn syncs(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).syncs
     }
 
     /// The disk after a power failure: the durable image plus the pending writes (in
@@ -214,6 +222,7 @@ impl Storage for SimDisk {
 
     fn sync_data(&self) -> io::Result<()> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.syncs += 1;
         let pending = std::mem::take(&mut st.pending);
         for p in &pending {
             apply(&mut st.durable, p);

@@ -16,6 +16,11 @@ use crate::io::Storage;
 /// of the page size, see `extend_to`).
 pub(super) const SIZE_STEP: u64 = 1 << 20;
 
+/// How far ahead of the allocations refcounts are set (`reserve`): one refcount write and
+/// one sync per this much new space, instead of one per allocating write. The most a crash
+/// can leak.
+const RESERVE_BYTES: u64 = 8 << 20;
+
 impl Qcow2Image {
     /// A new cluster at the end of the file, its refcount set to 1 (in the cache).
     pub(super) fn alloc_cluster(
@@ -26,7 +31,7 @@ impl Qcow2Image {
         let host = ws.next_free;
         ws.next_free += self.cluster_size();
         self.file_size.fetch_max(ws.next_free, Ordering::AcqRel);
-        self.set_refcount(ws, file, host, RefChange::Set(1))?;
+        self.reserve(ws, file, host, 1)?;
         self.grow(ws, file, host, host + self.cluster_size(), false);
         Ok(host)
     }
@@ -43,12 +48,60 @@ impl Qcow2Image {
         let host = ws.next_free;
         ws.next_free += c;
         self.file_size.fetch_max(ws.next_free, Ordering::AcqRel);
-        self.set_refcount(ws, file, host, RefChange::Set(1))?;
+        self.reserve(ws, file, host, 1)?;
         if !self.grow(ws, file, host, host + c, true) {
             let zero = AlignedBuf::new(c as usize, 4096).map_err(ImageError::Io)?;
             write_all_aligned(file, host, zero.as_slice()).map_err(ImageError::Io)?;
         }
         Ok(host)
+    }
+
+    /// Set the refcounts of the `n` clusters at `host`, just taken from the end of the
+    /// allocations, to 1: nothing to do when they were reserved; else set them and the
+    /// [`RESERVE_BYTES`] after them in one go (a refcount block this needs is allocated at
+    /// `next_free`, inside the reserved space, which then moves past it).
+    pub(super) fn reserve(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        host: u64,
+        n: u64,
+    ) -> Result<(), ImageError> {
+        let c = self.cluster_size();
+        let end = host + n * c;
+        if end <= ws.reserved_end {
+            return Ok(());
+        }
+        let target = (end + RESERVE_BYTES).next_multiple_of(c);
+        let mut pos = ws.reserved_end.max(host);
+        while pos < target {
+            self.set_refcount(ws, file, pos, RefChange::Set(1))?;
+            pos += c;
+        }
+        ws.reserved_end = target.max(ws.next_free);
+        if ws.prealloc.is_none() {
+            // The file covers what is reserved too: one sync then covers the length and the
+            // refcounts of the whole reservation (with preallocation, its extensions do).
+            Self::extend_to(ws, file, ws.reserved_end);
+        }
+        Ok(())
+    }
+
+    /// Give back the clusters reserved and not allocated (a clean close): their refcounts
+    /// return to 0.
+    pub(super) fn unreserve(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+    ) -> Result<(), ImageError> {
+        let c = self.cluster_size();
+        let mut pos = ws.next_free;
+        while pos < ws.reserved_end {
+            self.set_refcount(ws, file, pos, RefChange::Set(0))?;
+            pos += c;
+        }
+        ws.reserved_end = ws.next_free;
+        Ok(())
     }
 
     /// A data cluster for a copy-on-write: free space first (counted), else the end of the
@@ -160,6 +213,7 @@ impl Qcow2Image {
             p.busy = false;
             self.count_prealloc(ok, p.unsupported && !was_unsupported);
             ws.covered = ws.covered.max(len);
+            ws.unsynced_refcounts = true;
         }
         let Some(p) = ws.prealloc.as_mut() else {
             return false;
@@ -187,6 +241,7 @@ impl Qcow2Image {
         if ok {
             ws.covered = ws.covered.max(e);
         }
+        ws.unsynced_refcounts = true;
         ok && plan.merged
     }
 
@@ -205,6 +260,8 @@ impl Qcow2Image {
             Ok(_) => {
                 if file.set_len(end).is_ok() {
                     ws.covered = end;
+                    // An L2 entry naming a cluster in the new length waits for a sync.
+                    ws.unsynced_refcounts = true;
                 }
             }
             Err(_) => {}

@@ -260,9 +260,7 @@ impl Qcow2Image {
                 let first = ws.next_free;
                 ws.next_free += n * c;
                 self.file_size.fetch_max(ws.next_free, Ordering::AcqRel);
-                for k in 0..n {
-                    self.set_refcount(&mut ws, file, first + k * c, RefChange::Set(1))?;
-                }
+                self.reserve(&mut ws, file, first, n)?;
                 self.grow(&mut ws, file, first, first + n * c, false);
                 first
             }

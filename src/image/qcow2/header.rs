@@ -54,6 +54,9 @@ pub const AUTOCLEAR_BITMAPS: u64 = 1 << 0;
 
 /// Header extension type: backing file format name.
 pub const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
+/// Header extension type: persistent dirty bitmaps (their clusters are referenced from the
+/// bitmap directory, not from L2 tables).
+pub const EXT_BITMAPS: u32 = 0x2385_2875;
 /// The spec bounds a backing file name to 1023 bytes.
 pub const MAX_BACKING_NAME: usize = 1023;
 
@@ -256,6 +259,33 @@ impl Header {
             .map_err(|_| Qcow2Error::BackingName)
     }
 
+    /// Does the header (in `first`, the image's first bytes) carry an extension of type `ty`?
+    /// Walks the extensions after the header (bounded by `first`; a malformed list ends the
+    /// walk: then the answer is yes, the cautious one for callers).
+    pub fn has_extension(&self, first: &[u8], ty: u32) -> bool {
+        let mut pos = if self.version >= 3 {
+            self.header_length as usize
+        } else {
+            V2_LEN
+        };
+        loop {
+            let Some(h) = first.get(pos..pos + 8) else {
+                return true;
+            };
+            let (t, len) = (be32(h, 0), be32(h, 4) as usize);
+            if t == 0 {
+                return false;
+            }
+            if t == ty {
+                return true;
+            }
+            pos = match pos.checked_add(8 + len.next_multiple_of(8)) {
+                Some(p) => p,
+                None => return true,
+            };
+        }
+    }
+
     /// Write the header's fields into `b` (at least [`V3_LEN`] + 1 bytes for version 3);
     /// bytes between the fields are left as they are.
     pub fn write_to(&self, b: &mut [u8]) {
@@ -327,6 +357,24 @@ impl SnapshotEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extensions_are_found() {
+        let h = Header::new_v3(16, 1 << 30, Compression::Zlib);
+        let mut b = vec![0u8; 4096];
+        h.write_to(&mut b);
+        let at = h.header_length as usize;
+        assert!(!h.has_extension(&b, EXT_BITMAPS));
+        put32(&mut b, at, EXT_BACKING_FORMAT);
+        put32(&mut b, at + 4, 3);
+        b[at + 8..at + 11].copy_from_slice(b"raw");
+        put32(&mut b, at + 16, EXT_BITMAPS);
+        assert!(h.has_extension(&b, EXT_BITMAPS));
+        assert!(h.has_extension(&b, EXT_BACKING_FORMAT));
+        // A length running off the buffer: cautious.
+        put32(&mut b, at + 4, u32::MAX);
+        assert!(h.has_extension(&b, 0x1234));
+    }
 
     #[test]
     fn a_new_header_parses_back_to_itself() {

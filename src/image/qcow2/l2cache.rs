@@ -121,9 +121,19 @@ impl Qcow2Image {
                     .entries
                     .get_mut(index)
                     .ok_or(ImageError::Corrupt("L2 index out of range"))?;
-                *slot = entry;
+                let old = std::mem::replace(slot, entry);
                 t.dirty[index / per_chunk] = true;
                 self.unpublished.note_change();
+                // The guest cluster read something other than zeroes of fresh space before
+                // (data, compressed data, the backing file, or a zero flag over a host
+                // cluster), or the entry names compressed data: the data written for it
+                // (the new cluster's copy of what is kept, the compressed chunk) must be
+                // durable before this entry is, or a crash could show what it replaced as
+                // lost, or a chunk that does not decompress.
+                let compressed = entry & super::map::L2_COMPRESSED != 0;
+                if old != entry && (old != 0 || compressed || self.backing_file.is_some()) {
+                    ws.unsynced_data = true;
+                }
                 return Ok(());
             }
             if !cache.make_room() {

@@ -200,9 +200,19 @@ struct WriteState {
     /// Host clusters that lost a reference in an L2 change not yet durable: decremented
     /// after the L2 tables are written and synced (a crash before leaks, never corrupts).
     pending_decs: crate::image::durable::AfterDurable<u64>,
-    /// Refcount chunks (or the file's new length) were written since the last sync: an L2
-    /// chunk that may name what they describe must wait for a sync.
+    /// Refcount chunks (or the file's new length: `extend_to`, preallocation) were written
+    /// since the last sync: an L2 chunk that may name what they describe must wait for a
+    /// sync.
     unsynced_refcounts: bool,
+    /// An L2 entry changed since the last sync replaces a mapping whose contents mattered
+    /// (see `write_l2_entry`): the data written into its new cluster must be durable before
+    /// the entry is written back.
+    unsynced_data: bool,
+    /// Clusters in [next_free, reserved_end) have their refcount set to 1 ahead of being
+    /// allocated (`alloc::reserve`), so that allocating them changes no refcount and the L2
+    /// entries naming them wait for no sync. A crash leaks the unused ones (`qemu-img check
+    /// -r leaks`); a clean close gives them back.
+    reserved_end: u64,
 }
 
 /// An open qcow2 image.

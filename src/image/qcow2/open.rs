@@ -8,9 +8,10 @@ use std::sync::{Mutex, RwLock};
 
 use super::header::{be64, Header, SnapshotEntry};
 use super::map::{compressed_span, L1_OFFSET_MASK, L2_COMPRESSED, L2_OFFSET_MASK};
+use super::refcount::RefChange;
 use super::{
-    compress, cow, l2cache, Qcow2Error, Qcow2Image, Qcow2Options, Qcow2Stats, WriteState,
-    DEFAULT_L2_CACHE_BYTES, DEFAULT_L2_COVERAGE, MAX_L1_BYTES,
+    compress, cow, l2cache, ImageError, Qcow2Error, Qcow2Image, Qcow2Options, Qcow2Stats,
+    WriteState, DEFAULT_L2_CACHE_BYTES, DEFAULT_L2_COVERAGE, MAX_L1_BYTES,
 };
 use crate::image::prealloc::{Background, Prealloc};
 use crate::io::aligned::read_aligned;
@@ -105,6 +106,8 @@ impl Qcow2Image {
                 dirty_chunks: Default::default(),
                 pending_decs: Default::default(),
                 unsynced_refcounts: false,
+                unsynced_data: false,
+                reserved_end: 0,
             })
         } else {
             None
@@ -142,7 +145,11 @@ impl Qcow2Image {
             unpublished: Default::default(),
             stats: Qcow2Stats::default(),
         };
-        img.find_data_end(file)?;
+        // A crash leaves the clusters reserved ahead (`alloc::reserve`) with refcount 1 and
+        // nothing referencing them: given back below, unless something other than the
+        // active L2 tables may reference clusters (internal snapshots, bitmaps).
+        let reclaim = h.nb_snapshots == 0 && !h.has_extension(&first, super::header::EXT_BITMAPS);
+        img.find_data_end(file, reclaim)?;
         if let (Some(p), Ok(mut ws)) = (opts.prealloc, img.lock_write()) {
             let mut state = Prealloc::new(ws.covered, p.size, p.align, p.file_align);
             // The data ends at the last allocated cluster; a tail after it (left by a crash
@@ -160,7 +167,7 @@ impl Qcow2Image {
     /// preallocated, or data whose metadata never reached the file): nothing references it,
     /// so it is truncated and allocation starts after the last cluster with a refcount.
     /// Bounded: looks at most at [`MAX_TAIL_SCAN_CLUSTERS`] from the end.
-    fn find_data_end(&self, file: &dyn Storage) -> Result<(), Qcow2Error> {
+    fn find_data_end(&self, file: &dyn Storage, reclaim: bool) -> Result<(), Qcow2Error> {
         let Ok(mut ws) = self.lock_write() else {
             return Ok(());
         };
@@ -211,6 +218,11 @@ impl Qcow2Image {
                 }
             }
         }
+        if reclaim {
+            end = self
+                .reclaim_reserved_tail(&mut ws, file, end)
+                .map_err(Qcow2Error::ReadRefcounts)?;
+        }
         // Cut the tail off now: a new cluster must read as zeroes wherever it is not written
         // (stale data from before the crash must not show through).
         let len = file.size().map_err(Qcow2Error::ReadHeader)?;
@@ -221,6 +233,82 @@ impl Qcow2Image {
         ws.next_free = end;
         self.file_size.store(end, Ordering::Release);
         Ok(())
+    }
+}
+
+impl Qcow2Image {
+    /// After a crash, the file can end in clusters reserved ahead of the allocations
+    /// (refcount 1, referenced by nothing, reading as zeroes): set their refcounts back to 0
+    /// and return where the file's data really ends. Only looked into when the last
+    /// cluster looks like one (refcount 1, not metadata, all zeroes); then every active L2
+    /// table is read (at most [`MAX_TAIL_SCAN_TABLES`]) to find the last cluster in use.
+    fn reclaim_reserved_tail(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        end: u64,
+    ) -> Result<u64, ImageError> {
+        let c = self.cluster_size();
+        let last = end.saturating_sub(c);
+        if end <= c || self.is_metadata(last) || self.get_refcount(ws, file, last)? != 1 {
+            return Ok(end);
+        }
+        let tail = read_aligned(file, last, c as usize).map_err(ImageError::Io)?;
+        if tail.iter().any(|&b| b != 0) {
+            return Ok(end);
+        }
+        let tables: Vec<u64> = self
+            .l1
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|e| e & L1_OFFSET_MASK)
+            .filter(|&t| t != 0)
+            .collect();
+        if tables.len() > MAX_TAIL_SCAN_TABLES {
+            return Ok(end);
+        }
+        // The end of the last cluster anything refers to: metadata, or an L2 entry.
+        let mut in_use = self
+            .metadata
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|&m| m + c)
+            .max()
+            .unwrap_or(c);
+        for &t in &tables {
+            for e in self.read_l2(file, t)? {
+                let end_of = if e & L2_COMPRESSED != 0 {
+                    let (host, sectors) = compressed_span(e, self.cluster_bits);
+                    (host + sectors * 512).next_multiple_of(c)
+                } else if e & L2_OFFSET_MASK != 0 {
+                    (e & L2_OFFSET_MASK) + c
+                } else {
+                    0
+                };
+                in_use = in_use.max(end_of);
+            }
+        }
+        let mut new_end = end;
+        let mut looked = 0;
+        while new_end - c >= in_use && looked < MAX_TAIL_SCAN_CLUSTERS {
+            let cl = new_end - c;
+            if self.is_metadata(cl) || self.get_refcount(ws, file, cl)? > 1 {
+                break;
+            }
+            self.set_refcount(ws, file, cl, RefChange::Set(0))?;
+            new_end = cl;
+            looked += 1;
+        }
+        if new_end < end {
+            self.write_dirty_refcounts(ws, file)?;
+            log::info!(
+                "qcow2: gave back {} clusters reserved before a crash (refcount 1, unused)",
+                (end - new_end) / c
+            );
+        }
+        Ok(new_end)
     }
 }
 

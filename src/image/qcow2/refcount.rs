@@ -87,6 +87,10 @@ impl Qcow2Image {
             RefChange::Inc => return Err(ImageError::Corrupt("refcount overflow")),
             RefChange::Dec => old.saturating_sub(1),
         };
+        if new == old {
+            // Nothing to write (a cluster reserved ahead being allocated, say).
+            return Ok(new);
+        }
         refcount_put(buf, i, ws.refcount_order, new);
         ws.dirty_chunks.mark(chunk);
         if ws.dirty_chunks.len() >= MAX_DIRTY_REFCOUNT_CHUNKS {

@@ -23,6 +23,7 @@ impl Qcow2Image {
         let Ok(mut ws) = self.lock_write() else {
             return Ok(());
         };
+        self.unreserve(&mut ws, file)?;
         self.write_back(&mut ws, file)?;
         // The decrements that write-back applied last (clusters the written L2 tables no
         // longer use): written now, or a clean shutdown would leave them leaked.
@@ -131,11 +132,13 @@ impl Qcow2Image {
         }
         if l2_dirty {
             // The barrier: no L2 chunk on disk may name a cluster whose refcount (or the
-            // file length covering it) is not durable. Nothing to wait for when those were
-            // synced already.
-            if ws.unsynced_refcounts {
+            // file length covering it), or whose copy of the data an entry replaced, is not
+            // durable. Nothing to wait for when those were synced already (clusters
+            // reserved ahead need no refcount write: `alloc::reserve`).
+            if ws.unsynced_refcounts || ws.unsynced_data {
                 file.sync_data().map_err(ImageError::Io)?;
                 ws.unsynced_refcounts = false;
+                ws.unsynced_data = false;
             }
             self.write_dirty_tables(file)?;
         }
