@@ -133,6 +133,23 @@ impl Prealloc {
         }
     }
 
+    /// An extension ahead of time, for a background thread: when writes have reached the
+    /// last half of the preallocated space (or nothing is preallocated yet: `ahead_of` is
+    /// the file's data end at open), the next `size` past the file's end, so that the writes
+    /// find it done when they get there. None while one runs, or when not needed yet.
+    pub fn plan_ahead(&self, ahead_of: u64) -> Option<(u64, u64)> {
+        if self.unsupported || self.busy || self.size == 0 {
+            return None;
+        }
+        if ahead_of.saturating_add(self.size / 2) <= self.file_end && self.file_end > self.data_end
+        {
+            return None;
+        }
+        let start = align_up(self.file_end, self.file_align);
+        let stop = align_up(start.saturating_add(self.size), self.align);
+        Some((start, stop))
+    }
+
     /// Where a clean close truncates the file (None: nothing preallocated past the data).
     pub fn trim_to(&self) -> Option<u64> {
         (self.file_end > self.data_end).then_some(self.data_end)
@@ -252,6 +269,25 @@ mod tests {
     fn fresh() -> Prealloc {
         // A 256 KiB file, 128 MiB ahead, 1 MiB alignment, 4 KiB file blocks.
         Prealloc::new(256 << 10, 128 * M, M, 4096)
+    }
+
+    #[test]
+    fn extensions_ahead_start_halfway_and_at_open() {
+        let mut p = fresh();
+        // At open: nothing preallocated yet.
+        assert_eq!(p.plan_ahead(p.data_end), Some((256 << 10, 129 * M)));
+        p.extended(129 * M, Ok(()), 256 << 10);
+        // Writes in the first half of the preallocated space: nothing more yet.
+        assert_eq!(p.handle_write(256 << 10, 60 * M, false).extend, None);
+        assert_eq!(p.plan_ahead(p.data_end), None);
+        // Past the middle: the next step, from the file's end.
+        p.handle_write(61 * M, 10 * M, false);
+        assert_eq!(p.plan_ahead(p.data_end), Some((129 * M, 257 * M)));
+        p.busy = true;
+        assert_eq!(p.plan_ahead(p.data_end), None);
+        p.busy = false;
+        p.unsupported = true;
+        assert_eq!(p.plan_ahead(p.data_end), None);
     }
 
     /// (description, writes as (offset, len, zero), then the expected plan of the last write

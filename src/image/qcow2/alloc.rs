@@ -220,6 +220,13 @@ impl Qcow2Image {
         };
         let plan = p.handle_write(start, end - start, zero);
         let Some((s, e)) = plan.extend else {
+            // Halfway through the preallocated space: the next step starts now, in the
+            // background, so that the writes find it done.
+            if let Some((s, e)) = p.plan_ahead(p.data_end) {
+                if self.prealloc_bg.active() && self.prealloc_bg.start(s, e) {
+                    p.busy = true;
+                }
+            }
             if !plan.merged {
                 // Past the end while an extension runs (or after one failed): size the
                 // file over the new clusters, as without preallocation.

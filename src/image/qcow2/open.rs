@@ -155,10 +155,16 @@ impl Qcow2Image {
             // The data ends at the last allocated cluster; a tail after it (left by a crash
             // while preallocated) is not known to read as zeroes.
             state.data_end = ws.next_free.min(ws.covered);
-            ws.prealloc = Some(state);
             if let Some(f) = opts.prealloc_file {
                 img.prealloc_bg.spawn(f);
+                // The first step right away: done before the first write gets there.
+                if let Some((s, e)) = state.plan_ahead(state.data_end) {
+                    if img.prealloc_bg.start(s, e) {
+                        state.busy = true;
+                    }
+                }
             }
+            ws.prealloc = Some(state);
         }
         Ok(img)
     }
