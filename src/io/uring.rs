@@ -52,17 +52,32 @@ pub struct UringEngine {
     queued: usize,
     /// The image, registered as fixed file 0 (saves a file-table lookup per operation).
     fixed_fd: Option<RawFd>,
+    /// Set up with COOP_TASKRUN: completions arriving while the queue thread runs wait for
+    /// its next system call instead of interrupting it (an inter-processor interrupt, a VM
+    /// exit in a guest); TASKRUN_FLAG tells a polling thread that some wait.
+    coop: bool,
 }
 
 impl UringEngine {
     /// Create a ring with `entries` submission slots. Fails with the kernel's error (EPERM,
     /// ENOSYS) where io_uring is not allowed; the caller falls back.
     pub fn new(entries: u32) -> io::Result<Self> {
-        let ring = IoUring::builder()
+        let build = |coop: bool| {
+            let mut b = IoUring::builder();
             // Completions may outnumber submissions in flight (one request can need several
             // operations); the kernel also buffers overflow (IORING_FEAT_NODROP).
-            .setup_cqsize(entries.saturating_mul(4))
-            .build(entries)?;
+            b.setup_cqsize(entries.saturating_mul(4));
+            if coop {
+                b.setup_coop_taskrun().setup_taskrun_flag();
+            }
+            b.build(entries)
+        };
+        // Linux 5.19 and later; older kernels refuse the flags (EINVAL).
+        let (ring, coop) = match build(true) {
+            Ok(r) => (r, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (build(false)?, false),
+            Err(e) => return Err(e),
+        };
         let event = EventFd::new(EFD_NONBLOCK)?;
         ring.submitter().register_eventfd(event.as_raw_fd())?;
         Ok(UringEngine {
@@ -70,6 +85,7 @@ impl UringEngine {
             event,
             queued: 0,
             fixed_fd: None,
+            coop,
         })
     }
 
@@ -84,9 +100,21 @@ impl UringEngine {
         }
     }
 
-    /// Completions waiting in the ring (no system call).
+    /// Completions waiting in the ring (no system call, unless some wait as task work: then
+    /// one enter, which runs it).
     pub fn has_completions(&mut self) -> bool {
-        !self.ring.completion().is_empty()
+        if !self.ring.completion().is_empty() {
+            return true;
+        }
+        if self.coop && self.ring.submission().taskrun() {
+            // Any system call runs the waiting task work on its way back; this one also
+            // hands over whatever is queued.
+            if self.ring.submit().is_ok() {
+                self.queued = 0;
+            }
+            return !self.ring.completion().is_empty();
+        }
+        false
     }
 
     /// Stop (or resume) signalling the eventfd for completions, while the caller polls.

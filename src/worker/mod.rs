@@ -340,6 +340,9 @@ impl QueueWorker {
         self.engine.set_event_enabled(true);
         self.process_queue(vring, true);
         self.reap_and_complete(vring);
+        if hits == 0 {
+            self.poll.missed();
+        }
         self.poll.idle(last_work);
         if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
             c.record_poll(hits, self.poll.window());

@@ -4,10 +4,11 @@
 //! depth it spends the whole time between requests spinning. `auto` adapts the window to
 //! the gaps it sees: a gap is the time from the queue running out of work (the start of its
 //! poll) to the next work. A gap the window did not cover but a poll of at most the maximum
-//! would have doubles the window (from 4 us); a gap longer than the maximum halves it (below
-//! 4 us: no polling). So the queue polls while requests and completions follow each other
-//! faster than a sleep and wake-up cost, and stops polling within a few gaps once the guest
-//! goes quiet: an idle queue sleeps.
+//! would have doubles the window (from 4 us); a gap longer than the maximum, or a poll that
+//! ended without finding work, halves it (below 4 us: no polling). So the queue polls while
+//! requests and completions follow each other faster than a sleep and wake-up cost, stops
+//! when its polls keep missing, and stops within a few gaps once the guest goes quiet: an
+//! idle queue sleeps.
 
 use std::time::{Duration, Instant};
 
@@ -69,6 +70,21 @@ impl Poller {
         }
     }
 
+    /// A poll of the whole window found no work (the queue then slept): the window was
+    /// spent for nothing, so it shrinks.
+    pub fn missed(&mut self) {
+        if self.auto_max.is_some() {
+            self.shrink();
+        }
+    }
+
+    fn shrink(&mut self) {
+        self.window /= 2;
+        if self.window < AUTO_MIN {
+            self.window = Duration::ZERO;
+        }
+    }
+
     /// Work arrived at `now` after a sleep (an event woke the queue thread): adapt.
     pub fn woke(&mut self, now: Instant) {
         let (Some(max), Some(since)) = (self.auto_max, self.idle_since.take()) else {
@@ -77,10 +93,7 @@ impl Poller {
         let gap = now.saturating_duration_since(since);
         if gap > max {
             // Polling would not have caught it: polling costs more than it saves.
-            self.window /= 2;
-            if self.window < AUTO_MIN {
-                self.window = Duration::ZERO;
-            }
+            self.shrink();
         } else if gap > self.window {
             // A poll of `gap` would have caught it without a sleep and a wake-up.
             self.window = (self.window * 2).max(AUTO_MIN).min(max);
@@ -134,6 +147,23 @@ mod tests {
         run(&mut p, &[10]);
         p.woke(Instant::now() + Duration::from_secs(1));
         assert_eq!(p.window(), AUTO_MIN);
+    }
+
+    #[test]
+    fn auto_shrinks_when_polls_miss() {
+        let mut p = Poller::auto(AUTO_MAX);
+        run(&mut p, &[45; 6]);
+        assert_eq!(p.window(), AUTO_MAX);
+        p.missed();
+        assert_eq!(p.window(), AUTO_MAX / 2);
+        for _ in 0..4 {
+            p.missed();
+        }
+        assert_eq!(p.window(), Duration::ZERO);
+        // A fixed window does not move.
+        let mut f = Poller::fixed(20 * US);
+        f.missed();
+        assert_eq!(f.window(), 20 * US);
     }
 
     #[test]
