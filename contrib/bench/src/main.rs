@@ -5,6 +5,8 @@
 //! The client pre-allocates everything (one memory region, per-slot buffers, completion
 //! arrays, latency samples) so that nothing is allocated per request.
 
+mod hop;
+
 use std::fmt::Write as _;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write as _;
@@ -113,6 +115,12 @@ struct Opts {
     /// Instead of workloads: measure the all-zero scanner on host buffers.
     #[arg(long)]
     zero_scan: bool,
+
+    /// Instead of workloads: the cost of a wake-up across CPUs (eventfd ping-pong between
+    /// two pinned threads: both sleeping, one spinning, both spinning), the part of the
+    /// vhost-user hop a backend cannot avoid while the client sleeps.
+    #[arg(long)]
+    hop: bool,
     /// Recreate variant images ending in .qcow2 (empty, the size of --image) before every
     /// run, to measure writes into a fresh qcow2.
     #[arg(long)]
@@ -918,6 +926,10 @@ fn main() {
         .unwrap_or_else(|| PathBuf::from("."));
     if opts.zero_scan {
         zero_scan();
+        return;
+    }
+    if opts.hop {
+        hop::hop();
         return;
     }
     if opts.fresh_file {
