@@ -173,9 +173,9 @@ pub struct Args {
     pub throttle_write_bps: u64,
 
     /// Busy-poll each queue this many microseconds after its last request or completion
-    /// before sleeping (0-10000; 0 = never), or `auto`: poll only while work follows work
-    /// faster than a sleep and wake-up cost, up to 50 us. Lowers latency at low queue depth;
-    /// a fixed window costs CPU while the guest is busy.
+    /// before sleeping (0-10000; 0 = never), or `auto`: poll 50 us only while work follows
+    /// work faster than that and the polls find it. Lowers latency at low queue depth; a
+    /// fixed window costs CPU while the guest is busy.
     #[arg(long, value_name = "US|auto", default_value = "0")]
     pub poll_us: PollArg,
 

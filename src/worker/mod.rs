@@ -342,6 +342,8 @@ impl QueueWorker {
         self.reap_and_complete(vring);
         if hits == 0 {
             self.poll.missed();
+        } else {
+            self.poll.hit();
         }
         self.poll.idle(last_work);
         if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
