@@ -424,7 +424,8 @@ impl Qcow2Image {
             break got;
         };
         // The I/O, without the allocation lock.
-        let io = (|| -> Result<(), ImageError> {
+        // Ok(true): the data written is durable.
+        let io = (|| -> Result<bool, ImageError> {
             let mut cluster = AlignedBuf::new(c as usize, 4096).map_err(ImageError::Io)?;
             let buf = cluster.as_mut_slice();
             let old_is_zero = Self::merge_cluster(buf, cl_start, in_cl, data, fill_old)?;
@@ -434,17 +435,32 @@ impl Qcow2Image {
                 // the write is not a hole-filling one that the file system serialises (like
                 // QEMU's zero copy-on-write); best effort.
                 let _ = file.allocate(new, c);
-                write_all_aligned(file, new + in_cl as u64, data).map_err(ImageError::Io)
+                write_all_aligned(file, new + in_cl as u64, data).map_err(ImageError::Io)?;
+                Ok(false)
             } else {
-                write_all_aligned(file, new, buf).map_err(ImageError::Io)
+                write_all_aligned(file, new, buf).map_err(ImageError::Io)?;
+                if old_is_zero {
+                    return Ok(false);
+                }
+                // The cluster keeps old contents (the backing file's): they must be durable
+                // before its L2 entry is. Synced here, on this pool thread and without any
+                // lock, so the queue thread's publish need not wait for a sync (several pool
+                // threads' syncs run at once, and the block layer merges their flushes).
+                file.sync_data().map_err(ImageError::Io)?;
+                Ok(true)
             }
         })();
         // Infallible from here: the cluster must leave `cow` whatever happens.
         let mut ws = ws_lock.lock().unwrap_or_else(|e| e.into_inner());
-        let installed = io.and_then(|()| {
+        let installed = io.and_then(|durable| {
             let cur = self.l2_entry(file, cl_start)?;
             let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
+            let others_unsynced = ws.unsynced_data;
             self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
+            if durable {
+                // This entry's data is durable already; other entries' need is unchanged.
+                ws.unsynced_data = others_unsynced;
+            }
             // Whatever the entry held by now (a concurrent zeroing may have changed it) is
             // released once the new entry is durable.
             self.release_old(&mut ws, cur);
