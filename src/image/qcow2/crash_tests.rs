@@ -65,14 +65,7 @@ fn qemu_check(tag: &str, bytes: &[u8]) -> Result<(), String> {
     if !have_qemu_img() {
         return Ok(());
     }
-    let p = tmp(tag);
-    std::fs::write(&p, bytes).unwrap();
-    let o = Command::new("qemu-img")
-        .args(["check", "-f", "qcow2"])
-        .arg(&p)
-        .output()
-        .unwrap();
-    std::fs::remove_file(&p).unwrap();
+    let o = qemu_check_output(tag, bytes);
     match o.status.code() {
         Some(0) | Some(3) => Ok(()),
         c => Err(format!(
@@ -81,6 +74,19 @@ fn qemu_check(tag: &str, bytes: &[u8]) -> Result<(), String> {
             String::from_utf8_lossy(&o.stderr)
         )),
     }
+}
+
+/// `qemu-img check` of `bytes` (written to a temporary file).
+fn qemu_check_output(tag: &str, bytes: &[u8]) -> std::process::Output {
+    let p = tmp(tag);
+    std::fs::write(&p, bytes).unwrap();
+    let o = Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    std::fs::remove_file(&p).unwrap();
+    o
 }
 
 /// Read guest bytes through the image's mapping (no backing file).
@@ -362,14 +368,7 @@ fn reserved_refcounts_spare_syncs_and_a_crash_leaks_nothing_for_long() {
     assert!(got.iter().all(|&b| b == 0x5a));
     drop(q);
     if have_qemu_img() {
-        let p = tmp(tag);
-        std::fs::write(&p, &reopened).unwrap();
-        let o = Command::new("qemu-img")
-            .args(["check", "-f", "qcow2"])
-            .arg(&p)
-            .output()
-            .unwrap();
-        std::fs::remove_file(&p).unwrap();
+        let o = qemu_check_output(tag, &reopened);
         assert_eq!(
             o.status.code(),
             Some(0),
