@@ -4,6 +4,7 @@
 
 pub mod align;
 pub mod aligned;
+mod batch;
 pub mod bounce;
 mod nbd;
 mod nbd_shared;

@@ -23,6 +23,14 @@ pub trait Storage: Sync {
     }
     /// Deallocate a range (it reads as zeroes afterwards); the size does not change.
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Several independent writes (`(bytes, offset)`, in no particular order among
+    /// themselves), all done when this returns Ok. A file runs them at once.
+    fn write_all_many(&self, writes: &[(&[u8], u64)]) -> io::Result<()> {
+        for (buf, offset) in writes {
+            self.write_all_at(buf, *offset)?;
+        }
+        Ok(())
+    }
 }
 
 impl Storage for File {
@@ -52,5 +60,14 @@ impl Storage for File {
 
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
         super::sys::fallocate(self.as_raw_fd(), super::sys::PUNCH_HOLE, offset, len)
+    }
+
+    fn write_all_many(&self, writes: &[(&[u8], u64)]) -> io::Result<()> {
+        if writes.len() < 2 {
+            return writes
+                .iter()
+                .try_for_each(|(buf, offset)| FileExt::write_all_at(self, buf, *offset));
+        }
+        super::batch::write_all(self, self.as_raw_fd(), writes)
     }
 }

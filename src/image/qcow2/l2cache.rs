@@ -15,6 +15,18 @@ pub(super) struct L2Table {
     pub(super) entries: Vec<u64>,
     /// Per metadata chunk: differs from the file.
     pub(super) dirty: Vec<bool>,
+    /// Per metadata chunk: changes so far (wrapping), so that a write-back that copied a
+    /// chunk marks it clean only if it did not change while being written.
+    pub(super) version: Vec<u32>,
+}
+
+/// A dirty chunk of a cached L2 table as it was when copied under the cache lock, written
+/// without it ([`Qcow2Image::write_chunk_copies`]).
+pub(super) struct ChunkCopy {
+    table: u64,
+    chunk: usize,
+    version: u32,
+    bytes: AlignedBuf,
 }
 
 impl L2Table {
@@ -67,6 +79,7 @@ impl Qcow2Image {
             offset,
             entries,
             dirty: vec![false; chunks],
+            version: vec![0; chunks],
         }
     }
 
@@ -123,6 +136,8 @@ impl Qcow2Image {
                     .ok_or(ImageError::Corrupt("L2 index out of range"))?;
                 let old = std::mem::replace(slot, entry);
                 t.dirty[index / per_chunk] = true;
+                let v = &mut t.version[index / per_chunk];
+                *v = v.wrapping_add(1);
                 self.unpublished.note_change();
                 // The guest cluster read something other than zeroes of fresh space before
                 // (data, compressed data, the backing file, or a zero flag over a host
@@ -147,18 +162,17 @@ impl Qcow2Image {
         }
     }
 
-    /// Write every dirty chunk of the cached tables (the caller orders this after the
-    /// refcounts and syncs around it).
-    pub(super) fn write_dirty_tables(&self, file: &dyn Storage) -> Result<(), ImageError> {
+    /// Copy every dirty chunk of the cached tables (the caller orders their writing after
+    /// what they depend on, see `write_back`), so that they can be written without the
+    /// cache lock: mapping goes on meanwhile.
+    pub(super) fn copy_dirty_tables(&self) -> Result<Vec<ChunkCopy>, ImageError> {
         let chunk = self.meta_chunk() as usize;
         let per_chunk = chunk / 8;
-        let mut cache = self.lock_l2();
-        let mut bytes = AlignedBuf::new(chunk, 4096).map_err(ImageError::Io)?;
-        for t in cache.tables.iter_mut() {
-            for ci in 0..t.dirty.len() {
-                if !t.dirty[ci] {
-                    continue;
-                }
+        let cache = self.lock_l2();
+        let mut copies = Vec::new();
+        for t in cache.tables.iter() {
+            for (ci, _) in t.dirty.iter().enumerate().filter(|(_, &d)| d) {
+                let mut bytes = AlignedBuf::new(chunk, 4096).map_err(ImageError::Io)?;
                 let b = bytes.as_mut_slice();
                 for (i, e) in t.entries[ci * per_chunk..(ci + 1) * per_chunk]
                     .iter()
@@ -166,9 +180,39 @@ impl Qcow2Image {
                 {
                     b[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
                 }
-                file.write_all_at(&bytes.as_slice()[..chunk], t.offset + (ci * chunk) as u64)
-                    .map_err(ImageError::Io)?;
-                t.dirty[ci] = false;
+                copies.push(ChunkCopy {
+                    table: t.offset,
+                    chunk: ci,
+                    version: t.version[ci],
+                    bytes,
+                });
+            }
+        }
+        Ok(copies)
+    }
+
+    /// Write chunks copied by [`Qcow2Image::copy_dirty_tables`]; each is clean afterwards
+    /// unless it changed since it was copied. A failed write leaves them all dirty. Dirty
+    /// tables are never evicted, so every copied table is still cached here.
+    pub(super) fn write_chunk_copies(
+        &self,
+        file: &dyn Storage,
+        copies: Vec<ChunkCopy>,
+    ) -> Result<(), ImageError> {
+        let chunk = self.meta_chunk() as usize;
+        let writes: Vec<(&[u8], u64)> = copies
+            .iter()
+            .map(|c| (c.bytes.as_slice(), c.table + (c.chunk * chunk) as u64))
+            .collect();
+        // At once: each is a round trip to the disk (O_DIRECT), and this runs before
+        // requests complete.
+        file.write_all_many(&writes).map_err(ImageError::Io)?;
+        let mut cache = self.lock_l2();
+        for c in &copies {
+            if let Some(t) = cache.tables.iter_mut().find(|t| t.offset == c.table) {
+                if t.version[c.chunk] == c.version {
+                    t.dirty[c.chunk] = false;
+                }
             }
         }
         Ok(())

@@ -249,6 +249,10 @@ pub struct Qcow2Image {
     punch_freed: bool,
     /// L2 entries changed in the cache and not yet in the file (see [`Qcow2Image::publish`]).
     unpublished: crate::image::durable::Publication,
+    /// Held by a write-back from copying the dirty L2 chunks until they are written (a
+    /// publish writes them without the allocation lock), so that write-backs reach the file
+    /// one at a time, in the order they copied. Taken after the allocation lock.
+    write_back_io: Mutex<()>,
     pub stats: Qcow2Stats,
 }
 

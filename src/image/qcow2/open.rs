@@ -143,6 +143,7 @@ impl Qcow2Image {
             prealloc_bg: Background::default(),
             punch_freed: opts.punch_freed,
             unpublished: Default::default(),
+            write_back_io: Mutex::new(()),
             stats: Qcow2Stats::default(),
         };
         // A crash leaves the clusters reserved ahead (`alloc::reserve`) with refcount 1 and

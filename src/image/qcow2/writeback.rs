@@ -91,18 +91,41 @@ impl Qcow2Image {
     /// before requests whose writes changed the mapping complete, so that a new vublk
     /// process after a crash finds them (the host's page cache holds the metadata as it
     /// holds the data; FLUSH still makes both durable). Cheap when nothing changed.
+    ///
+    /// The L2 chunks are written without the allocation lock (what they depend on is
+    /// written under it first), so copy-on-write threads allocate and install entries
+    /// meanwhile; those changes are not in the chunks copied and wait for the next
+    /// write-back.
     pub fn publish(&self, file: &dyn Storage) -> Result<(), ImageError> {
-        if !self.unpublished.pending() {
+        loop {
+            if !self.unpublished.pending() {
+                return Ok(());
+            }
+            let Ok(mut ws) = self.lock_write() else {
+                return Ok(());
+            };
+            // Written by another queue while this one waited for the lock, perhaps.
+            if !self.unpublished.pending() {
+                return Ok(());
+            }
+            let io = match self.write_back_io.try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    // Another write-back is writing: wait for it without the allocation
+                    // lock, then look again (it may have covered this queue's changes).
+                    drop(ws);
+                    drop(self.write_back_io.lock());
+                    continue;
+                }
+            };
+            let (covers, copies) = self.prepare_write_back(&mut ws, file)?;
+            drop(ws);
+            self.write_chunk_copies(file, copies)?;
+            self.unpublished.finished(covers);
+            drop(io);
             return Ok(());
         }
-        let Ok(mut ws) = self.lock_write() else {
-            return Ok(());
-        };
-        // Written by another queue while this one waited for the lock, perhaps.
-        if !self.unpublished.pending() {
-            return Ok(());
-        }
-        self.write_back_ordered(&mut ws, file, false)
     }
 
     /// `write_back`; `release`: also apply the decrements the written L2 changes allow
@@ -113,35 +136,9 @@ impl Qcow2Image {
         file: &dyn Storage,
         release: bool,
     ) -> Result<(), ImageError> {
-        // What this write-back covers: every change made so far (all under `ws`).
-        let covers = self.unpublished.start();
-        // Compressed chunks reach the file before any L2 entry that names them; after a
-        // failed cache write, nothing may claim durability again.
-        self.write_back_cache(file)?;
-        let l2_dirty = self.lock_l2().dirty_tables() > 0;
-        if l2_dirty || !ws.dirty_chunks.is_empty() {
-            if ws.covered < ws.next_free {
-                let end = ws.next_free.next_multiple_of(SIZE_STEP);
-                if file.size().map_err(ImageError::Io)? < ws.next_free {
-                    file.set_len(end).map_err(ImageError::Io)?;
-                    ws.unsynced_refcounts = true;
-                }
-                ws.covered = ws.covered.max(ws.next_free);
-            }
-            self.write_dirty_refcounts(ws, file)?;
-        }
-        if l2_dirty {
-            // The barrier: no L2 chunk on disk may name a cluster whose refcount (or the
-            // file length covering it), or whose copy of the data an entry replaced, is not
-            // durable. Nothing to wait for when those were synced already (clusters
-            // reserved ahead need no refcount write: `alloc::reserve`).
-            if ws.unsynced_refcounts || ws.unsynced_data {
-                file.sync_data().map_err(ImageError::Io)?;
-                ws.unsynced_refcounts = false;
-                ws.unsynced_data = false;
-            }
-            self.write_dirty_tables(file)?;
-        }
+        let _io = self.write_back_io.lock().unwrap_or_else(|e| e.into_inner());
+        let (covers, copies) = self.prepare_write_back(ws, file)?;
+        self.write_chunk_copies(file, copies)?;
         // Everything changed before `covers` is in the file now.
         self.unpublished.finished(covers);
         if !release {
@@ -159,6 +156,47 @@ impl Qcow2Image {
             }
         }
         Ok(())
+    }
+
+    /// The first part of a write-back, under the allocation lock with `write_back_io` held:
+    /// everything the L2 chunks depend on is written (and synced where needed), then the
+    /// dirty chunks are copied for writing. Returns the change count the write-back covers
+    /// once those copies are written.
+    fn prepare_write_back(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+    ) -> Result<(u64, Vec<super::l2cache::ChunkCopy>), ImageError> {
+        // What this write-back covers: every change made so far (all under `ws`).
+        let covers = self.unpublished.start();
+        // Compressed chunks reach the file before any L2 entry that names them; after a
+        // failed cache write, nothing may claim durability again.
+        self.write_back_cache(file)?;
+        let l2_dirty = self.lock_l2().dirty_tables() > 0;
+        if l2_dirty || !ws.dirty_chunks.is_empty() {
+            if ws.covered < ws.next_free {
+                let end = ws.next_free.next_multiple_of(SIZE_STEP);
+                if file.size().map_err(ImageError::Io)? < ws.next_free {
+                    file.set_len(end).map_err(ImageError::Io)?;
+                    ws.unsynced_refcounts = true;
+                }
+                ws.covered = ws.covered.max(ws.next_free);
+            }
+            self.write_dirty_refcounts(ws, file)?;
+        }
+        if !l2_dirty {
+            return Ok((covers, Vec::new()));
+        }
+        // The barrier: no L2 chunk on disk may name a cluster whose refcount (or the file
+        // length covering it), or whose copy of the data an entry replaced, is not durable.
+        // Nothing to wait for when those were synced already (clusters reserved ahead need
+        // no refcount write: `alloc::reserve`).
+        if ws.unsynced_refcounts || ws.unsynced_data {
+            file.sync_data().map_err(ImageError::Io)?;
+            ws.unsynced_refcounts = false;
+            ws.unsynced_data = false;
+        }
+        Ok((covers, self.copy_dirty_tables()?))
     }
 
     /// Write the dirty refcount chunks (any time is safe: see [`WriteState::dirty_chunks`]).
