@@ -15,7 +15,8 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub socket_path: Option<PathBuf>,
 
-    /// Serve an already listening UNIX socket inherited as file descriptor N.
+    /// Serve an already listening UNIX socket inherited as file descriptor N. Without
+    /// --socket-path or --fd, a socket passed by systemd's socket activation (LISTEN_FDS).
     #[arg(long, value_name = "N")]
     pub fd: Option<i32>,
 
@@ -243,6 +244,23 @@ pub struct Args {
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL", default_value = "info")]
     pub log_level: String,
+
+    /// Log lines as text, or as JSON (one object per line: timestamp, level, target,
+    /// message, and `queue` for lines about one queue), for log shippers.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
+    /// Write the daemon's process id to this file, created if missing and locked while the
+    /// daemon runs (a second daemon with the same file refuses to start); removed at exit.
+    #[arg(long, value_name = "PATH")]
+    pub pidfile: Option<PathBuf>,
+}
+
+/// `--log-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 /// Image formats.

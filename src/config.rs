@@ -72,6 +72,8 @@ pub struct Config {
     /// qcow2 L2 cache bytes (None: the default for the image).
     pub l2_cache_bytes: Option<u64>,
     pub log_level: log::LevelFilter,
+    /// `--pidfile`.
+    pub pidfile: Option<PathBuf>,
     /// `--ceph-*` (librbd's cache comes from `cache`).
     pub ceph: crate::image::CephOptions,
     /// `--nbd-*`.
@@ -126,7 +128,15 @@ impl Config {
             (Some(_), Some(_)) => {
                 return Err(bad("--socket-path and --fd are mutually exclusive"));
             }
-            (None, None) => return Err(bad("one of --socket-path or --fd is required")),
+            (None, None) => match crate::service::activation_socket().map_err(bad)? {
+                Some(fd) => Socket::Fd(fd),
+                None => {
+                    return Err(bad(
+                        "one of --socket-path or --fd is required (or a socket from systemd's \
+                         socket activation)",
+                    ))
+                }
+            },
             (Some(p), None) => {
                 if p.as_os_str().is_empty() {
                     return Err(bad("--socket-path must not be empty"));
@@ -338,6 +348,7 @@ impl Config {
             prealloc_size,
             prealloc_align,
             log_level,
+            pidfile: args.pidfile.clone(),
             nbd: crate::image::nbd::NbdOptions {
                 timeout: std::time::Duration::from_secs(u64::from(args.nbd_timeout.max(1))),
                 reconnect_delay: std::time::Duration::from_millis(

@@ -31,6 +31,12 @@ pub enum DaemonError {
     SocketBusy(PathBuf),
     #[error("socket path {0} exists and is not a socket; refusing to replace it")]
     NotASocket(PathBuf),
+    #[error("pidfile {path}")]
+    PidFile {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot remove the stale socket {path}")]
     RemoveStale {
         path: PathBuf,
@@ -282,6 +288,17 @@ struct Phase {
 pub fn run(cfg: Config) -> Result<(), DaemonError> {
     // Block the signals in every thread; the main thread waits for them with sigwait.
     let sigs = block_signals().map_err(DaemonError::Signals)?;
+    // First, as qemu-storage-daemon does: a second daemon for the same pidfile stops here.
+    let _pidfile =
+        match &cfg.pidfile {
+            Some(path) => Some(crate::service::PidFile::create(path).map_err(|source| {
+                DaemonError::PidFile {
+                    path: path.clone(),
+                    source,
+                }
+            })?),
+            None => None,
+        };
     if let Err(e) = crate::guest_memory::install_sigbus_guard() {
         warn!("no SIGBUS guard ({e}): a frontend that shrinks its guest memory kills vublk");
     }
@@ -298,6 +315,10 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
         crate::metrics::serve(addr, dev.clone())?;
     }
     let mut listener = listen(&cfg.socket)?;
+    crate::service::ready(&format!(
+        "waiting for a frontend; serving {}",
+        cfg.blk_file.display()
+    ));
     let phase = Arc::new(Mutex::new(Phase::default()));
 
     let serve_phase = phase.clone();
@@ -310,6 +331,10 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
 
     let sig = wait_signal(&sigs);
     info!("received {}, shutting down", signal_name(sig));
+    crate::service::stopping(&format!(
+        "{}: finishing the requests in flight",
+        signal_name(sig)
+    ));
     {
         let mut p = phase.lock().unwrap_or_else(|e| e.into_inner());
         p.stop = true;
@@ -435,6 +460,10 @@ fn serve_loop(
             }
         }
         info!("frontend connected");
+        crate::service::status(&format!(
+            "frontend connected; serving {}",
+            cfg.blk_file.display()
+        ));
         dev.frontend_connected
             .store(true, std::sync::atomic::Ordering::Relaxed);
         match daemon.wait() {
@@ -464,6 +493,10 @@ fn serve_loop(
         if stop {
             return Ok(());
         }
+        crate::service::status(&format!(
+            "waiting for a frontend; serving {}",
+            cfg.blk_file.display()
+        ));
     }
 }
 

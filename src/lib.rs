@@ -35,6 +35,7 @@ pub mod nbd;
 pub mod offload;
 #[cfg(feature = "rbd")]
 pub mod rbd;
+pub mod service;
 pub mod stats;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

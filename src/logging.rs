@@ -110,3 +110,56 @@ mod tests {
         assert_eq!(l.check_at(t0 + WINDOW), Some(0));
     }
 }
+
+/// `--log-format json`: one JSON object per line (timestamp, level, target, message, and
+/// `queue` when the line is about one queue: its message starts "queue N:").
+pub fn json_format(
+    buf: &mut env_logger::fmt::Formatter,
+    record: &log::Record,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    let line = json_line(&buf.timestamp_micros().to_string(), record);
+    writeln!(buf, "{line}")
+}
+
+fn json_line(timestamp: &str, record: &log::Record) -> String {
+    let message = record.args().to_string();
+    let mut o = serde_json::Map::new();
+    o.insert("timestamp".into(), timestamp.into());
+    o.insert(
+        "level".into(),
+        record.level().as_str().to_ascii_lowercase().into(),
+    );
+    o.insert("target".into(), record.target().into());
+    let queue = message
+        .strip_prefix("queue ")
+        .and_then(|m| m.split(':').next())
+        .and_then(|n| n.parse::<u64>().ok());
+    if let Some(q) = queue {
+        o.insert("queue".into(), q.into());
+    }
+    o.insert("message".into(), message.into());
+    serde_json::Value::Object(o).to_string()
+}
+
+#[cfg(test)]
+mod json_tests {
+    #[test]
+    fn a_json_line_has_the_fields_and_escapes_the_message() {
+        let line = super::json_line(
+            "2026-12-02T10:00:00.000001Z",
+            &log::Record::builder()
+                .level(log::Level::Warn)
+                .target("vublk::worker")
+                .args(format_args!("queue 3: add_used: \"bad\"\nindex"))
+                .build(),
+        );
+        assert!(!line.contains('\n'));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["timestamp"], "2026-12-02T10:00:00.000001Z");
+        assert_eq!(v["level"], "warn");
+        assert_eq!(v["target"], "vublk::worker");
+        assert_eq!(v["queue"], 3);
+        assert_eq!(v["message"], "queue 3: add_used: \"bad\"\nindex");
+    }
+}

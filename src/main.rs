@@ -75,10 +75,12 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    env_logger::Builder::new()
-        .filter_level(cfg.log_level)
-        .format_target(false)
-        .init();
+    let mut logger = env_logger::Builder::new();
+    logger.filter_level(cfg.log_level).format_target(false);
+    if args.log_format == vublk::args::LogFormat::Json {
+        logger.format(vublk::logging::json_format);
+    }
+    logger.init();
     match vublk::daemon::run(cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(vublk::daemon::DaemonError::Usage(msg)) => {

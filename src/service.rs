@@ -1,0 +1,150 @@
+//! Running under a service manager: systemd's readiness and status notification
+//! (`Type=notify`), socket activation (`LISTEN_FDS`), and `--pidfile`. Each is a no-op where
+//! the environment does not ask for it, so the same binary runs by hand, under systemd, or
+//! under another supervisor.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use log::warn;
+use sd_notify::NotifyState;
+
+/// The listening socket systemd passed (`LISTEN_PID` is this process, `LISTEN_FDS`=1): its
+/// descriptor, or None when the process was not socket-activated. Read once: the variables
+/// are removed so that children do not inherit them.
+pub fn activation_socket() -> Result<Option<RawFd>, String> {
+    let fds: Vec<RawFd> = sd_notify::listen_fds()
+        .map_err(|e| format!("socket activation (LISTEN_FDS): {e}"))?
+        .collect();
+    match fds[..] {
+        [] => Ok(None),
+        [fd] => Ok(Some(fd)),
+        _ => Err(format!(
+            "socket activation passed {} sockets; vublk serves one (one unit per image)",
+            fds.len()
+        )),
+    }
+}
+
+/// Tell the service manager something, if one listens (`NOTIFY_SOCKET`); a failure is
+/// logged once per kind and otherwise ignored (serving matters more than the status line).
+fn notify(states: &[NotifyState]) {
+    if std::env::var_os("NOTIFY_SOCKET").is_none() {
+        return;
+    }
+    if let Err(e) = sd_notify::notify(false, states) {
+        crate::log_limited!(log::Level::Warn, "service manager notification failed: {e}");
+    }
+}
+
+/// Listening: `READY=1` and the status.
+pub fn ready(status: &str) {
+    notify(&[NotifyState::Ready, NotifyState::Status(status)]);
+}
+
+/// A new status line (`systemctl status` shows it).
+pub fn status(status: &str) {
+    notify(&[NotifyState::Status(status)]);
+}
+
+/// Shutting down: `STOPPING=1`.
+pub fn stopping(status: &str) {
+    notify(&[NotifyState::Stopping, NotifyState::Status(status)]);
+}
+
+/// `--pidfile`: the file holds this process's id and a write lock on it (an OFD lock, held
+/// as long as the file stays open) for as long as the daemon runs, as qemu-storage-daemon's
+/// does; a second daemon with the same pidfile fails to start while the first lives. A file
+/// left behind by a process that died is taken over (nobody holds its lock). Removed on a
+/// clean exit.
+#[derive(Debug)]
+pub struct PidFile {
+    path: PathBuf,
+    file: File,
+}
+
+impl PidFile {
+    pub fn create(path: &Path) -> io::Result<PidFile> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o644)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(path)?;
+        // SAFETY: a zeroed flock is a valid value; the fields that matter are set below.
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = libc::F_WRLCK as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        // SAFETY: F_OFD_SETLK with a valid flock on an open descriptor.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
+            let e = io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::EACCES) => io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    "locked by another process (is another vublk using it?)",
+                ),
+                _ => e,
+            });
+        }
+        // Another process may have removed and recreated the file between the open and the
+        // lock: the lock must be on the file the path names now.
+        let (ours, named) = (file.metadata()?, std::fs::metadata(path)?);
+        if ours.dev() != named.dev() || ours.ino() != named.ino() {
+            return Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                "replaced while being locked (is another vublk starting?)",
+            ));
+        }
+        file.set_len(0)?;
+        (&file).write_all(format!("{}\n", std::process::id()).as_bytes())?;
+        Ok(PidFile {
+            path: path.to_owned(),
+            file,
+        })
+    }
+}
+
+impl Drop for PidFile {
+    /// Remove the file if the path still names it (the lock goes with the descriptor).
+    fn drop(&mut self) {
+        let same = match (self.file.metadata(), std::fs::metadata(&self.path)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        };
+        if same {
+            if let Err(e) = std::fs::remove_file(&self.path) {
+                warn!("removing pidfile {}: {e}", self.path.display());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pidfile_holds_the_pid_is_exclusive_and_goes_away() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("pidfile-{}", std::process::id()));
+        // A stale file (nobody holds its lock) is taken over.
+        std::fs::write(&p, "999999\n").unwrap();
+        let pf = PidFile::create(&p).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            format!("{}\n", std::process::id())
+        );
+        // A second holder (another open file description) is refused.
+        let e = PidFile::create(&p).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock, "{e}");
+        drop(pf);
+        assert!(!p.exists());
+    }
+}
