@@ -382,6 +382,21 @@ pub enum Command {
     /// Call a running vublk's control socket: `vublk ctl --control-socket PATH METHOD
     /// [--name value ...]`; prints the JSON result (exit 0) or the error (exit 1).
     Ctl(CtlArgs),
+    /// Write the files a package installs beside the binary into DIR: the man page
+    /// (vublk.1.gz), shell completions (bash, zsh, fish) and QEMU's vhost-user backend
+    /// descriptor (50-vublk.json). Used by contrib/package.sh.
+    #[command(hide = true)]
+    GenerateAssets(GenerateArgs),
+}
+
+/// `vublk generate-assets` options.
+#[derive(Debug, clap::Args)]
+pub struct GenerateArgs {
+    /// Where to write them (created).
+    pub dir: PathBuf,
+    /// The installed binary's path, for the descriptor.
+    #[arg(long, value_name = "PATH", default_value = "/usr/bin/vublk")]
+    pub binary: PathBuf,
 }
 
 /// `vublk ctl` options.

@@ -20,6 +20,7 @@
 //! - `testing`: test doubles (in-memory and crash-simulating disks), tests and fuzzing only.
 
 pub mod args;
+pub mod assets;
 pub mod backend;
 pub mod config;
 pub mod control;

@@ -42,6 +42,20 @@ fn main() -> ExitCode {
             }
         };
     }
+    if let Some(vublk::args::Command::GenerateAssets(g)) = &args.command {
+        return match vublk::assets::generate(&g.dir, &g.binary) {
+            Ok(files) => {
+                for f in files {
+                    println!("{}", f.display());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("vublk generate-assets: {}: {e}", g.dir.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Some(vublk::args::Command::Ctl(c)) = &args.command {
         let params = match vublk::control::params_from_args(&c.method, &c.args) {
             Ok(p) => p,

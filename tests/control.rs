@@ -342,6 +342,36 @@ fn metrics_parse_and_match_stats() {
         11.0
     );
     assert!(text.trim_end().ends_with("# EOF"), "{text}");
+    // Every metric the Grafana dashboard queries is one this daemon exports.
+    let dash: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("contrib/grafana/vublk.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let mut exprs = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            exprs.push(t["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    for e in &exprs {
+        let mut rest = e.as_str();
+        while let Some(at) = rest.find("vublk_") {
+            let name: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            assert!(
+                m.keys()
+                    .any(|k| k == &name || k.starts_with(&format!("{name}{{"))),
+                "the dashboard queries {name}, which /metrics does not have ({e})"
+            );
+            rest = &rest[at + name.len()..];
+        }
+    }
     // Anything else: 404.
     assert!(http_get(&addr, "/").is_empty() || !http_get(&addr, "/").contains("vublk_"));
     drop(c);

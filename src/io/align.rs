@@ -238,7 +238,7 @@ mod tests {
             let mut buf = AlignedBuf::new(a.offset, a.bounce_align()).unwrap();
             assert!(trial_read(&f, buf.as_mut_ptr(), a.offset, a.offset as u64));
         } else {
-            println!("skipped: temp dir does not support O_DIRECT");
+            crate::testing::note_skip("temp dir does not support O_DIRECT");
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -40,7 +40,7 @@ fn engines() -> Vec<Engine> {
     let mut v = vec![Engine::Sync(SyncEngine::new())];
     match UringEngine::new(64) {
         Ok(u) => v.push(Engine::Uring(u)),
-        Err(e) => println!("skipped io_uring engine: {e}"),
+        Err(e) => crate::testing::note_skip(&format!("io_uring engine: {e}")),
     }
     v
 }

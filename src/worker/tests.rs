@@ -370,7 +370,7 @@ proptest! {
 fn write_zeroes_falls_back_where_zero_range_is_missing() {
     let shm = std::path::Path::new("/dev/shm");
     if !shm.is_dir() {
-        println!("skipped: no /dev/shm (tmpfs) to test the fallback on");
+        crate::testing::note_skip("no /dev/shm (tmpfs) to test the fallback on");
         return;
     }
     for engine in engines() {

@@ -83,6 +83,7 @@ pub fn is_qsd() -> bool {
 pub fn skip_unless_vublk(what: &str) -> bool {
     if is_qsd() {
         eprintln!("note: skipping vublk-specific check under qemu-storage-daemon: {what}");
+        log_skip(&format!("under qemu-storage-daemon: {what}"));
         true
     } else {
         false
@@ -95,5 +96,22 @@ pub fn skip_or_fail<T>(why: &str) -> Option<T> {
         panic!("{why} (CI must run this test)");
     }
     println!("skipped: {why}");
+    log_skip(why);
     None
+}
+
+/// Also as a line in `$VUBLK_SKIP_LOG` (see `contrib/test.sh`), which the suite's summary
+/// lists: a skipped test passes, and captured output would hide why.
+fn log_skip(why: &str) {
+    if let Some(path) = std::env::var_os("VUBLK_SKIP_LOG") {
+        use std::io::Write;
+        let test = std::thread::current().name().unwrap_or("?").to_owned();
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{test}: {why}");
+        }
+    }
 }
