@@ -405,7 +405,9 @@ pub struct CtlArgs {
     /// The daemon's `--control-socket`.
     #[arg(long, value_name = "PATH")]
     pub control_socket: PathBuf,
-    /// version, status, stats, flush, get-throttle, set-throttle.
+    /// version, status, stats, flush, get-throttle, set-throttle, resize; or top (a live
+    /// view of IOPS, throughput, latency and in-flight requests per queue; `--once`: one
+    /// frame as text; `--interval SECS`: default 1).
     pub method: String,
     /// Parameters: `--iops 400`, `--read-bps 1048576`, ... (set-throttle).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

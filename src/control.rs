@@ -232,8 +232,27 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
             }))
         }
         "stats" => {
-            no_params(&params)?;
-            Ok(stats(dev))
+            // `{"histograms": true}`: also each latency histogram's buckets (`vublk ctl top`
+            // takes quantiles over an interval from two of them).
+            let histograms = match &params {
+                Value::Null => false,
+                Value::Object(m) if m.keys().all(|k| k == "histograms") => {
+                    match m.get("histograms") {
+                        None => false,
+                        Some(Value::Bool(b)) => *b,
+                        Some(Value::Number(n)) => n.as_u64() == Some(1),
+                        Some(_) => {
+                            return Err((INVALID_PARAMS, "histograms: true or false".into()))
+                        }
+                    }
+                }
+                _ => return Err((INVALID_PARAMS, "stats takes only \"histograms\"".into())),
+            };
+            let mut v = stats(dev);
+            if histograms {
+                add_histograms(dev, &mut v);
+            }
+            Ok(v)
         }
         "flush" => {
             no_params(&params)?;
@@ -321,6 +340,22 @@ pub fn stats(dev: &Device) -> Value {
             "image": dev.image.get().counters(),
         },
     })
+}
+
+/// Each request type's latency buckets (bucket `i`: under 2^i us) beside its report, per
+/// queue and in the total.
+fn add_histograms(dev: &Device, v: &mut Value) {
+    let queues: Vec<QueueSnapshot> = dev.queue_stats.iter().map(|q| q.snapshot()).collect();
+    let total = QueueSnapshot::total(&queues);
+    let put = |at: &mut Value, q: &QueueSnapshot| {
+        for (name, o) in crate::stats::OPS.iter().zip(&q.ops) {
+            at["requests"][*name]["latency_buckets"] = json!(o.latency_buckets);
+        }
+    };
+    put(&mut v["total"], &total);
+    for (i, q) in queues.iter().enumerate() {
+        put(&mut v["queues"][i], q);
+    }
 }
 
 /// `vublk ctl`: send one request, print the result (exit 0) or the error message (exit 1).

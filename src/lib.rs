@@ -41,6 +41,7 @@ pub mod stats;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod throttle;
+pub mod top;
 pub mod virtio_blk;
 pub mod worker;
 pub mod zero;

@@ -57,6 +57,9 @@ fn main() -> ExitCode {
         };
     }
     if let Some(vublk::args::Command::Ctl(c)) = &args.command {
+        if c.method == "top" {
+            return top(&c.control_socket, &c.args);
+        }
         let params = match vublk::control::params_from_args(&c.method, &c.args) {
             Ok(p) => p,
             Err(msg) => {
@@ -103,6 +106,41 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             print_error_chain("vublk", &e);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `vublk ctl --control-socket PATH top [--once] [--interval SECS]`.
+fn top(socket: &std::path::Path, args: &[String]) -> ExitCode {
+    let mut once = false;
+    let mut interval = std::time::Duration::from_secs(1);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--once" => once = true,
+            "--interval" => {
+                let secs = it.next().and_then(|v| v.parse::<f64>().ok());
+                match secs {
+                    Some(s) if (0.1..=3600.0).contains(&s) => {
+                        interval = std::time::Duration::from_secs_f64(s)
+                    }
+                    _ => {
+                        eprintln!("vublk ctl top: --interval SECS: 0.1 to 3600");
+                        return ExitCode::from(EXIT_USAGE);
+                    }
+                }
+            }
+            other => {
+                eprintln!("vublk ctl top: unexpected argument {other:?} (--once, --interval SECS)");
+                return ExitCode::from(EXIT_USAGE);
+            }
+        }
+    }
+    match vublk::top::run(socket, once, interval) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(msg) => {
+            eprintln!("vublk ctl top: {msg}");
             ExitCode::FAILURE
         }
     }

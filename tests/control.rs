@@ -736,3 +736,62 @@ fn queue_cpus_outside_the_allowed_set_are_refused() {
         "{log}"
     );
 }
+
+/// `vublk ctl top --once`: one frame over an interval in which the test reads on both
+/// queues: every queue's rate and the total's, latency quantiles and the in-flight column.
+/// The live view refuses to run without a terminal.
+#[test]
+fn top_once_shows_what_the_queues_did() {
+    let dir = TestDir::new("ctl-top");
+    let img = dir.join("disk.img");
+    create_pattern_image(&img, 16 * MIB, 5);
+    let (backend, sock) = start(&dir, &img, 2, &[]);
+    let mut c = connect_queues(&backend.socket, 2);
+    let top = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .arg("ctl")
+        .arg("--control-socket")
+        .arg(&sock)
+        .args(["top", "--once", "--interval", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_millis(1500);
+    let mut reads = [0u64; 2];
+    while Instant::now() < until {
+        for (q, n) in reads.iter_mut().enumerate() {
+            c.read_at(q, (*n % 1000) * 4096, 4096).unwrap();
+            *n += 1;
+        }
+    }
+    let o = top.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lines: Vec<Vec<&str>> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(lines.len(), 4, "{out}");
+    assert_eq!(lines[0][0], "queue", "{out}");
+    assert_eq!(lines[3][0], "total", "{out}");
+    let iops: Vec<f64> = lines[1..].iter().map(|l| l[1].parse().unwrap()).collect();
+    assert!(iops[0] > 10.0 && iops[1] > 10.0, "{out}");
+    assert!((iops[0] + iops[1] - iops[2]).abs() <= 2.0, "{out}");
+    // Reads only: MB/s of reads follows IOPS (4 KiB each), writes none.
+    let read_mbs: f64 = lines[3][2].parse().unwrap();
+    assert!((read_mbs - iops[2] * 4096.0 / 1e6).abs() < 0.2, "{out}");
+    assert_eq!(lines[3][3], "0.0", "{out}");
+    for l in &lines[1..] {
+        assert!(l[4].starts_with('<') && l[5].starts_with('<'), "{out}");
+        l[6].parse::<u64>().unwrap();
+    }
+    // No terminal: the live view says what to do instead.
+    let (ok, _, err) = ctl(&sock, "top", &[]);
+    assert!(!ok && err.contains("--once"), "{err}");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
