@@ -47,6 +47,13 @@ fn vublk() -> Command {
     Command::new(env!("CARGO_BIN_EXE_vublk"))
 }
 
+/// vublk serving `img` on `sock`.
+fn serve(sock: &Path, img: &Path) -> Command {
+    let mut c = vublk();
+    c.arg("--socket-path").arg(sock).arg("--blk-file").arg(img);
+    c
+}
+
 fn wait_for(path: &Path) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !path.exists() {
@@ -131,11 +138,7 @@ fn readiness_status_and_stopping_reach_the_notify_socket() {
     let listener = UnixDatagram::bind(&notify).unwrap();
     let sock = dir.join("vublk.sock");
     let mut p = Proc(
-        vublk()
-            .arg("--socket-path")
-            .arg(&sock)
-            .arg("--blk-file")
-            .arg(&img)
+        serve(&sock, &img)
             .env("NOTIFY_SOCKET", &notify)
             .stdin(Stdio::null())
             .stderr(Stdio::null())
@@ -211,11 +214,7 @@ fn json_logs_are_one_object_per_line() {
     let sock = dir.join("vublk.sock");
     let log = dir.join("vublk.log");
     let mut p = Proc(
-        vublk()
-            .arg("--socket-path")
-            .arg(&sock)
-            .arg("--blk-file")
-            .arg(&img)
+        serve(&sock, &img)
             .args(["--log-format", "json", "--log-level", "debug"])
             .stdin(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())

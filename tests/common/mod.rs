@@ -102,7 +102,7 @@ pub fn skip_or_fail<T>(why: &str) -> Option<T> {
 
 /// Also as a line in `$VUBLK_SKIP_LOG` (see `contrib/test.sh`), which the suite's summary
 /// lists: a skipped test passes, and captured output would hide why.
-fn log_skip(why: &str) {
+pub fn log_skip(why: &str) {
     if let Some(path) = std::env::var_os("VUBLK_SKIP_LOG") {
         use std::io::Write;
         let test = std::thread::current().name().unwrap_or("?").to_owned();

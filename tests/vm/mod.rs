@@ -25,23 +25,7 @@ pub fn skip(why: &str) {
         panic!("VUBLK_E2E_REQUIRE=1 but the test cannot run: {why}");
     }
     println!("skipped: {why}");
-    log_skip(why);
-}
-
-/// Also as a line in `$VUBLK_SKIP_LOG` (see `contrib/test.sh`), which the suite's summary
-/// lists: a skipped test passes, and captured output would hide why.
-fn log_skip(why: &str) {
-    if let Some(path) = std::env::var_os("VUBLK_SKIP_LOG") {
-        use std::io::Write;
-        let test = std::thread::current().name().unwrap_or("?").to_owned();
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{test}: {why}");
-        }
-    }
+    crate::common::log_skip(why);
 }
 
 /// Find an executable: an explicit override (env var) or a search of `PATH` plus sbin dirs.

@@ -60,6 +60,37 @@ fn fresh_image(tag: &str, size: u64, cluster: u64, refcount_bits: u32) -> Vec<u8
     b
 }
 
+/// The image on `disk`, writable, with the default options.
+fn open_writable(disk: &SimDisk) -> Qcow2Image {
+    Qcow2Image::open(
+        disk,
+        Qcow2Options {
+            writable: true,
+            ..Qcow2Options::default()
+        },
+    )
+    .unwrap()
+}
+
+/// A fresh qcow2 image (64 KiB clusters) over a raw backing file named `base.raw` (never
+/// opened: the tests read the backing data through their own fill function).
+fn fresh_overlay(tag: &str, size: u64) -> Vec<u8> {
+    let p = tmp(tag);
+    let _ = std::fs::remove_file(&p);
+    let params = crate::image::create::CreateParams {
+        parallels_cluster: None,
+        qcow2: true,
+        size_bytes: size,
+        cluster_bits: 16,
+        compression: super::Compression::Zlib,
+        backing: Some(("base.raw".into(), "raw")),
+    };
+    crate::image::create::create(&p, &params).unwrap();
+    let b = std::fs::read(&p).unwrap();
+    std::fs::remove_file(&p).unwrap();
+    b
+}
+
 /// `qemu-img check`: Ok for a clean image or leaks only.
 fn qemu_check(tag: &str, bytes: &[u8]) -> Result<(), String> {
     if !have_qemu_img() {
@@ -392,30 +423,11 @@ fn copies_of_backing_data_are_durable_before_their_l2_entries() {
             *b = ((off as usize + i) / 512 % 251) as u8 | 1;
         }
     };
-    let p = tmp("cow-backing");
-    let _ = std::fs::remove_file(&p);
-    let params = crate::image::create::CreateParams {
-        parallels_cluster: None,
-        qcow2: true,
-        size_bytes: SIZE,
-        cluster_bits: 16,
-        compression: super::Compression::Zlib,
-        backing: Some(("base.raw".into(), "raw")),
-    };
-    crate::image::create::create(&p, &params).unwrap();
-    let fresh = std::fs::read(&p).unwrap();
-    std::fs::remove_file(&p).unwrap();
+    let fresh = fresh_overlay("cow-backing", SIZE);
     for seed in 1..=6u64 {
         let mut rng = Rng(seed * 31);
         let disk = SimDisk::new(fresh.clone());
-        let q = Qcow2Image::open(
-            &disk,
-            Qcow2Options {
-                writable: true,
-                ..Qcow2Options::default()
-            },
-        )
-        .unwrap();
+        let q = open_writable(&disk);
         assert!(q.backing_file.is_some());
         let mut written = vec![false; (SIZE / 512) as usize];
         for _ in 0..40 {
@@ -464,14 +476,7 @@ fn copies_of_backing_data_are_durable_before_their_l2_entries() {
 #[test]
 fn a_chunk_changed_while_its_copy_is_written_stays_dirty() {
     let disk = SimDisk::new(fresh_image("chunk-race", 4 << 20, 65536, 16));
-    let q = Qcow2Image::open(
-        &disk,
-        Qcow2Options {
-            writable: true,
-            ..Qcow2Options::default()
-        },
-    )
-    .unwrap();
+    let q = open_writable(&disk);
     let c = q.cluster_size();
     let killed_view = |disk: &SimDisk| {
         let d = SimDisk::new(disk.crash(|| true));
@@ -505,27 +510,8 @@ fn a_chunk_changed_while_its_copy_is_written_stays_dirty() {
 #[test]
 fn concurrent_copies_and_publishes_lose_no_mapping() {
     const SIZE: u64 = 16 << 20;
-    let p = tmp("cow-threads");
-    let _ = std::fs::remove_file(&p);
-    let params = crate::image::create::CreateParams {
-        parallels_cluster: None,
-        qcow2: true,
-        size_bytes: SIZE,
-        cluster_bits: 16,
-        compression: super::Compression::Zlib,
-        backing: Some(("base.raw".into(), "raw")),
-    };
-    crate::image::create::create(&p, &params).unwrap();
-    let disk = SimDisk::new(std::fs::read(&p).unwrap());
-    std::fs::remove_file(&p).unwrap();
-    let q = Qcow2Image::open(
-        &disk,
-        Qcow2Options {
-            writable: true,
-            ..Qcow2Options::default()
-        },
-    )
-    .unwrap();
+    let disk = SimDisk::new(fresh_overlay("cow-threads", SIZE));
+    let q = open_writable(&disk);
     let c = q.cluster_size();
     let threads = 4u64;
     let per = SIZE / c / threads;
