@@ -90,7 +90,10 @@ set -e
 echo
 echo "== summary (full output: target/test-output.txt)"
 awk '
-	/^ *Running / { bin = $2; sub(/^.*\//, "", bin); sub(/-[0-9a-f]+$/, "", bin) }
+	/^ *Running / {
+		if ($2 == "unittests") bin = "unittests " $3
+		else { bin = $2; sub(/^.*\//, "", bin) }
+	}
 	/^ *Doc-tests / { bin = "doc-tests " $2 }
 	/^test result:/ {
 		gsub(/;/, "")
