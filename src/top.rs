@@ -175,6 +175,9 @@ fn live(socket: &Path, interval: Duration) -> Result<(), String> {
     use ratatui::widgets::{Block, Row as TRow, Table};
 
     let mut prev = sample(socket)?;
+    // SIGTERM, SIGINT and SIGHUP end the view like `q` does, so the terminal is restored
+    // (blocked here and taken in the loop below; the raw terminal turns Ctrl-C into a key).
+    let quit = block_quit_signals();
     let mut terminal = ratatui::init();
     let result = (|| -> Result<(), String> {
         let mut shown: Vec<Row> = Vec::new();
@@ -214,7 +217,10 @@ fn live(socket: &Path, interval: Duration) -> Result<(), String> {
             // Wait out the interval, answering keys meanwhile.
             let until = prev.at + interval;
             while let Some(left) = until.checked_duration_since(Instant::now()) {
-                if event::poll(left).map_err(|e| e.to_string())? {
+                if quit_signal_pending(&quit) {
+                    return Ok(());
+                }
+                if event::poll(left.min(Duration::from_millis(100))).map_err(|e| e.to_string())? {
                     if let Event::Key(k) = event::read().map_err(|e| e.to_string())? {
                         let ctrl_c = k.code == KeyCode::Char('c')
                             && k.modifiers.contains(KeyModifiers::CONTROL);
@@ -244,6 +250,30 @@ fn live(socket: &Path, interval: Duration) -> Result<(), String> {
     })();
     ratatui::restore();
     result
+}
+
+/// Block SIGTERM, SIGINT and SIGHUP in this (the only) thread.
+fn block_quit_signals() -> libc::sigset_t {
+    // SAFETY: sigset manipulation on a local, then pthread_sigmask for this thread.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+/// Has one of `set` arrived (it is consumed)?
+fn quit_signal_pending(set: &libc::sigset_t) -> bool {
+    let zero = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid set and timeout; no siginfo wanted.
+    unsafe { libc::sigtimedwait(set, std::ptr::null_mut(), &zero) > 0 }
 }
 
 #[cfg(test)]

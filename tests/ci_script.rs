@@ -94,7 +94,9 @@ fn test_script_without_packages_names_the_apt_line() {
             }
         }
     }
-    let mut cmd = if unsafe { libc::geteuid() } == 0 {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let mut cmd = if euid == 0 {
         // As root the script would install; run it as nobody instead.
         let mut c = Command::new("/usr/bin/setpriv");
         c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "bash"]);
