@@ -248,11 +248,7 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                 }
                 _ => return Err((INVALID_PARAMS, "stats takes only \"histograms\"".into())),
             };
-            let mut v = stats(dev);
-            if histograms {
-                add_histograms(dev, &mut v);
-            }
-            Ok(v)
+            Ok(stats(dev, histograms))
         }
         "flush" => {
             no_params(&params)?;
@@ -324,15 +320,26 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
     }
 }
 
-/// The `stats` answer: totals, per queue, and the features' own counters.
-pub fn stats(dev: &Device) -> Value {
+/// The `stats` answer: totals, per queue, and the features' own counters; `histograms`:
+/// also each request type's latency buckets (`latency_buckets`, bucket `i`: under 2^i us),
+/// from the same reading of the counters.
+pub fn stats(dev: &Device, histograms: bool) -> Value {
     let queues: Vec<QueueSnapshot> = dev.queue_stats.iter().map(|q| q.snapshot()).collect();
     let total = QueueSnapshot::total(&queues);
     let z = &dev.zero_stats;
     let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let report = |q: &QueueSnapshot| {
+        let mut v = serde_json::to_value(q.report()).unwrap_or(Value::Null);
+        if histograms {
+            for (name, o) in crate::stats::OPS.iter().zip(&q.ops) {
+                v["requests"][*name]["latency_buckets"] = json!(o.latency_buckets);
+            }
+        }
+        v
+    };
     json!({
-        "total": total.report(),
-        "queues": queues.iter().map(|q| q.report()).collect::<Vec<_>>(),
+        "total": report(&total),
+        "queues": queues.iter().map(report).collect::<Vec<_>>(),
         "features": {
             "zero_writes_detected": ld(&z.zero_writes),
             "zero_write_bytes": ld(&z.zero_write_bytes),
@@ -340,22 +347,6 @@ pub fn stats(dev: &Device) -> Value {
             "image": dev.image.get().counters(),
         },
     })
-}
-
-/// Each request type's latency buckets (bucket `i`: under 2^i us) beside its report, per
-/// queue and in the total.
-fn add_histograms(dev: &Device, v: &mut Value) {
-    let queues: Vec<QueueSnapshot> = dev.queue_stats.iter().map(|q| q.snapshot()).collect();
-    let total = QueueSnapshot::total(&queues);
-    let put = |at: &mut Value, q: &QueueSnapshot| {
-        for (name, o) in crate::stats::OPS.iter().zip(&q.ops) {
-            at["requests"][*name]["latency_buckets"] = json!(o.latency_buckets);
-        }
-    };
-    put(&mut v["total"], &total);
-    for (i, q) in queues.iter().enumerate() {
-        put(&mut v["queues"][i], q);
-    }
 }
 
 /// `vublk ctl`: send one request, print the result (exit 0) or the error message (exit 1).

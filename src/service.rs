@@ -77,13 +77,7 @@ impl PidFile {
             .mode(0o644)
             .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
             .open(path)?;
-        // SAFETY: a zeroed flock is a valid value; the fields that matter are set below.
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = libc::F_WRLCK as libc::c_short;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        // SAFETY: F_OFD_SETLK with a valid flock on an open descriptor.
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
-            let e = io::Error::last_os_error();
+        if let Err(e) = crate::image::lock::try_lock_whole_file(file.as_raw_fd()) {
             return Err(match e.raw_os_error() {
                 Some(libc::EAGAIN) | Some(libc::EACCES) => io::Error::new(
                     io::ErrorKind::WouldBlock,

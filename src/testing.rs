@@ -278,20 +278,12 @@ impl XorShift {
     }
 }
 
-/// A test that cannot run here says so: on stdout (shown with `--nocapture`) and, when
-/// `VUBLK_SKIP_LOG` names a file (`contrib/test.sh` sets it), as a line there, so that the
-/// suite's summary lists it instead of counting it as a pass.
+#[path = "../tests/common/skip_log.rs"]
+mod skip_log;
+
+/// A test that cannot run here says so: on stdout (shown with `--nocapture`) and in
+/// `$VUBLK_SKIP_LOG`, so that the suite's summary lists it instead of counting it as a pass.
 pub fn note_skip(why: &str) {
     println!("skipped: {why}");
-    if let Some(path) = std::env::var_os("VUBLK_SKIP_LOG") {
-        use std::io::Write;
-        let test = std::thread::current().name().unwrap_or("?").to_owned();
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{test}: {why}");
-        }
-    }
+    skip_log::log_skip(why);
 }

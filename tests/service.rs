@@ -176,11 +176,7 @@ fn pidfile_is_written_locked_and_removed() {
     create_sparse_image(&img, 16 * MIB);
     let pidfile = dir.join("vublk.pid");
     let start = |sock: &str, img: &Path| {
-        vublk()
-            .arg("--socket-path")
-            .arg(dir.join(sock))
-            .arg("--blk-file")
-            .arg(img)
+        serve(&dir.join(sock), img)
             .arg("--pidfile")
             .arg(&pidfile)
             .stdin(Stdio::null())

@@ -246,6 +246,14 @@ fn flock(byte: u64, l_type: i32) -> libc::flock {
     fl
 }
 
+/// An exclusive OFD lock on the whole of `fd`'s file, without waiting (EAGAIN or EACCES when
+/// another open file description holds a lock on it): the pidfile's.
+pub(crate) fn try_lock_whole_file(fd: i32) -> io::Result<()> {
+    let mut fl = flock(0, libc::F_WRLCK);
+    fl.l_len = 0;
+    fcntl_lock(fd, libc::F_OFD_SETLK, &mut fl)
+}
+
 fn fcntl_lock(fd: i32, cmd: i32, fl: &mut libc::flock) -> io::Result<()> {
     // SAFETY: F_OFD_SETLK / F_OFD_GETLK read (and GETLK writes) one flock through the
     // pointer, which points at a live local.

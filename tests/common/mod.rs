@@ -19,6 +19,7 @@ mod model;
 mod process;
 mod qemu_img;
 mod seccomp;
+mod skip_log;
 
 // Each test binary uses a different subset.
 #[cfg(feature = "rbd")]
@@ -40,6 +41,7 @@ pub use process::*;
 pub use qemu_img::*;
 #[allow(unused_imports)]
 pub use seccomp::*;
+pub use skip_log::log_skip;
 
 use std::time::Duration;
 
@@ -98,20 +100,4 @@ pub fn skip_or_fail<T>(why: &str) -> Option<T> {
     println!("skipped: {why}");
     log_skip(why);
     None
-}
-
-/// Also as a line in `$VUBLK_SKIP_LOG` (see `contrib/test.sh`), which the suite's summary
-/// lists: a skipped test passes, and captured output would hide why.
-pub fn log_skip(why: &str) {
-    if let Some(path) = std::env::var_os("VUBLK_SKIP_LOG") {
-        use std::io::Write;
-        let test = std::thread::current().name().unwrap_or("?").to_owned();
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{test}: {why}");
-        }
-    }
 }

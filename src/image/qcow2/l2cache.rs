@@ -20,13 +20,20 @@ pub(super) struct L2Table {
     pub(super) version: Vec<u32>,
 }
 
-/// A dirty chunk of a cached L2 table as it was when copied under the cache lock, written
-/// without it ([`Qcow2Image::write_chunk_copies`]).
-pub(super) struct ChunkCopy {
-    table: u64,
-    chunk: usize,
-    version: u32,
-    bytes: AlignedBuf,
+/// The dirty chunks of the cached L2 tables as they were when copied under the cache lock,
+/// written without it ([`Qcow2Image::write_chunk_copies`]): one buffer for all of them, and
+/// per chunk its table, index and version.
+#[derive(Default)]
+pub(super) struct ChunkCopies {
+    bytes: Option<AlignedBuf>,
+    chunks: Vec<(u64, usize, u32)>,
+}
+
+impl ChunkCopies {
+    #[cfg(test)]
+    pub(super) fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
 }
 
 impl L2Table {
@@ -165,30 +172,37 @@ impl Qcow2Image {
     /// Copy every dirty chunk of the cached tables (the caller orders their writing after
     /// what they depend on, see `write_back`), so that they can be written without the
     /// cache lock: mapping goes on meanwhile.
-    pub(super) fn copy_dirty_tables(&self) -> Result<Vec<ChunkCopy>, ImageError> {
+    pub(super) fn copy_dirty_tables(&self) -> Result<ChunkCopies, ImageError> {
         let chunk = self.meta_chunk() as usize;
         let per_chunk = chunk / 8;
         let cache = self.lock_l2();
-        let mut copies = Vec::new();
+        let chunks: Vec<(u64, usize, u32)> = cache
+            .tables
+            .iter()
+            .flat_map(|t| {
+                (0..t.dirty.len())
+                    .filter(|&ci| t.dirty[ci])
+                    .map(|ci| (t.offset, ci, t.version[ci]))
+            })
+            .collect();
+        if chunks.is_empty() {
+            return Ok(ChunkCopies::default());
+        }
+        let mut bytes = AlignedBuf::new(chunks.len() * chunk, 4096).map_err(ImageError::Io)?;
+        let out = bytes.as_mut_slice();
+        let mut at = 0;
         for t in cache.tables.iter() {
-            for (ci, _) in t.dirty.iter().enumerate().filter(|(_, &d)| d) {
-                let mut bytes = AlignedBuf::new(chunk, 4096).map_err(ImageError::Io)?;
-                let b = bytes.as_mut_slice();
-                for (i, e) in t.entries[ci * per_chunk..(ci + 1) * per_chunk]
-                    .iter()
-                    .enumerate()
-                {
-                    b[i * 8..i * 8 + 8].copy_from_slice(&e.to_be_bytes());
+            for ci in (0..t.dirty.len()).filter(|&ci| t.dirty[ci]) {
+                for e in &t.entries[ci * per_chunk..(ci + 1) * per_chunk] {
+                    out[at..at + 8].copy_from_slice(&e.to_be_bytes());
+                    at += 8;
                 }
-                copies.push(ChunkCopy {
-                    table: t.offset,
-                    chunk: ci,
-                    version: t.version[ci],
-                    bytes,
-                });
             }
         }
-        Ok(copies)
+        Ok(ChunkCopies {
+            bytes: Some(bytes),
+            chunks,
+        })
     }
 
     /// Write chunks copied by [`Qcow2Image::copy_dirty_tables`]; each is clean afterwards
@@ -197,21 +211,26 @@ impl Qcow2Image {
     pub(super) fn write_chunk_copies(
         &self,
         file: &dyn Storage,
-        copies: Vec<ChunkCopy>,
+        copies: ChunkCopies,
     ) -> Result<(), ImageError> {
+        let Some(bytes) = &copies.bytes else {
+            return Ok(());
+        };
         let chunk = self.meta_chunk() as usize;
-        let writes: Vec<(&[u8], u64)> = copies
-            .iter()
-            .map(|c| (c.bytes.as_slice(), c.table + (c.chunk * chunk) as u64))
+        let writes: Vec<(&[u8], u64)> = bytes
+            .as_slice()
+            .chunks_exact(chunk)
+            .zip(&copies.chunks)
+            .map(|(b, &(table, ci, _))| (b, table + (ci * chunk) as u64))
             .collect();
         // At once: each is a round trip to the disk (O_DIRECT), and this runs before
         // requests complete.
         file.write_all_many(&writes).map_err(ImageError::Io)?;
         let mut cache = self.lock_l2();
-        for c in &copies {
-            if let Some(t) = cache.tables.iter_mut().find(|t| t.offset == c.table) {
-                if t.version[c.chunk] == c.version {
-                    t.dirty[c.chunk] = false;
+        for &(table, ci, version) in &copies.chunks {
+            if let Some(t) = cache.tables.iter_mut().find(|t| t.offset == table) {
+                if t.version[ci] == version {
+                    t.dirty[ci] = false;
                 }
             }
         }

@@ -166,7 +166,7 @@ impl Qcow2Image {
         &self,
         ws: &mut WriteState,
         file: &dyn Storage,
-    ) -> Result<(u64, Vec<super::l2cache::ChunkCopy>), ImageError> {
+    ) -> Result<(u64, super::l2cache::ChunkCopies), ImageError> {
         // What this write-back covers: every change made so far (all under `ws`).
         let covers = self.unpublished.start();
         // Compressed chunks reach the file before any L2 entry that names them; after a
@@ -185,7 +185,7 @@ impl Qcow2Image {
             self.write_dirty_refcounts(ws, file)?;
         }
         if !l2_dirty {
-            return Ok((covers, Vec::new()));
+            return Ok((covers, Default::default()));
         }
         // The barrier: no L2 chunk on disk may name a cluster whose refcount (or the file
         // length covering it), or whose copy of the data an entry replaced, is not durable.
