@@ -795,3 +795,66 @@ fn top_once_shows_what_the_queues_did() {
     drop(c);
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
 }
+
+/// The live view of `vublk ctl top` in a terminal (a pty from `script`): it draws the table
+/// with every queue and the total, redraws each interval, and `q` ends it with the terminal
+/// restored (the alternate screen left) and exit 0.
+#[test]
+fn top_live_view_draws_and_quits_on_q() {
+    let dir = TestDir::new("ctl-top-live");
+    let img = dir.join("disk.img");
+    create_sparse_image(&img, 16 * MIB);
+    let (backend, sock) = start(&dir, &img, 2, &[]);
+    let shell = format!(
+        "stty cols 100 rows 14; {} ctl --control-socket {} top --interval 0.2",
+        env!("CARGO_BIN_EXE_vublk"),
+        sock.display()
+    );
+    let mut child = Command::new("script")
+        .args(["-qefc", &shell, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("script (util-linux) runs the view in a pty");
+    std::thread::sleep(Duration::from_millis(1500));
+    child.stdin.as_mut().unwrap().write_all(b"q").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the live view did not end on q");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().unwrap();
+    let screen = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{screen}");
+    // The text drawn, with every control sequence (cursor moves, styles) as one space.
+    let mut text = String::new();
+    let mut it = screen.chars().peekable();
+    while let Some(ch) = it.next() {
+        if ch == '\x1b' {
+            if it.next_if_eq(&'[').is_some() {
+                while it.next().is_some_and(|c| !c.is_ascii_alphabetic()) {}
+            }
+            text.push(' ');
+        } else {
+            text.push(ch);
+        }
+    }
+    let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    for want in [
+        "vublk top:",
+        "queue IOPS read MB/s write MB/s p50 us p99 us in flight",
+        "every 0.2 s",
+        "total 0 0.0 0.0 - - 0",
+    ] {
+        assert!(text.contains(want), "{want:?} never drawn: {text:?}");
+    }
+    // Both queues' rows.
+    assert!(
+        text.contains(" 0 0 0.0 0.0 - - 0 ") && text.contains(" 1 0 0.0 0.0 - - 0 "),
+        "{text}"
+    );
+    // Entered and left the alternate screen: the terminal is as it was.
+    assert!(screen.contains("\x1b[?1049h") && screen.contains("\x1b[?1049l"));
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
