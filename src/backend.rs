@@ -229,7 +229,7 @@ impl VhostUserBackend for VhostUserBlkBackend {
             .frontend_channel
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .0 = Some(backend);
+            .set(backend);
     }
 
     /// GET_INFLIGHT_FD: a new region for the frontend to keep (QEMU asks when it holds none:
@@ -343,24 +343,36 @@ impl VhostUserBackend for VhostUserBlkBackend {
         new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
     }
 
-    /// GET_VRING_BASE: answer only after the queue's in-flight requests have completed.
-    /// While the frontend logs dirty pages it is migrating the guest, and a stop is the
-    /// switch-over: the image is handed over to the destination's vublk (`image::handover`)
-    /// before the reply, with every queue drained.
+    /// GET_VRING_BASE (and SET_VRING_ENABLE 0): answer only after the queue's in-flight
+    /// requests have completed. While the frontend logs dirty pages it is migrating the
+    /// guest, and the stop of its last running queue is the switch-over: the image is
+    /// handed over to the destination's vublk (`image::handover`) before the reply, with
+    /// every queue drained. Stopping one queue while others run hands nothing over: those
+    /// queues go on serving (a kick on them must not be lost), and the device is handed
+    /// over when the last of them stops (QEMU disables, then stops, every queue).
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        let i = queue_index as usize;
         if !self.dev.dirty_log.load(Ordering::Acquire) {
-            self.drain_queue(queue_index as usize);
+            self.drain_queue(i);
+            return Ok(());
+        }
+        let others_running = (0..self.workers.len())
+            .filter(|&j| j != i)
+            .any(|j| self.with_worker(j, |w| w.running()) == Some(true));
+        if others_running {
+            log::debug!("queue {i} stopped while logging; other queues run: no handover yet");
+            self.drain_queue(i);
             return Ok(());
         }
         let drain = || {
-            for i in 0..self.workers.len() {
-                self.with_worker(i, |w| w.drain());
+            for j in 0..self.workers.len() {
+                self.with_worker(j, |w| w.drain());
             }
         };
         match self.dev.image.hand_over(drain) {
             Ok(true) => {}
             // Handed over at an earlier queue's stop (or never taken): this one has drained.
-            Ok(false) => self.drain_queue(queue_index as usize),
+            Ok(false) => self.drain_queue(i),
             Err(e) => error!(
                 "handing the image over: {} (nothing more is written here)",
                 crate::logging::error_chain(&e)

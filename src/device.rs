@@ -66,7 +66,25 @@ impl ZeroStats {
 }
 
 /// The frontend's backend channel (VHOST_USER_PROTOCOL_F_BACKEND_REQ), when it gave one.
-pub struct FrontendChannel(pub Option<vhost::vhost_user::Backend>);
+pub struct FrontendChannel(pub Option<vhost::vhost_user::Backend>, u64);
+
+/// How long a message on the backend channel may take (sending it and, with REPLY_ACK, the
+/// frontend's answer; QEMU answers at once): a frontend that does not read or answer in
+/// that time loses the channel, not the daemon its control thread.
+pub const FRONTEND_CHANNEL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl FrontendChannel {
+    /// The frontend's channel, its messages bounded by [`FRONTEND_CHANNEL_TIMEOUT`].
+    pub fn set(&mut self, backend: vhost::vhost_user::Backend) {
+        self.1 += 1;
+        if let Err(e) = backend.set_timeout(Some(FRONTEND_CHANNEL_TIMEOUT)) {
+            log::warn!("the backend channel cannot have a timeout ({e}): not using it");
+            self.0 = None;
+            return;
+        }
+        self.0 = Some(backend);
+    }
+}
 
 impl std::fmt::Debug for FrontendChannel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -157,7 +175,7 @@ impl Device {
             dirty_log: AtomicBool::new(false),
             throttle: crate::throttle::Throttle::default(),
             frontend_connected: AtomicBool::new(false),
-            frontend_channel: std::sync::Mutex::new(FrontendChannel(None)),
+            frontend_channel: std::sync::Mutex::new(FrontendChannel(None, 0)),
             resizing: std::sync::Mutex::new(()),
             capacity_sectors: AtomicU64::new(capacity_sectors),
             queue_stats: (0..queues)
@@ -210,18 +228,35 @@ impl Device {
     }
 
     /// VHOST_USER_BACKEND_CONFIG_CHANGE_MSG to the connected frontend: Some(sent), None
-    /// without a channel.
+    /// without a channel. A frontend that does not take or answer it within
+    /// [`FRONTEND_CHANNEL_TIMEOUT`] loses the channel for the rest of its connection (a late
+    /// answer would be read as the next message's; later resizes are seen at its next
+    /// config-space read).
     fn announce_config_change(&self) -> Option<bool> {
-        let ch = self
-            .frontend_channel
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .0
-            .clone()?;
+        let (ch, generation) = {
+            let cur = self
+                .frontend_channel
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            (cur.0.clone()?, cur.1)
+        };
         match ch.config_change() {
             Ok(_) => Some(true),
             Err(e) => {
-                log::warn!("telling the frontend the config changed: {e}");
+                log::warn!(
+                    "telling the frontend the config changed failed ({e}; it may not have \
+                     answered within {} s): not using its backend channel again",
+                    FRONTEND_CHANNEL_TIMEOUT.as_secs()
+                );
+                ch.set_failed(libc::EIO);
+                let mut cur = self
+                    .frontend_channel
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                if cur.1 == generation {
+                    // (Not a channel a new frontend has set meanwhile.)
+                    cur.0 = None;
+                }
                 Some(false)
             }
         }

@@ -434,3 +434,79 @@ fn a_disabled_ring_takes_no_requests() {
     drop(fe);
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
 }
+
+/// Is `call` signalled (readable) within `within`?
+fn signalled(call: &vmm_sys_util::eventfd::EventFd, within: Duration) -> bool {
+    let mut p = libc::pollfd {
+        fd: call.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, within.as_millis() as i32) };
+    r == 1 && p.revents & libc::POLLIN != 0
+}
+
+/// With EVENT_IDX (Linux guests negotiate it), a process put a completion on the used ring
+/// while the driver's `used_event` asked for no interrupt yet, and was killed: the next
+/// process interrupts the guest once when the queue starts, as libvhost-user does. (Its
+/// `needs_notification` says no at the start, since it added nothing itself: a driver
+/// whose last completions were published but never signalled would wait for ever.)
+#[test]
+fn a_restarted_vublk_interrupts_the_guest_at_queue_start_with_event_idx() {
+    if skip_unless_vublk("vublk's queue start") {
+        return;
+    }
+    let dir = TestDir::new("inflight-start-signal");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, 16 * MIB, 4);
+    let g = guest();
+    let first = Backend::start(&dir, &img, &opts());
+    let mut fe = frontend(&first.socket);
+    let acked = fe.get_features().unwrap();
+    assert!(
+        acked & (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX) != 0,
+        "EVENT_IDX not offered"
+    );
+    let region = get_region(&mut fe);
+    fe.set_inflight_fd(&region.info, region.file.as_raw_fd())
+        .unwrap();
+    fe.set_mem_table(&[g.region()]).unwrap();
+    // used_event: interrupt only once the used index passes 100.
+    g.w(AVAIL + 4 + 2 * u64::from(QSIZE), 100u16);
+    let (kick, call) = start_queue(&mut fe, &g, USED);
+    // The queue's start interrupts once, whatever used_event says; clear it.
+    assert!(
+        signalled(&call, Duration::from_secs(3)),
+        "no signal at the start"
+    );
+    call.read().unwrap();
+    let h = write_request(&g, 0, 0, 0x31);
+    publish(&g, &[h]);
+    kick.write(1).unwrap();
+    wait_used(&g, 1, "first process");
+    assert_eq!(status(&g, 0), 0);
+    // The window: the completion is on the used ring, and no interrupt came (as asked).
+    assert!(
+        !signalled(&call, Duration::from_millis(200)),
+        "interrupted although used_event said not yet"
+    );
+    first.signal(libc::SIGKILL);
+    first.wait_exit(EXIT_DEADLINE);
+    drop(fe);
+    wait_unlocked(&img, Duration::from_secs(5));
+
+    let second = Backend::start(&dir, &img, &opts());
+    let mut fe = frontend(&second.socket);
+    fe.set_inflight_fd(&region.info, region.file.as_raw_fd())
+        .unwrap();
+    fe.set_mem_table(&[g.region()]).unwrap();
+    let (_kick, call) = start_queue_at(&mut fe, &g, USED, 1);
+    assert!(
+        signalled(&call, Duration::from_secs(3)),
+        "the restarted vublk did not interrupt the guest at the queue's start:\n{}",
+        second.log_contents()
+    );
+    drop(fe);
+    assert_eq!(second.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}

@@ -20,10 +20,10 @@ use log::info;
 use super::lock::LockError;
 use super::{Image, ImageError, ImageOpenError, ImageOptions};
 
-/// How long taking the image waits for the other process to give up its lock: QEMU starts
-/// the destination's queues after the source's have stopped, so a lock still held this long
-/// is somebody else's.
-const TAKE_OVER_WAIT: Duration = Duration::from_secs(10);
+/// How long taking the image at a queue's start waits for the other process to give up its
+/// lock: QEMU starts the destination's queues after the source's have stopped, so a lock
+/// still held this long is somebody else's.
+pub const TAKE_OVER_WAIT: Duration = Duration::from_secs(10);
 
 /// Why the image cannot be taken.
 #[derive(Debug, thiserror::Error)]
@@ -71,8 +71,9 @@ impl ImageSlot {
     }
 
     /// The active image, opened now if it is inactive; `shown` is the size the guest sees
-    /// (a different one is refused).
-    pub fn take_over(&self, shown: u64) -> Result<Arc<Image>, TakeOverError> {
+    /// (a different one is refused). A lock another process holds is waited for up to
+    /// `wait` (zero: one attempt).
+    pub fn take_over(&self, shown: u64, wait: Duration) -> Result<Arc<Image>, TakeOverError> {
         let mut cur = self.lock();
         if cur.is_active() {
             return Ok(cur.clone());
@@ -82,9 +83,7 @@ impl ImageSlot {
         let (image, _, _) = loop {
             match Image::open(opts) {
                 Ok(x) => break x,
-                Err(ImageOpenError::Lock(LockError::InUse { .. }))
-                    if t0.elapsed() < TAKE_OVER_WAIT =>
-                {
+                Err(ImageOpenError::Lock(LockError::InUse { .. })) if t0.elapsed() < wait => {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 Err(e) => return Err(e.into()),

@@ -125,6 +125,9 @@ pub struct QueueWorker {
     /// Signal the guest once after a start, for completions a previous process put on the
     /// used ring without signalling.
     signal_on_start: bool,
+    /// When taking the image over last failed (None: it did not): requests fail until a
+    /// later try succeeds (`start`).
+    take_failed: Option<Instant>,
     /// The daemon is stopping: take no more requests (the next process will).
     quiesced: bool,
     /// Parsed requests waiting for the device's I/O limits (`throttle`), oldest first.
@@ -157,6 +160,7 @@ impl QueueWorker {
             started: false,
             resubmit: Vec::new(),
             signal_on_start: false,
+            take_failed: None,
             quiesced: false,
             throttled: std::collections::VecDeque::new(),
             timer: vmm_sys_util::timerfd::TimerFd::new()
@@ -291,7 +295,7 @@ impl QueueWorker {
     /// wake-ups at low queue depth, at the price of CPU time while polling.
     fn poll_for_work(&mut self, vring: &Vring) {
         let window = self.poll.window();
-        if window.is_zero() {
+        if window.is_zero() || self.quiesced {
             if self.poll.is_auto() {
                 self.poll.idle(Instant::now());
                 if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
@@ -322,8 +326,14 @@ impl QueueWorker {
                 self.release_throttled();
                 self.submit_engine();
             }
-            if !self.free.is_empty() && self.broken.is_none() && avail_pending(vring, &mem) {
-                self.process_queue(vring, false);
+            // Work is what was taken: a ring this queue may not take from (disabled,
+            // stopped, quiesced) must not keep the loop spinning (it would never end, and
+            // a stop waiting for the worker would wait for ever).
+            if !self.free.is_empty()
+                && self.broken.is_none()
+                && avail_pending(vring, &mem)
+                && self.process_queue(vring, false) > 0
+            {
                 worked = true;
             }
             if worked {
@@ -440,20 +450,26 @@ impl QueueWorker {
         }
     }
 
-    /// Pop and start every available chain. With `rearm`, guest notifications are enabled
-    /// again at the end (closing the race with EVENT_IDX); while polling they stay off.
-    fn process_queue(&mut self, vring: &Vring, rearm: bool) {
+    /// Pop and start every available chain; returns how many were taken. With `rearm`,
+    /// guest notifications are enabled again at the end (closing the race with EVENT_IDX);
+    /// while polling they stay off.
+    fn process_queue(&mut self, vring: &Vring, rearm: bool) -> usize {
         if self.quiesced {
-            return;
+            return 0;
         }
         let mem = self.mem.memory().into_inner();
         let mut state = vring.get_mut();
         if !self.started && state.get_queue().ready() {
             self.start(state.get_queue_mut(), &mem);
+        } else if self.started {
+            // The image could not be taken at the start: try again now and then.
+            self.retry_take_image();
         }
-        // A disabled ring passes no data (vhost-user): nothing new is taken from it; nor is
-        // anything once the image was handed over (the destination takes what is left).
-        let enabled = state.is_enabled() && !self.dev.image.handed_over();
+        // A disabled ring passes no data (vhost-user): nothing new is taken from it. (A
+        // handed-over image is taken back at the queue's next start; if that fails, the
+        // requests fail with IOERR rather than wait: `start_request`.)
+        let enabled = state.is_enabled();
+        let mut taken = 0;
         loop {
             if self.broken.is_some() || self.memory_lost() || !enabled {
                 break;
@@ -498,6 +514,7 @@ impl QueueWorker {
                     break;
                 };
                 let head = chain.head_index();
+                taken += 1;
                 if let Some(t) = self.inflight.as_mut() {
                     t.taken(head);
                 }
@@ -531,11 +548,29 @@ impl QueueWorker {
         let completed = !self.deferred_used.is_empty();
         self.publish_used(&mut state);
         drop(state);
-        if completed || std::mem::take(&mut self.signal_on_start) {
+        if std::mem::take(&mut self.signal_on_start) {
+            // Unconditionally, as libvhost-user does at a queue's start: a previous process
+            // may have put completions on the used ring and died before signalling them,
+            // and with EVENT_IDX `needs_notification` knows nothing of those (nothing was
+            // added here yet): the guest would wait for them for ever.
+            if let Err(e) = vring.signal_used_queue() {
+                log::debug!("queue {}: signal at start: {e}", self.index);
+            }
+        } else if completed {
             self.signal(vring);
         }
         // The blocking engine has finished already; complete without waiting for an event.
         self.reap_and_complete(vring);
+        taken
+    }
+
+    /// Is this queue running: set up by the frontend, started and enabled (a stopped or
+    /// disabled ring takes no requests)?
+    pub fn running(&self) -> bool {
+        self.vring.as_ref().is_some_and(|v| {
+            let s = v.get_ref();
+            s.get_queue().ready() && s.is_enabled()
+        })
     }
 
     /// Has guest memory gone away under its mappings since this queue last looked (see

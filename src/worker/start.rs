@@ -4,11 +4,15 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use virtio_queue::QueueT;
 
 use super::{bind_engine, new_inbox, ring_problem, Mem, QueueWorker};
 use crate::virtio_blk::Desc;
+
+/// How often a started queue whose image could not be taken tries again.
+pub(super) const TAKE_RETRY: Duration = Duration::from_secs(1);
 
 impl QueueWorker {
     /// The queue's first processing after it was set up: the device's used index is the
@@ -19,7 +23,7 @@ impl QueueWorker {
     pub(super) fn start(&mut self, q: &mut virtio_queue::Queue, mem: &Mem) {
         self.started = true;
         self.signal_on_start = true;
-        self.take_image();
+        self.take_image(crate::image::handover::TAKE_OVER_WAIT);
         if let Some(why) = ring_problem(q, mem) {
             self.mark_broken(why);
             return;
@@ -62,23 +66,62 @@ impl QueueWorker {
     }
 
     /// Serve the device's active image, taking it over first if it is inactive (a migration
-    /// destination, or a source whose migration failed after it handed the image over).
-    pub(super) fn take_image(&mut self) {
-        match self.dev.image.take_over(self.dev.size_bytes()) {
-            Ok(image) if Arc::ptr_eq(&image, &self.image) => {}
+    /// destination, or a source whose migration failed after it handed the image over),
+    /// waiting up to `wait` for another process to let go of it. If it cannot be taken, the
+    /// queue's requests fail (IOERR, `submit`) and the take is tried again, without
+    /// waiting, at most every [`TAKE_RETRY`] while the queue runs (`retry_take_image`).
+    pub(super) fn take_image(&mut self, wait: Duration) {
+        match self.dev.image.take_over(self.dev.size_bytes(), wait) {
             Ok(image) => {
+                self.take_failed = None;
+                if Arc::ptr_eq(&image, &self.image) {
+                    return;
+                }
                 bind_engine(&mut self.engine, &image);
                 if self.inbox.is_none() {
                     self.inbox = new_inbox(self.index, &image, &self.engine);
                 }
                 self.image = image;
             }
-            Err(e) => log::error!(
-                "queue {}: cannot take the image over: {}; requests fail until a start \
-                 succeeds",
-                self.index,
-                crate::logging::error_chain(&e)
-            ),
+            Err(e) => {
+                let first = self.take_failed.is_none();
+                self.take_failed = Some(Instant::now());
+                if first {
+                    log::error!(
+                        "queue {}: cannot take the image over: {}; requests fail (IOERR) \
+                         until it can be taken (tried again every {} s while requests come)",
+                        self.index,
+                        crate::logging::error_chain(&e),
+                        TAKE_RETRY.as_secs()
+                    );
+                } else {
+                    crate::log_limited!(
+                        log::Level::Warn,
+                        "queue {}: still cannot take the image over: {}",
+                        self.index,
+                        crate::logging::error_chain(&e)
+                    );
+                }
+            }
+        }
+    }
+
+    /// A started queue whose image could not be taken: try again (one attempt, no wait) if
+    /// the last try is [`TAKE_RETRY`] old, so that requests are served again once the other
+    /// process lets go, and a storm of kicks does not become a storm of opens.
+    pub(super) fn retry_take_image(&mut self) {
+        if self.image.is_active() {
+            return;
+        }
+        if self.take_failed.is_some_and(|at| at.elapsed() < TAKE_RETRY) {
+            return;
+        }
+        self.take_image(Duration::ZERO);
+        if self.image.is_active() {
+            log::info!(
+                "queue {}: took the image over on a later try; serving requests again",
+                self.index
+            );
         }
     }
 

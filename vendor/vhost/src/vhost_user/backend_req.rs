@@ -155,6 +155,15 @@ impl Backend {
         self.inner.lock().unwrap().error = Some(error);
     }
 
+    /// Bound how long a request may block the caller (vublk patch): sending it (a frontend
+    /// that does not read the channel fills the socket's buffer) and, with
+    /// `VHOST_USER_PROTOCOL_F_REPLY_ACK`, waiting for the frontend's answer. `None` waits
+    /// for ever (the default). A request that times out fails; the channel should then be
+    /// treated as broken (`set_failed`): a late answer would be taken for the next one's.
+    pub fn set_timeout(&self, timeout: Option<std::time::Duration>) -> io::Result<()> {
+        self.inner.lock().unwrap().sock.set_timeout(timeout)
+    }
+
     /// Tell the frontend that the device's configuration space changed
     /// (`VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`, no payload; e.g. a block device's capacity
     /// after an online resize). With `VHOST_USER_PROTOCOL_F_REPLY_ACK` negotiated, waits for

@@ -107,6 +107,9 @@ impl Drop for Listener {
 /// Unix domain socket endpoint for vhost-user connection.
 pub(super) struct Endpoint<H: MsgHeader> {
     sock: UnixStream,
+    /// A send and receive timeout is set (`set_timeout`): EAGAIN means it ran out, not a
+    /// transient error to retry (vublk patch).
+    timed: bool,
     _h: PhantomData<H>,
 }
 
@@ -125,12 +128,40 @@ impl<H: MsgHeader> Endpoint<H> {
     pub fn from_stream(sock: UnixStream) -> Self {
         Endpoint {
             sock,
+            timed: false,
             _h: PhantomData,
         }
     }
 
     pub fn try_clone_sock(&self) -> std::io::Result<UnixStream> {
         self.sock.try_clone()
+    }
+
+    /// Bound how long a send or a receive on this endpoint may block (`None`: for ever, the
+    /// default); a call that times out fails with `SocketError` (`TimedOut`), also in the
+    /// `_all` variants, which otherwise retry EAGAIN (vublk patch).
+    pub fn set_timeout(&mut self, timeout: Option<std::time::Duration>) -> std::io::Result<()> {
+        self.sock.set_read_timeout(timeout)?;
+        self.sock.set_write_timeout(timeout)?;
+        self.timed = timeout.is_some();
+        Ok(())
+    }
+
+    /// In the `_all` loops: is `e` to be retried? With a timeout set, EAGAIN is the
+    /// timeout running out (vublk patch).
+    fn retry_or_timeout(&self, e: Error) -> Result<()> {
+        match e {
+            Error::SocketRetry(io)
+                if self.timed && io.kind() == std::io::ErrorKind::WouldBlock =>
+            {
+                Err(Error::SocketError(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the peer did not take or send the message in time",
+                )))
+            }
+            Error::SocketRetry(_) => Ok(()),
+            e => Err(e),
+        }
     }
 
     /// Sends bytes from scatter-gather vectors over the socket with optional attached file
@@ -172,10 +203,7 @@ impl<H: MsgHeader> Endpoint<H> {
             match sent {
                 Ok(0) => return Ok(data_sent),
                 Ok(n) => data_sent += n,
-                Err(e) => match e {
-                    Error::SocketRetry(_) => {}
-                    _ => return Err(e),
-                },
+                Err(e) => self.retry_or_timeout(e)?,
             }
         }
         Ok(data_sent)
@@ -403,10 +431,7 @@ impl<H: MsgHeader> Endpoint<H> {
                     }
                     data_read += n;
                 }
-                Err(e) => match e {
-                    Error::SocketRetry(_) => {}
-                    _ => return Err(e),
-                },
+                Err(e) => self.retry_or_timeout(e)?,
             }
         }
         Ok((data_read, rfds))
