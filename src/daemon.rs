@@ -382,7 +382,9 @@ fn flush(dev: &Device) {
             error!("final flush failed: {}", crate::logging::error_chain(&e));
         }
     }
-    dev.image.get().release_locks();
+    let image = dev.image.get();
+    image.release_locks();
+    image.disconnect();
 }
 
 fn serve_loop(

@@ -511,6 +511,43 @@ fn the_exclusive_lock_keeps_a_second_vublk_out() {
     );
 }
 
+/// A vublk stopped with SIGTERM closes the image and its cluster connection before it
+/// exits: `rbd status` lists no watcher right after (a killed client's watch would linger
+/// until the OSD times it out, about 30 s), and the next client takes the exclusive lock at
+/// once. Both with a frontend connected at the SIGTERM and with none.
+#[test]
+fn sigterm_leaves_no_watcher_on_the_image() {
+    let dir = TestDir::new("rbd-unwatch");
+    let Some(ceph) = Ceph::start(&dir.path, 512 << 20) else {
+        return;
+    };
+    ceph.rbd(&["create", "rbd/disk", "--size", "16M"]);
+    for connected in [true, false] {
+        let backend = serve(&dir, &ceph, "disk", &[], false);
+        let status = ceph.rbd(&["status", "rbd/disk"]);
+        assert!(
+            status.contains("watcher="),
+            "a served image has a watcher: {status}"
+        );
+        let c = connected.then(|| {
+            let mut c = connect(&backend.socket, ClientOpts::default());
+            assert_eq!(c.write_at(0, 0, &[9u8; 4096]), 0);
+            c
+        });
+        assert!(backend.sigterm_and_wait(EXIT_DEADLINE).success());
+        drop(c);
+        let status = ceph.rbd(&["status", "rbd/disk"]);
+        assert!(
+            status.contains("Watchers: none") && !status.contains("watcher="),
+            "frontend connected: {connected}: after SIGTERM `rbd status` says:\n{status}\n{}",
+            backend.log_contents()
+        );
+        assert!(backend
+            .log_contents()
+            .contains("cluster connection shut down"));
+    }
+}
+
 /// The cluster stops answering (its daemons SIGSTOPped) under load: requests fail with I/O
 /// errors once `--ceph-op-timeout` has passed instead of hanging, vublk keeps running, and
 /// once the cluster answers again new requests succeed and the data written before is there.

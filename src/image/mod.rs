@@ -705,6 +705,17 @@ impl Image {
         Ok(self.file.sync_data()?)
     }
 
+    /// A clean exit, after `close` and `release_locks`: let go of what the image holds
+    /// outside this process now rather than when the process is gone (an RBD image's
+    /// handle and cluster connection: its watch on the image, which `rbd status` lists, and
+    /// its session). Nothing is served through the image afterwards.
+    pub fn disconnect(&self) {
+        #[cfg(feature = "rbd")]
+        if let Kind::Rbd(r) = &self.kind {
+            r.disconnect();
+        }
+    }
+
     /// Give up the image's and its backing files' locks (a clean exit, after `close`).
     pub fn release_locks(&self) {
         let mut l = self.lock.lock().unwrap_or_else(|e| e.into_inner());

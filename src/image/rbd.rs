@@ -189,6 +189,15 @@ impl RbdDisk {
         self.img.flush_sync().map_err(|e| ImageError::Io(e.into()))
     }
 
+    /// Close librbd's handle and the cluster connection (a clean exit).
+    pub(super) fn disconnect(&self) {
+        self.img.close();
+        info!(
+            "{}: closed (watch removed, cluster connection shut down)",
+            self.name
+        );
+    }
+
     pub(super) fn release_lock(&self) {
         if self.locked.swap(false, Ordering::AcqRel) {
             if let Err(e) = self.img.unlock() {

@@ -16,7 +16,7 @@ use std::ffi::{CStr, CString};
 use std::io;
 use std::os::raw::c_void;
 use std::ptr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use crate::io::Completion;
@@ -79,9 +79,12 @@ fn cstr(s: &str) -> Result<CString, RbdError> {
     })
 }
 
-/// A connected cluster handle (shut down when the last user goes).
+/// A connected cluster handle (shut down when the last user goes, or by the last image's
+/// `close`).
 pub struct Cluster {
     h: ffi::rados_t,
+    /// `rados_shutdown` has run (by [`RbdImage::close`]): the handle is gone.
+    shut_down: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: librados handles are thread-safe (the C API is documented for concurrent use).
@@ -119,7 +122,10 @@ impl Cluster {
         // SAFETY: valid out pointer and C strings.
         let r = unsafe { ffi::rados_create2(&mut h, cluster_name.as_ptr(), name.as_ptr(), 0) };
         check(r, || format!("creating a cluster handle for client.{id}"))?;
-        let c = Cluster { h };
+        let c = Cluster {
+            h,
+            shut_down: std::sync::atomic::AtomicBool::new(false),
+        };
         let path = cstr(&conf.display().to_string())?;
         // SAFETY: a handle from rados_create2, a C string.
         let r = unsafe { ffi::rados_conf_read_file(c.h, path.as_ptr()) };
@@ -176,6 +182,9 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        if *self.shut_down.get_mut() {
+            return;
+        }
         // SAFETY: our handle; every image and io context using it is gone (they hold an Arc).
         unsafe { ffi::rados_shutdown(self.h) };
     }
@@ -192,6 +201,9 @@ pub struct RbdImage {
     /// The update watch: its handle and the callback its argument points to.
     watch: Mutex<Option<(u64, *mut UpdateFn)>>,
     cluster: Arc<Cluster>,
+    /// True until [`RbdImage::close`]: every call on the handle holds the read side, so the
+    /// handle is closed only when none is in a call, and no call starts after.
+    open: RwLock<bool>,
 }
 
 // SAFETY: librbd image handles may be used from several threads (librbd serialises
@@ -280,6 +292,7 @@ impl RbdImage {
             read_only,
             watch: Mutex::new(None),
             cluster,
+            open: RwLock::new(true),
         })
     }
 
@@ -287,9 +300,58 @@ impl RbdImage {
         &self.cluster
     }
 
+    /// The handle, held open for the caller's call; an error once the image is closed.
+    fn opened(&self) -> Result<RwLockReadGuard<'_, bool>, RbdError> {
+        let g = self.open.read().unwrap_or_else(|e| e.into_inner());
+        if !*g {
+            return Err(RbdError {
+                what: "the image is closed".into(),
+                errno: libc::ESHUTDOWN,
+            });
+        }
+        Ok(g)
+    }
+
+    /// [`RbdImage::opened`] for the data path's `io::Result`s.
+    fn opened_io(&self) -> io::Result<RwLockReadGuard<'_, bool>> {
+        self.opened()
+            .map_err(|e| io::Error::from_raw_os_error(e.errno))
+    }
+
+    /// Close the image now, as a clean exit must (dropping it may come too late, or never:
+    /// other threads hold it until the process ends): the update watch removed, librbd's
+    /// handle closed (its header watch and, if held, the exclusive lock go with it: `rbd
+    /// status` shows no watcher), and the cluster connection shut down when this image was
+    /// its last user. Later calls on the image fail (ESHUTDOWN). Idempotent.
+    pub fn close(&self) {
+        self.unwatch();
+        let mut open = self.open.write().unwrap_or_else(|e| e.into_inner());
+        if !*open {
+            return;
+        }
+        *open = false;
+        // SAFETY: our image and io context, not used again (every call checks `open` under
+        // the lock held here); closing waits for librbd's in-flight work.
+        unsafe {
+            ffi::rbd_close(self.img);
+            ffi::rados_ioctx_destroy(self.io);
+        }
+        if Arc::strong_count(&self.cluster) == 1
+            && !self
+                .cluster
+                .shut_down
+                .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            // SAFETY: the cluster's last user (the Arc held here), and its last io context
+            // destroyed above; `shut_down` keeps its Drop from doing it again.
+            unsafe { ffi::rados_shutdown(self.cluster.h) };
+        }
+    }
+
     /// The image's size in bytes.
     pub fn size(&self) -> Result<u64, RbdError> {
         let mut s = 0;
+        let _open = self.opened()?;
         // SAFETY: an open image, a valid out pointer.
         let r = unsafe { ffi::rbd_get_size(self.img, &mut s) };
         check(r, || "reading the image size".into())?;
@@ -298,6 +360,7 @@ impl RbdImage {
 
     /// Resize the image in the cluster.
     pub fn resize(&self, bytes: u64) -> Result<(), RbdError> {
+        let _open = self.opened()?;
         // SAFETY: an open image.
         let r = unsafe { ffi::rbd_resize(self.img, bytes) };
         check(r, || format!("resizing the image to {bytes} bytes"))
@@ -306,6 +369,7 @@ impl RbdImage {
     /// Does the image have the exclusive-lock feature?
     pub fn has_exclusive_lock_feature(&self) -> Result<bool, RbdError> {
         let mut f = 0u64;
+        let _open = self.opened()?;
         // SAFETY: an open image, a valid out pointer.
         let r = unsafe { ffi::rbd_get_features(self.img, &mut f) };
         check(r, || "reading the image features".into())?;
@@ -315,12 +379,14 @@ impl RbdImage {
     /// Take the exclusive lock and keep it: other clients cannot write (nor take it) until it
     /// is released or this client is gone.
     pub fn lock_exclusive(&self) -> Result<(), RbdError> {
+        let _open = self.opened()?;
         // SAFETY: an open image.
         let r = unsafe { ffi::rbd_lock_acquire(self.img, ffi::RBD_LOCK_MODE_EXCLUSIVE) };
         check(r, || "taking the image's exclusive lock".into())
     }
 
     pub fn unlock(&self) -> Result<(), RbdError> {
+        let _open = self.opened()?;
         // SAFETY: an open image.
         let r = unsafe { ffi::rbd_lock_release(self.img) };
         check(r, || "releasing the image's exclusive lock".into())
@@ -328,6 +394,7 @@ impl RbdImage {
 
     /// Write librbd's cache back and wait (the completed writes are then in the cluster).
     pub fn flush_sync(&self) -> Result<(), RbdError> {
+        let _open = self.opened()?;
         // SAFETY: an open image.
         let r = unsafe { ffi::rbd_flush(self.img) };
         check(r, || "flushing the image".into())
@@ -336,6 +403,7 @@ impl RbdImage {
     /// Call `f` whenever the image's header changes (one watch per image: later calls keep
     /// the first).
     pub fn watch(&self, f: UpdateFn) -> Result<(), RbdError> {
+        let _open = self.opened()?;
         let mut w = self.watch.lock().unwrap_or_else(|e| e.into_inner());
         if w.is_some() {
             return Ok(());
@@ -356,6 +424,7 @@ impl RbdImage {
     }
 
     fn unwatch(&self) {
+        let Ok(_open) = self.opened() else { return };
         let mut w = self.watch.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((handle, arg)) = w.take() {
             // SAFETY: our image and the handle rbd_update_watch gave; after it returns librbd
@@ -415,6 +484,7 @@ impl RbdImage {
         to: &Arc<Inbox>,
         user_data: u64,
     ) -> io::Result<()> {
+        let _open = self.opened_io()?;
         let c = Self::completion(to, user_data, None)?;
         // SAFETY: the caller keeps the buffers valid until completion; librbd copies the
         // iovec array itself.
@@ -434,6 +504,7 @@ impl RbdImage {
         user_data: u64,
     ) -> io::Result<()> {
         let len: usize = iov.iter().map(|v| v.iov_len).sum();
+        let _open = self.opened_io()?;
         let c = Self::completion(to, user_data, Some(i32::try_from(len).unwrap_or(i32::MAX)))?;
         // SAFETY: as in readv.
         let r = unsafe { ffi::rbd_aio_writev(self.img, iov.as_ptr(), iov.len() as i32, offset, c) };
@@ -442,6 +513,7 @@ impl RbdImage {
 
     /// Make every completed write durable.
     pub fn flush(&self, to: &Arc<Inbox>, user_data: u64) -> io::Result<()> {
+        let _open = self.opened_io()?;
         let c = Self::completion(to, user_data, None)?;
         // SAFETY: an open image and a fresh completion.
         let r = unsafe { ffi::rbd_aio_flush(self.img, c) };
@@ -457,6 +529,7 @@ impl RbdImage {
         to: &Arc<Inbox>,
         user_data: u64,
     ) -> io::Result<()> {
+        let _open = self.opened_io()?;
         let c = Self::completion(to, user_data, None)?;
         // SAFETY: an open image and a fresh completion.
         let r = unsafe { ffi::rbd_aio_discard(self.img, offset, len, c) };
@@ -474,6 +547,7 @@ impl RbdImage {
         user_data: u64,
     ) -> io::Result<()> {
         let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let _open = self.opened_io()?;
         let c = Self::completion(to, user_data, None)?;
         let flags = if thick {
             ffi::RBD_WRITE_ZEROES_FLAG_THICK_PROVISION
@@ -488,13 +562,9 @@ impl RbdImage {
 
 impl Drop for RbdImage {
     fn drop(&mut self) {
-        self.unwatch();
-        // SAFETY: our image and io context; closing waits for librbd's in-flight work (the
-        // callers waited for theirs: their inboxes are still referenced by the completions).
-        unsafe {
-            ffi::rbd_close(self.img);
-            ffi::rados_ioctx_destroy(self.io);
-        }
+        // Closing waits for librbd's in-flight work (the callers waited for theirs: their
+        // inboxes are still referenced by the completions).
+        self.close();
     }
 }
 
