@@ -299,6 +299,7 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
             })?),
             None => None,
         };
+    crate::service::raise_fd_limit();
     if let Err(e) = crate::guest_memory::install_sigbus_guard() {
         warn!("no SIGBUS guard ({e}): a frontend that shrinks its guest memory kills vublk");
     }
