@@ -260,7 +260,7 @@ fn bad_input_gets_errors_and_harms_nothing() {
         assert!(answer.contains("too large"), "{answer:?} after {sent} MiB");
         assert!(sent < 100, "the daemon read all 100 MB");
     }
-    // Many idle clients: those beyond the limit are closed, the daemon answers the next.
+    // Many idle clients: the oldest are closed to make room, the daemon answers the next.
     let idle: Vec<UnixStream> = (0..80)
         .map(|_| UnixStream::connect(&sock).unwrap())
         .collect();
@@ -1208,4 +1208,146 @@ fn metrics_close_a_half_request_after_the_timeout() {
     }
     assert!(scrape_answers(&addr, Duration::from_secs(10)));
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// One line from a control client (read timeout `within`), "" at end of file.
+fn read_line_within(s: &UnixStream, within: Duration) -> String {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut line = String::new();
+    let _ = BufReader::new(s).read_line(&mut line);
+    line
+}
+
+/// 64 idle clients, then 16 that sent half a line: `vublk ctl stats` answers at once, again
+/// and again: when the socket is full, the client idle the longest is closed to make room,
+/// with an error line saying why, and the newest idle clients stay connected.
+#[test]
+fn control_operator_gets_in_past_idle_clients() {
+    if skip_unless_vublk("vublk's control socket") {
+        return;
+    }
+    let dir = TestDir::new("control-full");
+    let img = dir.join("img.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let (backend, sock) = start(&dir, &img, 1, &[]);
+    let pid = backend.pid();
+    let threads0 = proc_status(pid, "Threads");
+    let idle: Vec<UnixStream> = (0..64)
+        .map(|_| UnixStream::connect(&sock).unwrap())
+        .collect();
+    // All 64 served (a thread each) before the half-line clients come.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proc_status(pid, "Threads") < threads0 + 64 {
+        assert!(Instant::now() < deadline, "64 clients not served");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let half: Vec<UnixStream> = (0..16)
+        .map(|_| {
+            let mut s = UnixStream::connect(&sock).unwrap();
+            s.write_all(b"{\"jsonrpc\":\"2.0\",\"method\":").unwrap();
+            s
+        })
+        .collect();
+    for i in 0..5 {
+        let t = Instant::now();
+        let (ok, v, err) = ctl(&sock, "stats", &[]);
+        assert!(ok, "stats {i} with 80 clients connected: {err}");
+        assert!(v["total"].is_object(), "{v}");
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "stats took {:?}",
+            t.elapsed()
+        );
+    }
+    // The 17 idle the longest were closed, each told why: 16 for the half-line clients, one
+    // for the first `stats` (each `stats` client leaves, so the next one may find a place).
+    for (i, s) in idle[..17].iter().enumerate() {
+        let line = read_line_within(s, Duration::from_secs(5));
+        let v: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("idle client {i}: {line:?}: {e}"));
+        assert_eq!(v["error"]["code"], -32000, "{line}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("make room"),
+            "{line}"
+        );
+        assert_eq!(
+            read_line_within(s, Duration::from_secs(5)),
+            "",
+            "client {i}"
+        );
+    }
+    // The newest are still connected, and so are the half-line clients.
+    for s in idle[40..].iter().chain(&half) {
+        s.set_nonblocking(true).unwrap();
+        let e = (&*s).read(&mut [0u8; 64]).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
+    }
+    assert!(proc_status(pid, "Threads") <= threads0 + 64 + 8);
+    drop((idle, half));
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// `--control-idle-timeout 2`: a client that sends nothing and one that sent half a line
+/// are closed after 2 s, each with an error line saying why; one that sends a request every
+/// second stays connected and answered. A timeout of 0 is refused.
+#[test]
+fn control_idle_clients_are_closed_after_the_timeout() {
+    if skip_unless_vublk("vublk's control socket") {
+        return;
+    }
+    let dir = TestDir::new("control-idle");
+    let img = dir.join("img.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let (backend, sock) = start(&dir, &img, 1, &["--control-idle-timeout", "2"]);
+    let t0 = Instant::now();
+    let idle = UnixStream::connect(&sock).unwrap();
+    let mut half = UnixStream::connect(&sock).unwrap();
+    half.write_all(b"{\"jsonrpc\":\"2.0\",").unwrap();
+    let watch = |s: UnixStream| {
+        std::thread::spawn(move || {
+            let line = read_line_within(&s, Duration::from_secs(20));
+            let took = t0.elapsed();
+            (took, line, read_line_within(&s, Duration::from_secs(5)))
+        })
+    };
+    let (idle, half) = (watch(idle), watch(half));
+    let mut active = UnixStream::connect(&sock).unwrap();
+    let mut r = BufReader::new(active.try_clone().unwrap());
+    r.get_ref()
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    for i in 0..5 {
+        active
+            .write_all(b"{\"jsonrpc\":\"2.0\",\"method\":\"version\",\"id\":7}\n")
+            .unwrap();
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        let v: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("request {i} at {:?}: {line:?}: {e}", t0.elapsed()));
+        assert!(v["result"]["version"].is_string(), "{line}");
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    for (who, h) in [("idle", idle), ("half-line", half)] {
+        let (took, line, after) = h.join().unwrap();
+        println!("[control] {who} client closed after {took:?}: {line}");
+        assert!(
+            took >= Duration::from_millis(1900) && took < Duration::from_secs(4),
+            "{who} client closed after {took:?}"
+        );
+        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        assert_eq!(v["error"]["code"], -32000, "{line}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("idle"),
+            "{line}"
+        );
+        assert_eq!(after, "", "{who} client not closed");
+    }
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    // No timeout at all is no option.
+    let (code, msg) = vublk_refuses(&dir, &img, &["--control-idle-timeout", "0"]);
+    assert_eq!(code, Some(2), "{msg}");
+    assert!(msg.contains("--control-idle-timeout 0"), "{msg}");
 }
