@@ -102,6 +102,11 @@ pub struct Args {
     #[arg(long, value_name = "GROUP")]
     pub control_group: Option<String>,
 
+    /// Close a control client that sends no complete request line (or does not read its
+    /// answer) for this many seconds (1-86400).
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub control_idle_timeout: u32,
+
     /// Be the destination of a live migration: listen and answer the frontend's set-up, but
     /// take no lock, read nothing beyond the image's header and write nothing until the
     /// frontend starts the queues (after the source vublk has handed the image over); then

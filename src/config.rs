@@ -43,6 +43,8 @@ pub struct Config {
     /// `--control-socket` and `--control-group`.
     pub control_socket: Option<PathBuf>,
     pub control_group: Option<String>,
+    /// `--control-idle-timeout`.
+    pub control_idle_timeout: Duration,
     /// `--metrics-addr`.
     pub metrics_addr: Option<String>,
     pub num_queues: u16,
@@ -286,6 +288,12 @@ impl Config {
                  --nbd-reconnect-timeout: at most 86400",
             ));
         }
+        if !(1..=86400).contains(&args.control_idle_timeout) {
+            return Err(bad(format!(
+                "--control-idle-timeout {}: must be between 1 and 86400 seconds",
+                args.control_idle_timeout
+            )));
+        }
         if args.ceph_id.is_empty() || args.ceph_id.contains(['\0', ' ']) {
             return Err(bad(format!(
                 "--ceph-id {:?}: a client name such as admin",
@@ -318,6 +326,7 @@ impl Config {
             incoming: args.incoming,
             control_socket: args.control_socket.clone(),
             control_group: args.control_group.clone(),
+            control_idle_timeout: Duration::from_secs(u64::from(args.control_idle_timeout)),
             metrics_addr: args.metrics_addr.clone(),
             num_queues: args.num_queues as u16,
             queue_size: args.queue_size as u16,

@@ -3,22 +3,28 @@
 //! client, `vublk ctl`.
 //!
 //! Requests are untrusted: a line longer than [`MAX_LINE`] gets an error and the connection
-//! is closed, malformed JSON or a bad request gets a JSON-RPC error object, more than
-//! [`MAX_CLIENTS`] connections at once are refused (closed at once). Nothing a client sends
-//! reaches the data path except through the methods (a limit change, a flush).
+//! is closed, malformed JSON or a bad request gets a JSON-RPC error object. Nothing a client
+//! sends reaches the data path except through the methods (a limit change, a flush).
+//!
+//! Nor can clients lock the operator out: a client that sends no complete request line for
+//! the idle timeout (`--control-idle-timeout`; half a line counts as idle) is closed, as is
+//! one that does not read its answers for as long; and when [`MAX_CLIENTS`] are connected, a
+//! new client takes the place of the one idle the longest, which is closed with an error line
+//! saying why. Every close of that kind sends a JSON-RPC error ([`CLOSING`]) first.
 //!
 //! Methods: `version`, `status`, `stats`, `flush`, `set-throttle` (params: the limits to set,
 //! the others unchanged; 0 = unlimited), `get-throttle`.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::Shutdown;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use log::{info, warn};
+use log::info;
 use serde_json::{json, Value};
 
 use crate::device::Device;
@@ -27,8 +33,12 @@ use crate::throttle::Limits;
 
 /// Longest request line accepted (bytes, newline excluded).
 pub const MAX_LINE: usize = 64 * 1024;
-/// Most clients connected at once.
+/// Most clients connected at once; when all places are taken, the client idle the longest
+/// is closed to make room for a new one.
 pub const MAX_CLIENTS: usize = 64;
+/// The pause after a failed accept (out of file descriptors or memory), so the loop does not
+/// spin while the connection waits in the backlog.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// JSON-RPC 2.0 error codes.
 const PARSE_ERROR: i64 = -32700;
@@ -36,6 +46,9 @@ const INVALID_REQUEST: i64 = -32600;
 const METHOD_NOT_FOUND: i64 = -32601;
 const INVALID_PARAMS: i64 = -32602;
 const INTERNAL_ERROR: i64 = -32603;
+/// A server error (the implementation-defined range): the server closes the connection (idle
+/// too long, or closed to make room for a new client).
+pub const CLOSING: i64 = -32000;
 
 /// What the methods see.
 pub struct Context {
@@ -62,8 +75,13 @@ pub enum ControlError {
 }
 
 /// Listen on `path` (mode 0600, or 0660 owned by `group`) and serve clients on background
-/// threads for the life of the process.
-pub fn serve(path: &Path, group: Option<&str>, ctx: Context) -> Result<(), ControlError> {
+/// threads for the life of the process; a client idle for `idle_timeout` is closed.
+pub fn serve(
+    path: &Path,
+    group: Option<&str>,
+    idle_timeout: Duration,
+    ctx: Context,
+) -> Result<(), ControlError> {
     use std::os::unix::fs::FileTypeExt;
     if let Ok(m) = std::fs::symlink_metadata(path) {
         if !m.file_type().is_socket() {
@@ -90,34 +108,180 @@ pub fn serve(path: &Path, group: Option<&str>, ctx: Context) -> Result<(), Contr
     }
     info!("control socket on {} (mode {mode:o})", path.display());
     let ctx = Arc::new(ctx);
-    let clients = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("vublk-control".into())
-        .spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(conn) = conn else { continue };
-                if clients.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
-                    clients.fetch_sub(1, Ordering::AcqRel);
-                    crate::log_limited!(
-                        log::Level::Warn,
-                        "control socket: more than {MAX_CLIENTS} clients, one refused"
-                    );
-                    continue;
-                }
-                let (ctx, clients) = (ctx.clone(), clients.clone());
-                let spawned = std::thread::Builder::new()
-                    .name("vublk-ctl-client".into())
-                    .spawn(move || {
-                        serve_client(conn, &ctx);
-                        clients.fetch_sub(1, Ordering::AcqRel);
-                    });
-                if spawned.is_err() {
-                    warn!("control socket: cannot start a client thread");
-                }
-            }
-        })
+        .spawn(move || accept_loop(&listener, idle_timeout, &ctx))
         .map_err(bind_err)?;
     Ok(())
+}
+
+fn accept_loop(listener: &UnixListener, idle_timeout: Duration, ctx: &Arc<Context>) {
+    let clients = Arc::new(Clients::default());
+    loop {
+        let conn = match listener.accept() {
+            Ok((conn, _)) => conn,
+            Err(e) => {
+                crate::log_limited!(
+                    log::Level::Warn,
+                    "control socket: accepting a client: {e}; trying again in {} ms",
+                    ACCEPT_BACKOFF.as_millis()
+                );
+                std::thread::sleep(ACCEPT_BACKOFF);
+                continue;
+            }
+        };
+        let place = match clients.admit(&conn) {
+            Ok(place) => place,
+            Err(why) => {
+                crate::log_limited!(log::Level::Warn, "control socket: a client refused: {why}");
+                close_with(&conn, &why);
+                continue;
+            }
+        };
+        let ctx = ctx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("vublk-ctl-client".into())
+            .spawn(move || serve_client(conn, &ctx, &place, idle_timeout));
+        // A failed spawn drops the closure: the connection is closed and its place freed.
+        if let Err(e) = spawned {
+            crate::log_limited!(
+                log::Level::Warn,
+                "control socket: cannot start a client thread: {e}"
+            );
+        }
+    }
+}
+
+/// The clients connected now.
+#[derive(Default)]
+struct Clients {
+    table: Mutex<Table>,
+}
+
+#[derive(Default)]
+struct Table {
+    next_id: u64,
+    clients: Vec<Connected>,
+}
+
+struct Connected {
+    id: u64,
+    /// A second handle on its socket, to close it from the accept thread.
+    conn: UnixStream,
+    /// Since when it has sent no request; None while one of its requests is being served.
+    idle_since: Option<Instant>,
+    /// Closed to make room: its thread is on its way out and its place is free.
+    evicted: bool,
+}
+
+/// A client's place among the [`MAX_CLIENTS`]; dropped when its thread ends (or could not be
+/// started), which gives the place back.
+struct Place {
+    clients: Arc<Clients>,
+    id: u64,
+}
+
+impl Clients {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A place for `conn`: a free one, or the place of the client idle the longest, which is
+    /// closed with an error line saying why. Refused (with the reason) when every client is
+    /// in the middle of a request, or too many closed ones have not finished leaving.
+    fn admit(self: &Arc<Self>, conn: &UnixStream) -> Result<Place, String> {
+        let handle = conn
+            .try_clone()
+            .map_err(|e| format!("no descriptor for another client ({e})"))?;
+        let mut t = self.lock();
+        let live = t.clients.iter().filter(|c| !c.evicted).count();
+        if live >= MAX_CLIENTS {
+            // Closed clients leave at once unless a request of theirs is running; this bounds
+            // the threads should they not.
+            if t.clients.len() >= 2 * MAX_CLIENTS {
+                return Err(format!(
+                    "more than {MAX_CLIENTS} clients, and the closed ones have not gone yet"
+                ));
+            }
+            let Some(oldest) = t
+                .clients
+                .iter_mut()
+                .filter(|c| !c.evicted && c.idle_since.is_some())
+                .min_by_key(|c| c.idle_since)
+            else {
+                return Err(format!(
+                    "{MAX_CLIENTS} clients connected, each in the middle of a request"
+                ));
+            };
+            oldest.evicted = true;
+            let idle = oldest.idle_since.map_or(0, |t| t.elapsed().as_secs());
+            close_with(
+                &oldest.conn,
+                &format!(
+                    "closed to make room for a new client: {MAX_CLIENTS} clients were \
+                     connected, and this one was idle the longest ({idle} s)"
+                ),
+            );
+            crate::log_limited!(
+                log::Level::Info,
+                "control socket: {MAX_CLIENTS} clients connected; closed the one idle the \
+                 longest ({idle} s) to make room for a new one"
+            );
+        }
+        t.next_id += 1;
+        let id = t.next_id;
+        t.clients.push(Connected {
+            id,
+            conn: handle,
+            idle_since: Some(Instant::now()),
+            evicted: false,
+        });
+        Ok(Place {
+            clients: self.clone(),
+            id,
+        })
+    }
+}
+
+impl Place {
+    /// A request arrived: not idle (nor to be closed to make room) until [`Place::idle`].
+    /// False if the client was closed to make room meanwhile: leave the request alone.
+    fn busy(&self) -> bool {
+        let mut t = self.clients.lock();
+        match t.clients.iter_mut().find(|c| c.id == self.id) {
+            Some(c) if !c.evicted => {
+                c.idle_since = None;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The request is answered: idle from now.
+    fn idle(&self) {
+        let mut t = self.clients.lock();
+        if let Some(c) = t.clients.iter_mut().find(|c| c.id == self.id) {
+            c.idle_since = Some(Instant::now());
+        }
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.clients.lock().clients.retain(|c| c.id != self.id);
+    }
+}
+
+/// Close a client from another thread: its reads end (end of file), one error line saying
+/// `why` is sent if it fits at once (never blocking the caller), then both directions shut.
+fn close_with(conn: &UnixStream, why: &str) {
+    let _ = conn.shutdown(Shutdown::Read);
+    let mut line = error(Value::Null, CLOSING, why).to_string();
+    line.push('\n');
+    if conn.set_nonblocking(true).is_ok() {
+        let _ = (&*conn).write(line.as_bytes());
+    }
+    let _ = conn.shutdown(Shutdown::Both);
 }
 
 fn group_id(name: &str) -> Option<u32> {
@@ -133,41 +297,75 @@ fn group_id(name: &str) -> Option<u32> {
 }
 
 /// One client: a request per line, an answer per line, until it closes, sends a line too
-/// long, or a write fails.
-fn serve_client(conn: UnixStream, ctx: &Context) {
-    let Ok(mut out) = conn.try_clone() else {
+/// long, a write fails, it is closed to make room, or it sends no complete line (or does not
+/// take its answer) for `idle_timeout`.
+fn serve_client(conn: UnixStream, ctx: &Context, place: &Place, idle_timeout: Duration) {
+    // A client that does not read its answers is idle too.
+    if conn.set_write_timeout(Some(idle_timeout)).is_err() {
         return;
-    };
-    let mut reader = BufReader::new(conn);
+    }
+    let mut reader = BufReader::new(&conn);
     let mut line = Vec::new();
+    let mut deadline = Instant::now() + idle_timeout;
     loop {
-        line.clear();
-        let n = match (&mut reader)
-            .take(MAX_LINE as u64 + 1)
-            .read_until(b'\n', &mut line)
-        {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if line.last() != Some(&b'\n') && n > MAX_LINE {
-            let _ = reply(
-                &mut out,
-                error(Value::Null, INVALID_REQUEST, "request too large"),
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let secs = idle_timeout.as_secs();
+            let why = format!(
+                "idle for {secs} s: closed (a client that sends no request for \
+                 {secs} s is closed; connect again)"
             );
+            let _ = reply(&conn, error(Value::Null, CLOSING, &why));
             return;
         }
-        let text = String::from_utf8_lossy(&line);
-        let text = text.trim();
+        if conn.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        // Half a line read before a timeout stays in `line`; the rest follows.
+        let room = (MAX_LINE + 1 - line.len()) as u64;
+        match (&mut reader).take(room).read_until(b'\n', &mut line) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted
+                        | io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue
+            }
+            Err(_) => return,
+        }
+        if line.last() != Some(&b'\n') {
+            if line.len() > MAX_LINE {
+                let _ = reply(
+                    &conn,
+                    error(Value::Null, INVALID_REQUEST, "request too large"),
+                );
+                return;
+            }
+            continue;
+        }
+        let text = String::from_utf8_lossy(&line).trim().to_owned();
+        line.clear();
         if text.is_empty() {
             continue;
         }
-        if reply(&mut out, handle(text, ctx)).is_err() {
+        if !place.busy() {
             return;
         }
+        let answer = handle(&text, ctx);
+        place.idle();
+        if reply(&conn, answer).is_err() {
+            return;
+        }
+        deadline = Instant::now() + idle_timeout;
     }
 }
 
-fn reply(out: &mut UnixStream, v: Value) -> io::Result<()> {
+fn reply(mut out: impl Write, v: Value) -> io::Result<()> {
     let mut s = v.to_string();
     s.push('\n');
     out.write_all(s.as_bytes())
@@ -399,6 +597,87 @@ pub fn params_from_args(method: &str, args: &[String]) -> Result<Value, String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `n` connected pairs: the server's ends admitted, the clients' ends returned with their
+    /// places.
+    fn admit_n(clients: &Arc<Clients>, n: usize) -> Vec<(Place, UnixStream)> {
+        (0..n)
+            .map(|_| {
+                let (server, client) = UnixStream::pair().unwrap();
+                (clients.admit(&server).unwrap(), client)
+            })
+            .collect()
+    }
+
+    /// What a client end reads before end of file, or None while it is still open (closing
+    /// is synchronous: a closed client's line and end of file are there at once).
+    fn read_all(c: &UnixStream) -> Option<String> {
+        c.set_nonblocking(true).unwrap();
+        let mut s = String::new();
+        match (&*c).read_to_string(&mut s) {
+            Ok(_) => Some(s),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn a_full_table_makes_room_by_closing_the_client_idle_the_longest() {
+        let clients = Arc::new(Clients::default());
+        let placed = admit_n(&clients, MAX_CLIENTS);
+        // The first admitted is idle the longest, unless it has sent a request since.
+        placed[0].0.busy();
+        placed[0].0.idle();
+        let (server, _client) = UnixStream::pair().unwrap();
+        let _new = clients.admit(&server).unwrap();
+        let line = read_all(&placed[1].1).expect("closed");
+        let v: Value = serde_json::from_str(line.trim()).unwrap();
+        assert_eq!(v["error"]["code"], CLOSING);
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("make room"));
+        assert_eq!(read_all(&placed[0].1), None, "still connected");
+        assert_eq!(read_all(&placed[2].1), None, "still connected");
+        // The closed client's thread would now find it gone.
+        assert!(!placed[1].0.busy());
+    }
+
+    #[test]
+    fn clients_in_the_middle_of_a_request_are_not_closed_to_make_room() {
+        let clients = Arc::new(Clients::default());
+        let placed = admit_n(&clients, MAX_CLIENTS);
+        for (p, _) in &placed {
+            assert!(p.busy());
+        }
+        let (server, _client) = UnixStream::pair().unwrap();
+        let why = clients.admit(&server).err().unwrap();
+        assert!(why.contains("middle of a request"), "{why}");
+        placed[5].0.idle();
+        let _new = clients.admit(&server).unwrap();
+        assert!(read_all(&placed[5].1).unwrap().contains("make room"));
+    }
+
+    #[test]
+    fn a_place_given_up_without_a_thread_is_free_again() {
+        // As when spawning the client's thread fails: the closure, and the place in it, drop.
+        let clients = Arc::new(Clients::default());
+        for _ in 0..3 {
+            let placed = admit_n(&clients, MAX_CLIENTS);
+            assert_eq!(clients.lock().clients.len(), MAX_CLIENTS);
+            for (_, c) in &placed {
+                assert_eq!(read_all(c), None, "closed to make room");
+            }
+        }
+        assert!(clients.lock().clients.is_empty());
+        let (server, _client) = UnixStream::pair().unwrap();
+        let place = clients.admit(&server).unwrap();
+        let spawned = std::thread::Builder::new()
+            .stack_size(usize::MAX)
+            .spawn(move || drop(place));
+        assert!(spawned.is_err(), "a thread with an impossible stack");
+        assert!(clients.lock().clients.is_empty());
+    }
 
     #[test]
     fn ctl_arguments_become_params() {

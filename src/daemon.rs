@@ -299,6 +299,7 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
             })?),
             None => None,
         };
+    crate::service::raise_fd_limit();
     if let Err(e) = crate::guest_memory::install_sigbus_guard() {
         warn!("no SIGBUS guard ({e}): a frontend that shrinks its guest memory kills vublk");
     }
@@ -309,7 +310,12 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
             image_path: cfg.blk_file.clone(),
             started: std::time::Instant::now(),
         };
-        crate::control::serve(path, cfg.control_group.as_deref(), ctx)?;
+        crate::control::serve(
+            path,
+            cfg.control_group.as_deref(),
+            cfg.control_idle_timeout,
+            ctx,
+        )?;
     }
     if let Some(addr) = &cfg.metrics_addr {
         crate::metrics::serve(addr, dev.clone())?;

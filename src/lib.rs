@@ -16,6 +16,8 @@
 //! - `image`: disk images behind one `Image` interface (raw, qcow2, parallels, backing files).
 //! - `io`: I/O engines, O_DIRECT alignment, bounce buffers, raw system calls (no formats).
 //! - `offload`: thread pools for writes too slow for a queue thread.
+//! - `metrics`, `http`: the Prometheus endpoint, and its small HTTP server with bounded
+//!   connections, request heads and time.
 //! - `logging`: rate-limited logging for the data path, error chains on one line.
 //! - `testing`: test doubles (in-memory and crash-simulating disks), tests and fuzzing only.
 
@@ -27,6 +29,7 @@ pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod guest_memory;
+pub mod http;
 pub mod image;
 pub mod inflight;
 pub mod io;

@@ -3,16 +3,18 @@
 //! computed between scrapes, and the data path does not know the endpoint exists).
 
 use std::fmt;
+use std::net::TcpListener;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use log::{info, warn};
+use log::info;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::device::Device;
+use crate::http;
 use crate::stats::{QueueSnapshot, BUCKETS, OPS, STATUSES};
 
 /// Why the endpoint cannot be served.
@@ -228,40 +230,36 @@ pub fn render(dev: &Arc<Device>) -> String {
     out
 }
 
-/// Serve `GET /metrics` on `addr` for the life of the process.
+/// The content type of the metrics (the OpenMetrics text format).
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Serve `GET /metrics` on `addr` for the life of the process, with the limits of
+/// [`crate::http`] (connections, request heads, timeouts).
 pub fn serve(addr: &str, dev: Arc<Device>) -> Result<(), MetricsError> {
     let err = |message: String| MetricsError {
         addr: addr.to_owned(),
         message,
     };
-    let server = tiny_http::Server::http(addr).map_err(|e| err(e.to_string()))?;
+    let listener = TcpListener::bind(addr).map_err(|e| err(e.to_string()))?;
     info!("metrics on http://{addr}/metrics");
-    std::thread::Builder::new()
-        .name("vublk-metrics".into())
-        .spawn(move || {
-            for req in server.incoming_requests() {
-                let resp = if req.url() != "/metrics" {
-                    tiny_http::Response::from_string("not found: the metrics are at /metrics\n")
-                        .with_status_code(404)
-                } else if *req.method() != tiny_http::Method::Get {
-                    tiny_http::Response::from_string("only GET\n").with_status_code(405)
-                } else {
-                    let ct = tiny_http::Header::from_bytes(
-                        "Content-Type",
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    );
-                    let r = tiny_http::Response::from_string(render(&dev));
-                    match ct {
-                        Ok(h) => r.with_header(h),
-                        Err(()) => r,
-                    }
-                };
-                if let Err(e) = req.respond(resp) {
-                    crate::log_limited!(log::Level::Debug, "metrics: answering a scrape: {e}");
-                }
-            }
-            warn!("metrics endpoint stopped");
-        })
-        .map_err(|e| err(e.to_string()))?;
-    Ok(())
+    http::spawn(listener, http::LIMITS, move |req| answer(req, &dev))
+        .map_err(|e| err(e.to_string()))
+}
+
+/// `GET /metrics`: the metrics; another path: 404; another method: 405.
+fn answer(req: &http::Request, dev: &Arc<Device>) -> http::Response {
+    if req.path != "/metrics" {
+        http::Response::text(404, "not found: the metrics are at /metrics\n")
+    } else if req.method != "GET" {
+        let mut r = http::Response::text(405, "only GET\n");
+        r.headers.push(("Allow", "GET"));
+        r
+    } else {
+        http::Response {
+            status: 200,
+            content_type: OPENMETRICS,
+            headers: Vec::new(),
+            body: render(dev),
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! Running under a service manager: systemd's readiness and status notification
-//! (`Type=notify`), socket activation (`LISTEN_FDS`), and `--pidfile`. Each is a no-op where
-//! the environment does not ask for it, so the same binary runs by hand, under systemd, or
-//! under another supervisor.
+//! (`Type=notify`), socket activation (`LISTEN_FDS`), `--pidfile`, and the limit of open
+//! files. Each is a no-op where the environment does not ask for it, so the same binary runs
+//! by hand, under systemd, or under another supervisor.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -9,8 +9,47 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use log::warn;
+use log::{info, warn};
 use sd_notify::NotifyState;
+
+/// Raise the soft limit of open files to the hard limit, as systemd advises for programs that
+/// do not use select(2) (vublk does not): the soft limit (1024 under systemd and in most
+/// shells) is a compatibility default, and the descriptors a frontend's set-up needs (memory
+/// regions, eventfds) should not run out long before the administrator's limit. Logged when
+/// raised; a failure only costs the higher limit.
+pub fn raise_fd_limit() {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the rlimit struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0 {
+        return;
+    }
+    // An unlimited hard limit still cannot exceed the kernel's per-process maximum.
+    let target = if l.rlim_max == libc::RLIM_INFINITY {
+        std::fs::read_to_string("/proc/sys/fs/nr_open")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(1 << 20)
+    } else {
+        l.rlim_max
+    };
+    if l.rlim_cur >= target {
+        return;
+    }
+    let old = l.rlim_cur;
+    l.rlim_cur = target;
+    // SAFETY: setrlimit reads the rlimit struct it is given.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &l) } == 0 {
+        info!("limit of open files raised from {old} to {target} (the hard limit)");
+    } else {
+        warn!(
+            "limit of open files stays {old}: raising it to {target} failed ({})",
+            io::Error::last_os_error()
+        );
+    }
+}
 
 /// The listening socket systemd passed (`LISTEN_PID` is this process, `LISTEN_FDS`=1): its
 /// descriptor, or None when the process was not socket-activated. Read once: the variables

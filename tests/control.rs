@@ -260,7 +260,7 @@ fn bad_input_gets_errors_and_harms_nothing() {
         assert!(answer.contains("too large"), "{answer:?} after {sent} MiB");
         assert!(sent < 100, "the daemon read all 100 MB");
     }
-    // Many idle clients: those beyond the limit are closed, the daemon answers the next.
+    // Many idle clients: the oldest are closed to make room, the daemon answers the next.
     let idle: Vec<UnixStream> = (0..80)
         .map(|_| UnixStream::connect(&sock).unwrap())
         .collect();
@@ -857,4 +857,497 @@ fn top_live_view_draws_and_quits_on_q() {
     // Entered and left the alternate screen: the terminal is as it was.
     assert!(screen.contains("\x1b[?1049h") && screen.contains("\x1b[?1049l"));
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Limits of the control socket and the metrics endpoint (nothing a client does hangs them)
+// ---------------------------------------------------------------------------------------------
+
+/// A free TCP port on 127.0.0.1, as `HOST:PORT`.
+fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", l.local_addr().unwrap().port())
+}
+
+/// A field of `/proc/PID/status` (`VmRSS` in KiB, `Threads`).
+fn proc_status(pid: libc::pid_t, field: &str) -> u64 {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    st.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// An HTTP GET with timeouts: the status line and body, or None if the connection failed,
+/// timed out or was closed without an answer.
+fn try_http_get(addr: &str, path: &str) -> Option<(String, String)> {
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).ok()?;
+    let resp = String::from_utf8_lossy(&resp).into_owned();
+    let (head, body) = resp.split_once("\r\n\r\n")?;
+    Some((head.lines().next()?.to_owned(), body.to_owned()))
+}
+
+/// Scrapes until one answers 200 with the metrics, for at most `within`.
+fn scrape_answers(addr: &str, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Some((status, body)) = try_http_get(addr, "/metrics") {
+            if status.starts_with("HTTP/1.1 200") && body.contains("vublk_requests_total") {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
+}
+
+/// A libblkio client still connects, writes and reads back.
+fn assert_blkio_works(backend: &Backend) {
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    assert_eq!(c.write_at(0, 4096, &[0x5a; 4096]), 0);
+    assert_eq!(c.read_at(0, 4096, 4096).unwrap(), vec![0x5a; 4096]);
+}
+
+/// Raises this process's soft limit of open files to at least `want` (or the hard limit).
+fn raise_own_fd_limit(want: u64) -> u64 {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit struct.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut l), 0);
+        if l.rlim_cur < want {
+            l.rlim_cur = want.min(l.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &l), 0);
+        }
+    }
+    l.rlim_cur
+}
+
+/// A client streaming small header lines for ever: vublk answers 431 (or just closes) once
+/// the request head passes its limit, instead of storing every line; its memory stays put,
+/// and the endpoint and the disk keep serving.
+#[test]
+fn metrics_close_an_endless_request_head() {
+    if skip_unless_vublk("vublk's metrics") {
+        return;
+    }
+    let dir = TestDir::new("metrics-endless-head");
+    let img = dir.join("img.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let addr = free_addr();
+    let (backend, _sock) = start(&dir, &img, 1, &["--metrics-addr", &addr]);
+    assert!(scrape_answers(&addr, Duration::from_secs(10)));
+    let rss0 = proc_status(backend.pid(), "VmRSS");
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: vublk\r\n")
+        .unwrap();
+    let chunk: Vec<u8> = b"X-Filler: 12345\r\n".repeat(4096);
+    let limit = 32 * MIB as usize;
+    let mut sent = 0;
+    let closed = loop {
+        if sent >= limit {
+            break None;
+        }
+        match s.write(&chunk) {
+            Ok(n) => sent += n,
+            Err(e) => break Some(e),
+        }
+    };
+    let rss1 = proc_status(backend.pid(), "VmRSS");
+    let e = closed.unwrap_or_else(|| {
+        panic!(
+            "vublk took {sent} bytes of request head without closing (VmRSS {rss0} -> {rss1} KiB)"
+        )
+    });
+    assert!(
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+        ),
+        "the connection was not closed but stalled after {sent} bytes: {e}"
+    );
+    // What arrived before the close, if the reset did not discard it: a 431.
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 431"),
+        "{answer:?}"
+    );
+    println!("[metrics] closed after {sent} bytes of head; VmRSS {rss0} -> {rss1} KiB");
+    assert!(
+        rss1 < rss0 + 16 * 1024,
+        "VmRSS grew from {rss0} to {rss1} KiB"
+    );
+    assert!(scrape_answers(&addr, Duration::from_secs(10)));
+    assert_blkio_works(&backend);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// 1,200 idle connections: vublk serves a bounded number at once (its thread count stays
+/// put) and closes the others at once with a 503; a scrape answers within the head
+/// timeout, and a libblkio client connects and does I/O meanwhile.
+#[test]
+fn metrics_cap_idle_connections() {
+    if skip_unless_vublk("vublk's metrics") {
+        return;
+    }
+    let n = 1200;
+    if raise_own_fd_limit(n + 200) < n + 200 {
+        return skip_or_fail("this process may not open 1,400 files").unwrap_or(());
+    }
+    let dir = TestDir::new("metrics-idle");
+    let img = dir.join("img.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let addr = free_addr();
+    let (backend, _sock) = start(&dir, &img, 1, &["--metrics-addr", &addr]);
+    assert!(scrape_answers(&addr, Duration::from_secs(10)));
+    let pid = backend.pid();
+    let threads0 = proc_status(pid, "Threads");
+    let mut idle: Vec<Option<std::net::TcpStream>> = (0..n)
+        .map(|_| {
+            let s = std::net::TcpStream::connect(&addr).unwrap();
+            s.set_nonblocking(true).unwrap();
+            Some(s)
+        })
+        .collect();
+    // Until all but a capped number are closed by vublk: the most threads seen meanwhile.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (mut max_threads, mut closed, mut got_503) = (threads0, 0, 0);
+    let mut buf = [0u8; 512];
+    while Instant::now() < deadline && closed < n as usize - 32 {
+        max_threads = max_threads.max(proc_status(pid, "Threads"));
+        for slot in idle.iter_mut() {
+            let Some(s) = slot else { continue };
+            match s.read(&mut buf) {
+                Ok(k) if k > 0 => {
+                    if buf[..k].starts_with(b"HTTP/1.1 503") {
+                        got_503 += 1;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                // End of file or reset: closed by vublk.
+                _ => {
+                    closed += 1;
+                    *slot = None;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "[metrics] {n} idle connections: threads {threads0} -> at most {max_threads}; \
+         {closed} closed by vublk ({got_503} with a 503)"
+    );
+    assert!(
+        max_threads <= threads0 + 20,
+        "idle connections took threads: {threads0} -> {max_threads}"
+    );
+    assert!(
+        closed >= n as usize - 32,
+        "vublk kept {} of {n} idle connections open",
+        n as usize - closed
+    );
+    assert!(got_503 > 0);
+    // The rest are still connected: a scrape answers (once their head timeout has passed),
+    // and the disk serves.
+    assert_blkio_works(&backend);
+    assert!(
+        scrape_answers(&addr, Duration::from_secs(10)),
+        "no scrape answered with idle connections held"
+    );
+    assert!(proc_status(pid, "Threads") <= threads0 + 20);
+    drop(idle);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// Process `pid`'s limit of open files before `new`, which is set if given.
+fn nofile_limit(pid: libc::pid_t, new: Option<libc::rlimit>) -> libc::rlimit {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    let new_ptr = new.as_ref().map_or(std::ptr::null(), |n| n as *const _);
+    // SAFETY: prlimit with a valid (or null) new limit and a valid struct for the old one.
+    let r = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, new_ptr, &mut old) };
+    assert_eq!(r, 0, "prlimit: {}", std::io::Error::last_os_error());
+    old
+}
+
+/// vublk's limit of open files lowered to what it has open plus two, then 100 connections:
+/// accepting fails (EMFILE), which vublk logs (rate-limited) and waits out instead of ending
+/// the endpoint; once the connections are gone and the limit is back, scrapes answer, and
+/// the disk served throughout.
+#[test]
+fn metrics_survive_running_out_of_fds() {
+    if skip_unless_vublk("vublk's metrics") {
+        return;
+    }
+    let dir = TestDir::new("metrics-emfile");
+    let img = dir.join("img.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let addr = free_addr();
+    let (backend, _sock) = start(&dir, &img, 1, &["--metrics-addr", &addr]);
+    assert!(scrape_answers(&addr, Duration::from_secs(10)));
+    let pid = backend.pid();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count() as u64;
+    // Lower the soft limit only: raising it back needs no privilege.
+    let old = nofile_limit(pid, None);
+    nofile_limit(
+        pid,
+        Some(libc::rlimit {
+            rlim_cur: open + 2,
+            rlim_max: old.rlim_max,
+        }),
+    );
+    let conns: Vec<std::net::TcpStream> = (0..100)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    let what = "metrics: accepting a connection";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !backend.log_contents().contains(what) {
+        assert!(
+            Instant::now() < deadline,
+            "no accept failure logged:\n{}",
+            backend.log_contents()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // A second of failing accepts: a few lines, not one per attempt.
+    std::thread::sleep(Duration::from_secs(1));
+    backend.assert_running();
+    drop(conns);
+    nofile_limit(pid, Some(old));
+    assert!(
+        scrape_answers(&addr, Duration::from_secs(10)),
+        "the metrics endpoint did not come back:\n{}",
+        backend.log_contents()
+    );
+    let lines = backend
+        .log_contents()
+        .lines()
+        .filter(|l| l.contains(what))
+        .count();
+    assert!((1..=11).contains(&lines), "{lines} lines about accepting");
+    assert_blkio_works(&backend);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// Half a request head and then nothing, and a head trickled a byte at a time: each is
+/// closed once the head timeout (5 s) has passed, with a 408.
+#[test]
+fn metrics_close_a_half_request_after_the_timeout() {
+    if skip_unless_vublk("vublk's metrics") {
+        return;
+    }
+    let dir = TestDir::new("metrics-half");
+    let img = dir.join("img.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let addr = free_addr();
+    let (backend, _sock) = start(&dir, &img, 1, &["--metrics-addr", &addr]);
+    assert!(scrape_answers(&addr, Duration::from_secs(10)));
+    let t0 = Instant::now();
+    let mut half = std::net::TcpStream::connect(&addr).unwrap();
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: vublk\r\n")
+        .unwrap();
+    let trickle_addr = addr.clone();
+    let trickle = std::thread::spawn(move || {
+        let mut s = std::net::TcpStream::connect(&trickle_addr).unwrap();
+        s.set_nonblocking(true).unwrap();
+        let t0 = Instant::now();
+        let mut answer = Vec::new();
+        let head = b"GET /metrics HTTP/1.1\r\nX-Slow: ";
+        for i in 0.. {
+            if t0.elapsed() > Duration::from_secs(20) {
+                break;
+            }
+            let byte = head.get(i).copied().unwrap_or(b'a');
+            if s.write(&[byte]).is_err() {
+                break;
+            }
+            let mut buf = [0u8; 512];
+            match s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => break,
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        (t0.elapsed(), String::from_utf8_lossy(&answer).into_owned())
+    });
+    half.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut answer = String::new();
+    let _ = half.read_to_string(&mut answer);
+    let half_took = t0.elapsed();
+    let (trickle_took, trickle_answer) = trickle.join().unwrap();
+    println!(
+        "[metrics] half a head closed after {half_took:?}, a trickled one after {trickle_took:?}"
+    );
+    for (took, answer) in [(half_took, answer), (trickle_took, trickle_answer)] {
+        assert!(
+            took >= Duration::from_secs(4) && took < Duration::from_secs(9),
+            "closed after {took:?}: {answer:?}"
+        );
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    }
+    assert!(scrape_answers(&addr, Duration::from_secs(10)));
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// One line from a control client (read timeout `within`), "" at end of file.
+fn read_line_within(s: &UnixStream, within: Duration) -> String {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut line = String::new();
+    let _ = BufReader::new(s).read_line(&mut line);
+    line
+}
+
+/// 64 idle clients, then 16 that sent half a line: `vublk ctl stats` answers at once, again
+/// and again: when the socket is full, the client idle the longest is closed to make room,
+/// with an error line saying why, and the newest idle clients stay connected.
+#[test]
+fn control_operator_gets_in_past_idle_clients() {
+    if skip_unless_vublk("vublk's control socket") {
+        return;
+    }
+    let dir = TestDir::new("control-full");
+    let img = dir.join("img.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let (backend, sock) = start(&dir, &img, 1, &[]);
+    let pid = backend.pid();
+    let threads0 = proc_status(pid, "Threads");
+    let idle: Vec<UnixStream> = (0..64)
+        .map(|_| UnixStream::connect(&sock).unwrap())
+        .collect();
+    // All 64 served (a thread each) before the half-line clients come.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proc_status(pid, "Threads") < threads0 + 64 {
+        assert!(Instant::now() < deadline, "64 clients not served");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let half: Vec<UnixStream> = (0..16)
+        .map(|_| {
+            let mut s = UnixStream::connect(&sock).unwrap();
+            s.write_all(b"{\"jsonrpc\":\"2.0\",\"method\":").unwrap();
+            s
+        })
+        .collect();
+    for i in 0..5 {
+        let t = Instant::now();
+        let (ok, v, err) = ctl(&sock, "stats", &[]);
+        assert!(ok, "stats {i} with 80 clients connected: {err}");
+        assert!(v["total"].is_object(), "{v}");
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "stats took {:?}",
+            t.elapsed()
+        );
+    }
+    // The 17 idle the longest were closed, each told why: 16 for the half-line clients, one
+    // for the first `stats` (each `stats` client leaves, so the next one may find a place).
+    for (i, s) in idle[..17].iter().enumerate() {
+        let line = read_line_within(s, Duration::from_secs(5));
+        let v: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("idle client {i}: {line:?}: {e}"));
+        assert_eq!(v["error"]["code"], -32000, "{line}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("make room"),
+            "{line}"
+        );
+        assert_eq!(
+            read_line_within(s, Duration::from_secs(5)),
+            "",
+            "client {i}"
+        );
+    }
+    // The newest are still connected, and so are the half-line clients.
+    for s in idle[40..].iter().chain(&half) {
+        s.set_nonblocking(true).unwrap();
+        let e = (&*s).read(&mut [0u8; 64]).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
+    }
+    assert!(proc_status(pid, "Threads") <= threads0 + 64 + 8);
+    drop((idle, half));
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// `--control-idle-timeout 2`: a client that sends nothing and one that sent half a line
+/// are closed after 2 s, each with an error line saying why; one that sends a request every
+/// second stays connected and answered. A timeout of 0 is refused.
+#[test]
+fn control_idle_clients_are_closed_after_the_timeout() {
+    if skip_unless_vublk("vublk's control socket") {
+        return;
+    }
+    let dir = TestDir::new("control-idle");
+    let img = dir.join("img.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let (backend, sock) = start(&dir, &img, 1, &["--control-idle-timeout", "2"]);
+    let t0 = Instant::now();
+    let idle = UnixStream::connect(&sock).unwrap();
+    let mut half = UnixStream::connect(&sock).unwrap();
+    half.write_all(b"{\"jsonrpc\":\"2.0\",").unwrap();
+    let watch = |s: UnixStream| {
+        std::thread::spawn(move || {
+            let line = read_line_within(&s, Duration::from_secs(20));
+            let took = t0.elapsed();
+            (took, line, read_line_within(&s, Duration::from_secs(5)))
+        })
+    };
+    let (idle, half) = (watch(idle), watch(half));
+    let mut active = UnixStream::connect(&sock).unwrap();
+    let mut r = BufReader::new(active.try_clone().unwrap());
+    r.get_ref()
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    for i in 0..5 {
+        active
+            .write_all(b"{\"jsonrpc\":\"2.0\",\"method\":\"version\",\"id\":7}\n")
+            .unwrap();
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        let v: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("request {i} at {:?}: {line:?}: {e}", t0.elapsed()));
+        assert!(v["result"]["version"].is_string(), "{line}");
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    for (who, h) in [("idle", idle), ("half-line", half)] {
+        let (took, line, after) = h.join().unwrap();
+        println!("[control] {who} client closed after {took:?}: {line}");
+        assert!(
+            took >= Duration::from_millis(1900) && took < Duration::from_secs(4),
+            "{who} client closed after {took:?}"
+        );
+        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        assert_eq!(v["error"]["code"], -32000, "{line}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("idle"),
+            "{line}"
+        );
+        assert_eq!(after, "", "{who} client not closed");
+    }
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    // No timeout at all is no option.
+    let (code, msg) = vublk_refuses(&dir, &img, &["--control-idle-timeout", "0"]);
+    assert_eq!(code, Some(2), "{msg}");
+    assert!(msg.contains("--control-idle-timeout 0"), "{msg}");
 }

@@ -237,3 +237,56 @@ fn json_logs_are_one_object_per_line() {
     );
     assert!(messages.iter().any(|m| m == "frontend connected"), "{text}");
 }
+
+/// Started with a soft limit of 256 open files (the hard limit as it is), vublk raises the
+/// soft limit to the hard one and says so.
+#[test]
+fn the_soft_limit_of_open_files_is_raised_to_the_hard_one() {
+    use std::os::unix::process::CommandExt;
+    let dir = TestDir::new("svc-nofile");
+    let img = dir.join("disk.img");
+    create_sparse_image(&img, 16 * MIB);
+    let sock = dir.join("vublk.sock");
+    let log = dir.join("vublk.log");
+    let mut cmd = serve(&sock, &img);
+    // SAFETY: the hook only calls getrlimit/setrlimit (async-signal-safe) between fork and
+    // exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut l = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            l.rlim_cur = 256;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &l) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut p = Proc(
+        cmd.stdin(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(&sock);
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", p.pid())).unwrap();
+    let nofile: Vec<&str> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    let (soft, hard) = (nofile[3], nofile[4]);
+    assert_eq!(soft, hard, "{limits}");
+    assert!(p.sigterm_and_wait().success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains(&format!("limit of open files raised from 256 to {hard}")),
+        "{text}"
+    );
+}
