@@ -185,6 +185,12 @@ pub struct Args {
     #[arg(long, value_name = "US|auto", default_value = "0")]
     pub poll_us: PollArg,
 
+    /// Log a request in flight longer than this many seconds, with what it waits for (one
+    /// line per queue, repeated at most once per period while it stays; 0 = never;
+    /// at most 86400). `stats` and the metrics show each queue's oldest request's age.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub stuck_request_secs: u32,
+
     /// Pin queue N's thread to the N-th CPU of LIST (comma-separated CPUs and ranges, e.g.
     /// `2,3` or `0-3`; cycled when there are more queues than CPUs). Default: unpinned.
     #[arg(long, value_name = "LIST")]

@@ -55,6 +55,8 @@ pub struct Config {
     pub aio: AioMode,
     /// `--poll-us`.
     pub poll: Poller,
+    /// `--stuck-request-secs` (zero: no watchdog).
+    pub stuck_request: Duration,
     /// `--queue-cpus`, in queue order (empty: unpinned).
     pub queue_cpus: Vec<usize>,
     /// `--throttle-*`.
@@ -288,6 +290,12 @@ impl Config {
                  --nbd-reconnect-timeout: at most 86400",
             ));
         }
+        if args.stuck_request_secs > 86400 {
+            return Err(bad(format!(
+                "--stuck-request-secs {}: at most 86400 (0: off)",
+                args.stuck_request_secs
+            )));
+        }
         if !(1..=86400).contains(&args.control_idle_timeout) {
             return Err(bad(format!(
                 "--control-idle-timeout {}: must be between 1 and 86400 seconds",
@@ -327,6 +335,7 @@ impl Config {
             control_socket: args.control_socket.clone(),
             control_group: args.control_group.clone(),
             control_idle_timeout: Duration::from_secs(u64::from(args.control_idle_timeout)),
+            stuck_request: Duration::from_secs(u64::from(args.stuck_request_secs)),
             metrics_addr: args.metrics_addr.clone(),
             num_queues: args.num_queues as u16,
             queue_size: args.queue_size as u16,

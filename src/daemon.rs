@@ -317,6 +317,9 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
             ctx,
         )?;
     }
+    if let Err(e) = crate::watchdog::spawn(&dev, cfg.stuck_request) {
+        warn!("no stuck-request watchdog ({e})");
+    }
     if let Some(addr) = &cfg.metrics_addr {
         crate::metrics::serve(addr, dev.clone())?;
     }

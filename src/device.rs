@@ -162,6 +162,7 @@ impl Device {
         };
         let writeback = params.cache != CacheMode::Writethrough;
         let queues = params.num_queues.max(1);
+        let slots = usize::from(params.queue_size);
         let rmw_possible = params.cache == CacheMode::None
             && params.align.offset > params.logical_block_size as usize;
         Device {
@@ -179,7 +180,7 @@ impl Device {
             resizing: std::sync::Mutex::new(()),
             capacity_sectors: AtomicU64::new(capacity_sectors),
             queue_stats: (0..queues)
-                .map(|_| crate::stats::QueueCounters::default())
+                .map(|_| crate::stats::QueueCounters::with_slots(slots))
                 .collect(),
         }
     }

@@ -46,5 +46,6 @@ pub mod testing;
 pub mod throttle;
 pub mod top;
 pub mod virtio_blk;
+pub mod watchdog;
 pub mod worker;
 pub mod zero;

@@ -161,6 +161,18 @@ impl Collector for Vublk {
                 .enumerate()
                 .map(|(qi, q)| (vec![("queue", qi.to_string())], q.poll_window_us)),
         )?;
+        // Seconds, as Prometheus measures time (a float gauge).
+        let mut m = enc.encode_descriptor(
+            "vublk_oldest_request_age_seconds",
+            "How long the oldest request in flight on the queue has been (0: none)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (qi, q) in queues.iter().enumerate() {
+            let labels = [("queue", qi.to_string())];
+            m.encode_family(&labels)?
+                .encode_gauge(&(q.oldest_in_flight_us as f64 / 1e6))?;
+        }
         family(
             &mut enc,
             "vublk_capacity_bytes",

@@ -71,9 +71,19 @@ pub struct QueueCounters {
     pub poll_hits: AtomicU64,
     /// The poll window now, microseconds (`--poll-us`; adapted with `auto`).
     pub poll_window_us: AtomicU64,
+    /// Each in-flight request's start and what it waits for (the stuck-request watchdog).
+    pub watch: crate::watchdog::QueueWatch,
 }
 
 impl QueueCounters {
+    /// Counters for a queue of `slots` requests.
+    pub fn with_slots(slots: usize) -> Self {
+        QueueCounters {
+            watch: crate::watchdog::QueueWatch::new(slots),
+            ..QueueCounters::default()
+        }
+    }
+
     /// A request of `kind` completed with `st` after `us` microseconds, `bytes` transferred.
     pub fn record(&self, kind: RequestType, st: u8, bytes: u64, us: u64) {
         let o = &self.ops[op_index(kind)];
@@ -135,6 +145,7 @@ impl QueueCounters {
             wakeups: ld(&self.wakeups),
             poll_hits: ld(&self.poll_hits),
             poll_window_us: ld(&self.poll_window_us),
+            oldest_in_flight_us: self.watch.oldest_age_us(),
         }
     }
 }
@@ -209,6 +220,8 @@ pub struct QueueSnapshot {
     pub poll_hits: u64,
     /// A gauge: in a total, the largest of the queues'.
     pub poll_window_us: u64,
+    /// The age of the oldest request in flight (0: none); in a total, the largest.
+    pub oldest_in_flight_us: u64,
 }
 
 impl QueueSnapshot {
@@ -230,6 +243,7 @@ impl QueueSnapshot {
             t.wakeups += q.wakeups;
             t.poll_hits += q.poll_hits;
             t.poll_window_us = t.poll_window_us.max(q.poll_window_us);
+            t.oldest_in_flight_us = t.oldest_in_flight_us.max(q.oldest_in_flight_us);
         }
         t
     }
@@ -250,6 +264,7 @@ impl QueueSnapshot {
             bytes_read: self.ops[0].bytes,
             bytes_written: self.ops[1].bytes,
             in_flight: self.in_flight,
+            oldest_in_flight_us: self.oldest_in_flight_us,
             wakeups: self.wakeups,
             poll_hits: self.poll_hits,
             poll_window_us: self.poll_window_us,
@@ -281,6 +296,8 @@ pub struct QueueReport {
     pub bytes_read: u64,
     pub bytes_written: u64,
     pub in_flight: u64,
+    /// How long the oldest request in flight has been (microseconds; 0: none).
+    pub oldest_in_flight_us: u64,
     /// Times the queue thread woke for an event, and times polling found work instead.
     pub wakeups: u64,
     pub poll_hits: u64,

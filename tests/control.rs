@@ -1351,3 +1351,78 @@ fn control_idle_clients_are_closed_after_the_timeout() {
     assert_eq!(code, Some(2), "{msg}");
     assert!(msg.contains("--control-idle-timeout 0"), "{msg}");
 }
+
+/// Stuck requests are seen: reads held by an I/O limit of one per second, with
+/// `--stuck-request-secs 2`: `stats` and the metrics show the oldest request's age (over 2 s
+/// while they wait, 0 once done), and the log says once that a request has been in flight
+/// too long and what it waits for (the I/O limits), then that none is any more.
+#[test]
+fn stuck_requests_are_seen_in_stats_metrics_and_the_log() {
+    if skip_unless_vublk("vublk's watchdog") {
+        return;
+    }
+    let dir = TestDir::new("control-stuck");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, 16 * MIB, 6);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let (backend, sock) = start(
+        &dir,
+        &img,
+        1,
+        &[
+            "--metrics-addr",
+            &addr,
+            "--throttle-iops",
+            "1",
+            "--stuck-request-secs",
+            "2",
+        ],
+    );
+    let (code, msg) = vublk_refuses(&dir, &img, &["--stuck-request-secs", "86401"]);
+    assert_eq!(code, Some(2), "{msg}");
+    let mut c = connect_queues(&backend.socket, 1);
+    let reads: Vec<Op> = (0..6)
+        .map(|i| Op::Read {
+            offset: i * 4096,
+            buf: (i * 4096) as usize,
+            len: 4096,
+        })
+        .collect();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        let client = s.spawn(|| c.submit_batch(0, &reads));
+        std::thread::sleep(Duration::from_millis(3500));
+        let (ok, v, err) = ctl(&sock, "stats", &[]);
+        assert!(ok, "{err}");
+        let q = &v["queues"][0];
+        let oldest = q["oldest_in_flight_us"].as_u64().unwrap();
+        assert!(q["in_flight"].as_u64().unwrap() > 0, "{v}");
+        assert!(oldest >= 2_000_000, "oldest in flight {oldest} us: {v}");
+        assert!(v["total"]["oldest_in_flight_us"].as_u64().unwrap() >= oldest);
+        let m = parse_metrics(&http_get(&addr, "/metrics"));
+        let age = m["vublk_oldest_request_age_seconds{queue=\"0\"}"];
+        assert!(age >= 2.0, "metric age {age}");
+        let results = client.join().unwrap();
+        assert!(results.iter().all(|&r| r == 0), "{results:?}");
+    });
+    assert!(t0.elapsed() >= Duration::from_secs(4));
+    let (_, v, _) = ctl(&sock, "stats", &[]);
+    assert_eq!(v["queues"][0]["oldest_in_flight_us"], 0, "{v}");
+    // The watchdog looks every half second: give it one more look.
+    std::thread::sleep(Duration::from_millis(1200));
+    let log = backend.log_contents();
+    let stuck = log.matches("has been in flight for").count();
+    assert!(
+        (1..=2).contains(&stuck),
+        "{stuck} stuck-request lines (one, or two after another period):\n{log}"
+    );
+    assert!(log.contains("waiting for the I/O limits"), "{log}");
+    assert!(log.contains("no request in flight longer than"), "{log}");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}

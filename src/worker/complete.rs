@@ -233,6 +233,7 @@ impl QueueWorker {
         }
         slot.iov.clear();
         self.free.push(idx);
+        self.watch().end(idx);
         self.count_in_flight();
         if let Some(f) = failure {
             self.report(&f);

@@ -151,6 +151,9 @@ impl QueueWorker {
         let image = dev.image.get();
         bind_engine(&mut engine, &image);
         let inbox = new_inbox(index, &image, &engine);
+        if let Some(c) = dev.queue_stats.get(usize::from(index)) {
+            c.watch.set_engine(engine.name());
+        }
         QueueWorker {
             image,
             inbox,
@@ -214,6 +217,16 @@ impl QueueWorker {
 
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
+    }
+
+    /// This queue's in-flight table (the stuck-request watchdog's view).
+    fn watch(&self) -> &crate::watchdog::QueueWatch {
+        static NONE: std::sync::LazyLock<crate::watchdog::QueueWatch> =
+            std::sync::LazyLock::new(Default::default);
+        self.dev
+            .queue_stats
+            .get(usize::from(self.index))
+            .map_or(&NONE, |c| &c.watch)
     }
 
     /// Publish the number of requests in flight to the queue's counters.

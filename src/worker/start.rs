@@ -71,7 +71,12 @@ impl QueueWorker {
     /// queue's requests fail (IOERR, `submit`) and the take is tried again, without
     /// waiting, at most every [`TAKE_RETRY`] while the queue runs (`retry_take_image`).
     pub(super) fn take_image(&mut self, wait: Duration) {
-        match self.dev.image.take_over(self.dev.size_bytes(), wait) {
+        if !self.image.is_active() {
+            self.watch().thread_waits(crate::watchdog::Wait::TakeOver);
+        }
+        let taken = self.dev.image.take_over(self.dev.size_bytes(), wait);
+        self.watch().thread_waits(crate::watchdog::Wait::Nothing);
+        match taken {
             Ok(image) => {
                 self.take_failed = None;
                 if Arc::ptr_eq(&image, &self.image) {

@@ -10,6 +10,7 @@ use vm_memory::{Bytes, GuestMemoryBackend};
 use crate::io::align::iovecs_aligned;
 use crate::io::Op;
 use crate::virtio_blk::{parse_request, status, Desc, RequestType, Segment};
+use crate::watchdog::Wait;
 
 use super::failure::Failure;
 use super::slot::{user_data, Bounce, InFlight, OpKind, SlotState};
@@ -45,10 +46,17 @@ impl QueueWorker {
             return Some(used);
         }
         slot.state = SlotState::Busy(InFlight::new(head, mem.clone()));
-        if !self.image.is_active() && slot.req.kind != RequestType::GetId {
+        let (kind, sector) = (slot.req.kind, slot.req.sector);
+        self.watch().start(
+            idx,
+            crate::stats::op_index(kind),
+            sector,
+            crate::watchdog::now_us(),
+        );
+        if !self.image.is_active() && kind != RequestType::GetId {
             // The image could not be taken over (a migration destination whose source did
             // not let go): the guest gets an error, not a hang.
-            let offset = slot.req.offset_bytes();
+            let offset = self.slots[usize::from(idx)].req.offset_bytes();
             self.fail(
                 idx,
                 Failure::Image {
@@ -61,6 +69,7 @@ impl QueueWorker {
         }
         self.count_in_flight();
         if self.must_wait_for_throttle(idx) {
+            self.watch().wait(idx, Wait::Throttle);
             self.throttled.push_back(idx);
             return None;
         }
@@ -70,7 +79,13 @@ impl QueueWorker {
     /// Submit a parsed request's operations; Some(used length) when it finished at once.
     pub(super) fn launch(&mut self, idx: u16) -> Option<u32> {
         match self.submit_request(idx) {
-            Ok(true) => None,
+            Ok(true) => {
+                // On the engine, unless a pool thread has it.
+                if self.watch().waits_for(idx) != Wait::Pool {
+                    self.watch().wait(idx, Wait::Engine);
+                }
+                None
+            }
             // Nothing to submit (or failed before any operation): complete now.
             Ok(false) => Some(self.finish(idx)),
             Err(e) => {

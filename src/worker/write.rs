@@ -10,6 +10,7 @@ use crate::image::{probe_bytes, EngineWrite, FillGate, Offload, WritePlan};
 use crate::io::ranges::Holder;
 use crate::io::{Completion, Storage};
 use crate::virtio_blk::Range;
+use crate::watchdog::Wait;
 use crate::zero::DetectZeroes;
 
 use super::failure::{report_offloaded, Failure};
@@ -151,8 +152,10 @@ impl QueueWorker {
     fn hold_overwrite(&mut self, start: u64, end: u64) -> crate::image::WriteTicket {
         loop {
             if let Some(t) = self.image.try_hold_overwrite(start, end) {
+                self.watch().thread_waits(Wait::Nothing);
                 return t;
             }
+            self.watch().thread_waits(Wait::Fill);
             self.pump();
             self.image.wait_fill_change(SELF_WAIT);
         }
@@ -166,9 +169,11 @@ impl QueueWorker {
             return;
         };
         while !gate.wait_drained(std::time::Duration::ZERO) {
+            self.watch().thread_waits(Wait::Fill);
             self.pump();
             gate.wait_drained(SELF_WAIT);
         }
+        self.watch().thread_waits(Wait::Nothing);
     }
 
     /// A write through the format: on the image's pool for `offload` (the guest data is
@@ -243,6 +248,7 @@ impl QueueWorker {
             r.pending = 1;
         }
         self.offloaded += 1;
+        self.watch().wait(idx, Wait::Pool);
         true
     }
 
@@ -298,8 +304,10 @@ impl QueueWorker {
         let ranges = dev.write_ranges.as_ref()?;
         loop {
             if let Some(k) = ranges.try_acquire(start, end, holder) {
+                self.watch().thread_waits(Wait::Nothing);
                 return Some(k);
             }
+            self.watch().thread_waits(Wait::Range);
             self.pump();
             ranges.wait_change();
         }
