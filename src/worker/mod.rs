@@ -467,6 +467,18 @@ impl QueueWorker {
     /// guest notifications are enabled again at the end (closing the race with EVENT_IDX);
     /// while polling they stay off.
     fn process_queue(&mut self, vring: &Vring, rearm: bool) -> usize {
+        let mut taken = self.process_pass(vring, rearm);
+        // A pass that stopped for want of a slot relies on the next completion to take
+        // the rest (notifications stay off meanwhile); if those completions were reaped
+        // in the pass itself (the blocking engine), no event will come: go on here.
+        while self.stalled && rearm && !self.free.is_empty() && !self.quiesced {
+            taken += self.process_pass(vring, rearm);
+        }
+        taken
+    }
+
+    /// One pass of [`QueueWorker::process_queue`].
+    fn process_pass(&mut self, vring: &Vring, rearm: bool) -> usize {
         if self.quiesced {
             return 0;
         }
@@ -483,6 +495,9 @@ impl QueueWorker {
         // requests fail with IOERR rather than wait: `start_request`.)
         let enabled = state.is_enabled();
         let mut taken = 0;
+        // Stalled is this pass's finding (no free slot): a stall that ended must not keep
+        // notifications off for good (with EVENT_IDX the driver then stops kicking).
+        self.stalled = false;
         loop {
             if self.broken.is_some() || self.memory_lost() || !enabled {
                 break;
@@ -574,6 +589,9 @@ impl QueueWorker {
         }
         // The blocking engine has finished already; complete without waiting for an event.
         self.reap_and_complete(vring);
+        // A pass that stopped for want of a slot relies on the next completion to take
+        // the rest (notifications stay off meanwhile); if those completions were reaped
+        // just now (the blocking engine), no event will come: go on here.
         taken
     }
 
