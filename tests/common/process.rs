@@ -160,6 +160,19 @@ impl Backend {
         self.pid
     }
 
+    /// The process's peak resident memory so far (VmHWM in /proc), in bytes.
+    pub fn peak_rss_bytes(&self) -> u64 {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.pid))
+            .unwrap_or_else(|e| panic!("/proc/{}/status: {e}", self.pid));
+        let kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no VmHWM in /proc/{}/status", self.pid));
+        kib * 1024
+    }
+
     pub fn log_contents(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
