@@ -493,7 +493,8 @@ fn snapshot_tables(
             return Err(Qcow2Error::Limit("a snapshot table larger than 64 MiB"));
         }
     }
-    if nb > 0 && pos > file_size {
+    // The last entry's padding may lie past the end of the file, not its cluster.
+    if nb > 0 && pos > file_end {
         return Err(outside);
     }
     if !map.insert_range(table, pos) {
