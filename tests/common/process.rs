@@ -162,15 +162,25 @@ impl Backend {
 
     /// The process's peak resident memory so far (VmHWM in /proc), in bytes.
     pub fn peak_rss_bytes(&self) -> u64 {
+        self.status_kib("VmHWM:") * 1024
+    }
+
+    /// The process's peak virtual memory so far (VmPeak in /proc: every allocation counts,
+    /// touched or not), in bytes.
+    pub fn peak_virtual_bytes(&self) -> u64 {
+        self.status_kib("VmPeak:") * 1024
+    }
+
+    /// A "Field:   N kB" line of /proc/PID/status.
+    fn status_kib(&self, field: &str) -> u64 {
         let status = fs::read_to_string(format!("/proc/{}/status", self.pid))
             .unwrap_or_else(|e| panic!("/proc/{}/status: {e}", self.pid));
-        let kib = status
+        status
             .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.trim().strip_suffix("kB"))
             .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or_else(|| panic!("no VmHWM in /proc/{}/status", self.pid));
-        kib * 1024
+            .unwrap_or_else(|| panic!("no {field} in /proc/{}/status", self.pid))
     }
 
     pub fn log_contents(&self) -> String {
