@@ -32,7 +32,7 @@ const MAX_SNAPSHOTS: u32 = 65536;
 /// Most bytes the snapshot table may take: QEMU's limit (1 KiB per snapshot on average, for
 /// ids, names and extra data).
 const MAX_SNAPSHOT_TABLE_BYTES: u64 = 64 << 20;
-/// The snapshot table is read in windows of this size.
+/// Tables are read in windows of this size.
 const TABLE_WINDOW: u64 = 64 << 10;
 /// At a read-write open, a tail past the last refcounted cluster is only cut off after
 /// checking that no active L2 entry points into it, which reads every L2 table: not for
@@ -350,10 +350,18 @@ impl Qcow2Image {
 }
 
 /// A table of big-endian u64 entries (the L1 or the refcount table; `len` is bounded by the
-/// caller). The bytes read are dropped as soon as they are parsed.
+/// caller), read in windows of [`TABLE_WINDOW`] bytes: the bytes read never take as much
+/// memory again as the table.
 fn read_table(file: &dyn Storage, offset: u64, len: u64) -> Result<Vec<u64>, Qcow2Error> {
-    let raw = read_aligned(file, offset, len as usize).map_err(Qcow2Error::ReadL1)?;
-    Ok(raw.chunks_exact(8).map(|c| be64(c, 0)).collect())
+    let mut table = Vec::with_capacity((len / 8) as usize);
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(TABLE_WINDOW);
+        let raw = read_aligned(file, offset + at, n as usize).map_err(Qcow2Error::ReadL1)?;
+        table.extend(raw.chunks_exact(8).map(|c| be64(c, 0)));
+        at += n;
+    }
+    Ok(table)
 }
 
 /// Before anything is written: clear the autoclear feature bits, none of which vublk
