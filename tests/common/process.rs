@@ -394,3 +394,30 @@ pub fn wait_unlocked(image: &Path, timeout: Duration) {
         thread::sleep(Duration::from_millis(2));
     }
 }
+
+/// Runs `cmd` to completion with the resource limit `resource` (soft and hard) at `value`,
+/// set between fork and exec: e.g. `vublk create` under an address-space or file size limit.
+pub fn output_with_rlimit(
+    cmd: &mut Command,
+    resource: libc::__rlimit_resource_t,
+    value: u64,
+) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let limit = libc::rlimit {
+        rlim_cur: value,
+        rlim_max: value,
+    };
+    // SAFETY: the hook only calls setrlimit, which is async-signal-safe, between fork and
+    // exec, on a limit value copied into the closure.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setrlimit(resource, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    cmd.output()
+        .unwrap_or_else(|e| panic!("{:?}: {e}", cmd.get_program()))
+}

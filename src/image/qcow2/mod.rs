@@ -69,7 +69,7 @@ pub use map::Extent;
 /// Refuse L1 tables larger than this (QEMU's limit, for the active table and each snapshot's):
 /// 32 MiB of L1 maps 2^22 L2 tables, 128 GiB of guest space at 512-byte clusters and 2 PiB at
 /// 64 KiB; an image claiming more is hostile or broken.
-const MAX_L1_BYTES: u64 = 32 << 20;
+pub(crate) const MAX_L1_BYTES: u64 = 32 << 20;
 /// Refuse refcount tables larger than this, and never grow one past it (QEMU's limit): 8 MiB
 /// of refcount table covers 128 GiB of file at 512-byte clusters and 2 PiB at 64 KiB.
 const MAX_REFCOUNT_TABLE_BYTES: u64 = 8 << 20;
