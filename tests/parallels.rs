@@ -671,3 +671,90 @@ fn format_extension_cluster_is_preserved() {
         compare_with_model(&dir, &img, &model, &r);
     }
 }
+
+/// Issue 28, item 8: headers that ask for huge allocations. A BAT of more entries than QEMU
+/// opens (it is held in memory: 2 GiB here, in a sparse file) is refused at once, naming the
+/// limit; an image whose file has 4 TiB of holes after its data is served with little memory
+/// (vublk once allocated a flag per cluster of it: 8 GiB).
+#[test]
+fn crafted_headers_cost_little_memory() {
+    use std::os::unix::fs::FileExt;
+    use vublk::image::parallels::{new_image, MAX_BAT_ENTRIES};
+    if skip_unless_vublk("vublk's own limits and memory") {
+        return;
+    }
+    let dir = TestDir::new("par-crafted");
+    let sparse = |name: &str, bytes: &[u8], len: u64| {
+        let p = dir.join(name);
+        let f = fs::File::create(&p).unwrap();
+        f.write_all_at(bytes, 0).unwrap();
+        f.set_len(len).unwrap();
+        p
+    };
+    let mut img = new_image(MIB, 512).unwrap();
+    let nb_bat = MAX_BAT_ENTRIES + 1;
+    let data_off = (64 + nb_bat * 4).next_multiple_of(512);
+    img[32..36].copy_from_slice(&(nb_bat as u32).to_le_bytes());
+    img[48..52].copy_from_slice(&((data_off / 512) as u32).to_le_bytes());
+    let big = sparse("big-bat.img", &img, data_off);
+    let (code, out) = vublk_refuses(&dir, &big, &["--read-only"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("at most 536870911"), "{out}");
+
+    let img = new_image(MIB, 512).unwrap();
+    let holes = sparse("holes.img", &img, 4 << 40);
+    let opts = BackendOpts {
+        read_only: true,
+        ..BackendOpts::default()
+    };
+    let backend = Backend::start(&dir, &holes, &opts);
+    let peak = backend.peak_virtual_bytes();
+    assert!(peak < 1 << 30, "peak virtual memory {} MiB", peak / MIB);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// Issue 28, item 9: `vublk create` never builds a table the size of the image. A creation
+/// that fails part-way (under a 1 MiB file size limit) exits 1 with the reason and leaves no
+/// file; the next attempt, under a 64 MiB address-space limit, makes the 1 TiB image with
+/// 4 KiB clusters (a 1 GiB BAT), which qemu-img checks clean at that size. 1 TiB in
+/// 512-byte clusters (a BAT neither vublk nor QEMU opens) is refused naming the options
+/// (exit 2) before any file exists, and an existing image is never touched (exit 1).
+#[test]
+fn vublk_create_builds_no_table_in_memory_and_leaves_nothing_on_failure() {
+    if skip_unless_vublk("vublk create is vublk's") || !have_qemu_img() {
+        return;
+    }
+    let dir = TestDir::new("par-create-big");
+    let img = dir.join("big.img");
+    let create = |args: &str, resource, value| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_vublk"));
+        cmd.args(["create", "--format", "parallels"])
+            .args(args.split_whitespace())
+            .arg(&img);
+        output_with_rlimit(&mut cmd, resource, value)
+    };
+    let o = create("--size 1T --cluster-size 4K", libc::RLIMIT_FSIZE, MIB);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "under a file size limit: {o:?}");
+    assert!(err.contains("File too large"), "{err}");
+    assert!(!img.exists(), "a failed creation left its file behind");
+
+    let o = create("--size 1T --cluster-size 4K", libc::RLIMIT_AS, 64 * MIB);
+    assert!(o.status.success(), "under a memory limit: {o:?}");
+    check_clean(&img, "1 TiB with 4 KiB clusters");
+    assert_virtual_size(&img, 1 << 40);
+
+    let tiny = dir.join("tiny-clusters.img");
+    let o = vublk_create(&tiny, "--size 1T --cluster-size 512");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert!(
+        err.contains("--cluster-size 512") && err.contains("at most 536870911"),
+        "{err}"
+    );
+    assert!(!tiny.exists(), "a refused creation made a file");
+
+    let o = vublk_create(&img, "--size 1G");
+    assert_eq!(o.status.code(), Some(1), "over an existing image: {o:?}");
+    assert_virtual_size(&img, 1 << 40);
+}

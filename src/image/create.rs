@@ -1,16 +1,20 @@
 //! `vublk create`: new raw, qcow2 and parallels images that qemu-img accepts.
 //!
-//! qcow2 layout written (version 3, refcount order 4): cluster 0 header (+ extensions and the
-//! backing file name), cluster 1 the refcount table, cluster 2 the first refcount block,
-//! clusters 3.. the L1 table (all entries zero: nothing allocated).
+//! qcow2 layout written (version 3, refcount order 4): cluster 0 the header (+ extensions and
+//! the backing file name), then the refcount table, the refcount blocks covering all of this
+//! metadata, and the L1 table (all entries zero: nothing allocated). Parallels: the header,
+//! then the BAT (zeroes) up to the data offset.
+//!
+//! Nothing proportional to the image's size is built in memory: tables that start out as
+//! zeroes are made by extending the file, the rest is written a cluster at a time. If the
+//! creation fails part-way (a full disk, a file size limit), the file it created is removed.
 
 use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use super::qcow2::header::{put32, put64, Header, EXT_BACKING_FORMAT, MAX_BACKING_NAME};
-use super::qcow2::Compression;
+use super::qcow2::{Compression, MAX_L1_BYTES};
 
 /// What to create.
 #[derive(Debug, Clone)]
@@ -40,13 +44,25 @@ pub enum CreateError {
     Parallels(String),
 }
 
-/// Create `path` as described. Never overwrites.
+/// Create `path` as described. Never overwrites; a file this call created is removed again
+/// if the creation fails part-way.
 pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
     let name = path.display().to_string();
     if p.size_bytes == 0 || p.size_bytes % 512 != 0 {
         return Err(CreateError::Size);
     }
-    let mut f = OpenOptions::new()
+    // Checked before a file exists.
+    let parallels = p
+        .parallels_cluster
+        .map(|c| super::parallels::new_header(p.size_bytes, c))
+        .transpose()
+        .map_err(CreateError::Parallels)?;
+    let layout = p
+        .qcow2
+        .then(|| Qcow2Layout::new(p.size_bytes, p.cluster_bits))
+        .transpose()?;
+    fail_instead_of_dying_at_the_file_size_limit();
+    let f = OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(path)
@@ -57,51 +73,104 @@ pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
                 CreateError::Io(name.clone(), e)
             }
         })?;
-    let r = if let Some(cluster) = p.parallels_cluster {
-        super::parallels::new_image(p.size_bytes, cluster)
-            .map_err(CreateError::Parallels)
-            .and_then(|b| {
-                f.write_all(&b)
-                    .map_err(|e| CreateError::Io(name.clone(), e))
-            })
-    } else if p.qcow2 {
-        write_qcow2(&mut f, p)
+    let io = |e| CreateError::Io(name.clone(), e);
+    let r = if let Some((header, data_off)) = parallels {
+        f.write_all_at(&header, 0)
+            .and_then(|()| f.set_len(data_off))
+            .map_err(io)
+    } else if let Some(layout) = layout {
+        write_qcow2(&f, p, &layout).map_err(io)
     } else {
-        f.set_len(p.size_bytes)
-            .map_err(|e| CreateError::Io(name.clone(), e))
+        f.set_len(p.size_bytes).map_err(io)
     };
+    let r = r.and_then(|()| f.sync_all().map_err(io));
     if r.is_err() {
+        // Created by this call (create_new): nothing that existed before is removed.
+        drop(f);
         let _ = std::fs::remove_file(path);
     }
-    r?;
-    f.sync_all().map_err(|e| CreateError::Io(name, e))
+    r
 }
 
-fn write_qcow2(f: &mut File, p: &CreateParams) -> Result<(), CreateError> {
-    let io = |e| CreateError::Io("the qcow2 image".into(), e);
-    let c = 1u64 << p.cluster_bits;
-    let l2_entries = c / 8;
-    let per_l1 = c * l2_entries;
-    let l1_size = p.size_bytes.div_ceil(per_l1);
-    if l1_size * 8 > 32 << 20 {
-        return Err(CreateError::TooLarge);
+/// Under a file size limit (RLIMIT_FSIZE), a write past it kills the process (SIGXFSZ) and
+/// would leave a part-made image behind; ignored, the write fails with EFBIG instead and the
+/// image is removed.
+fn fail_instead_of_dying_at_the_file_size_limit() {
+    // SAFETY: SIG_IGN installs no handler; nothing in vublk relies on SIGXFSZ.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
-    let l1_clusters = (l1_size * 8).div_ceil(c).max(1);
-    let refcount_table = c;
-    let refcount_block = 2 * c;
-    let l1_offset = 3 * c;
-    let total_clusters = 3 + l1_clusters;
-    // One 16-bit refcount block covers c / 2 clusters; metadata fits in the first.
-    if total_clusters > c / 2 {
-        return Err(CreateError::TooLarge);
+}
+
+/// Where a new qcow2 image's metadata goes, in clusters after the header: the refcount table,
+/// the refcount blocks (16-bit refcounts) that cover all the metadata, then the L1 table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Qcow2Layout {
+    cluster: u64,
+    l1_size: u64,
+    l1_clusters: u64,
+    rt_clusters: u64,
+    rb_clusters: u64,
+}
+
+impl Qcow2Layout {
+    fn new(size_bytes: u64, cluster_bits: u32) -> Result<Self, CreateError> {
+        let c = 1u64 << cluster_bits;
+        let per_l1 = c * (c / 8);
+        let l1_size = size_bytes.div_ceil(per_l1);
+        if l1_size * 8 > MAX_L1_BYTES {
+            return Err(CreateError::TooLarge);
+        }
+        let l1_clusters = (l1_size * 8).div_ceil(c).max(1);
+        // More refcount blocks may need a longer refcount table, which may need more blocks:
+        // both only grow, so this settles.
+        let per_block = c / 2;
+        let (mut rt_clusters, mut rb_clusters) = (1, 1);
+        loop {
+            let total = 1 + rt_clusters + rb_clusters + l1_clusters;
+            let rb = total.div_ceil(per_block);
+            let rt = (rb * 8).div_ceil(c);
+            if (rt, rb) == (rt_clusters, rb_clusters) {
+                break;
+            }
+            (rt_clusters, rb_clusters) = (rt.max(rt_clusters), rb.max(rb_clusters));
+        }
+        Ok(Qcow2Layout {
+            cluster: c,
+            l1_size,
+            l1_clusters,
+            rt_clusters,
+            rb_clusters,
+        })
     }
 
+    fn rt_offset(&self) -> u64 {
+        self.cluster
+    }
+
+    fn rb_offset(&self) -> u64 {
+        self.rt_offset() + self.rt_clusters * self.cluster
+    }
+
+    fn l1_offset(&self) -> u64 {
+        self.rb_offset() + self.rb_clusters * self.cluster
+    }
+
+    /// Clusters of metadata, all with refcount 1.
+    fn total_clusters(&self) -> u64 {
+        self.l1_offset() / self.cluster + self.l1_clusters
+    }
+}
+
+/// The qcow2 image in `f`, a cluster at a time; the L1 table (zeroes) by extending the file.
+fn write_qcow2(f: &File, p: &CreateParams, layout: &Qcow2Layout) -> std::io::Result<()> {
+    let c = layout.cluster;
     let mut hdr = vec![0u8; c as usize];
     let mut h = Header::new_v3(p.cluster_bits, p.size_bytes, p.compression);
-    h.l1_size = l1_size as u32;
-    h.l1_table_offset = l1_offset;
-    h.refcount_table_offset = refcount_table;
-    h.refcount_table_clusters = 1;
+    h.l1_size = layout.l1_size as u32;
+    h.l1_table_offset = layout.l1_offset();
+    h.refcount_table_offset = layout.rt_offset();
+    h.refcount_table_clusters = layout.rt_clusters as u32;
     // Header extensions, then the end marker, then the backing file name.
     let mut pos = h.header_length as usize;
     if let Some((_, fmt)) = &p.backing {
@@ -113,12 +182,9 @@ fn write_qcow2(f: &mut File, p: &CreateParams) -> Result<(), CreateError> {
     pos += 8; // end of extensions: type 0, length 0
     if let Some((name, _)) = &p.backing {
         if name.is_empty() || name.len() > MAX_BACKING_NAME || pos + name.len() > hdr.len() {
-            return Err(CreateError::Io(
-                "the qcow2 image".into(),
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    "backing file name too long",
-                ),
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "backing file name too long",
             ));
         }
         h.backing_file_offset = pos as u64;
@@ -126,21 +192,32 @@ fn write_qcow2(f: &mut File, p: &CreateParams) -> Result<(), CreateError> {
         hdr[pos..pos + name.len()].copy_from_slice(name.as_bytes());
     }
     h.write_to(&mut hdr);
-    f.write_all(&hdr).map_err(io)?;
+    f.write_all_at(&hdr, 0)?;
 
-    let mut rt = vec![0u8; c as usize];
-    put64(&mut rt, 0, refcount_block);
-    f.write_all_at(&rt, refcount_table).map_err(io)?;
-
-    let mut rb = vec![0u8; c as usize];
-    for i in 0..total_clusters as usize {
-        rb[i * 2..i * 2 + 2].copy_from_slice(&1u16.to_be_bytes());
+    let per_cluster = c / 8;
+    for k in 0..layout.rt_clusters {
+        let mut rt = vec![0u8; c as usize];
+        let first = k * per_cluster;
+        for i in first..layout.rb_clusters.min(first + per_cluster) {
+            put64(
+                &mut rt,
+                ((i - first) * 8) as usize,
+                layout.rb_offset() + i * c,
+            );
+        }
+        f.write_all_at(&rt, layout.rt_offset() + k * c)?;
     }
-    f.write_all_at(&rb, refcount_block).map_err(io)?;
-
-    let l1 = vec![0u8; (l1_clusters * c) as usize];
-    f.write_all_at(&l1, l1_offset).map_err(io)?;
-    f.flush().map_err(io)
+    let per_block = c / 2;
+    for k in 0..layout.rb_clusters {
+        let mut rb = vec![0u8; c as usize];
+        let first = k * per_block;
+        for i in first..layout.total_clusters().min(first + per_block) {
+            let at = ((i - first) * 2) as usize;
+            rb[at..at + 2].copy_from_slice(&1u16.to_be_bytes());
+        }
+        f.write_all_at(&rb, layout.rb_offset() + k * c)?;
+    }
+    f.set_len(layout.l1_offset() + layout.l1_clusters * c)
 }
 
 /// Validate `vublk create` arguments into parameters; the error names the option.
@@ -214,6 +291,13 @@ pub fn params_from_args(a: &crate::args::CreateArgs) -> Result<CreateParams, Str
             "--size {size_bytes}: must be a positive multiple of 512 bytes"
         ));
     }
+    if a.format == Format::Parallels {
+        // A BAT too large to open: refused before any file exists.
+        super::parallels::new_header(size_bytes, cluster).map_err(|e| {
+            let size = a.size.as_deref().unwrap_or_default();
+            format!("--size {size} with --cluster-size {cs}: {e}")
+        })?;
+    }
     Ok(CreateParams {
         qcow2,
         parallels_cluster: (a.format == Format::Parallels).then_some(cluster),
@@ -265,6 +349,43 @@ mod tests {
         );
         assert!(matches!(create(&p, &params), Err(CreateError::Exists(_))));
         std::fs::remove_file(p).unwrap();
+    }
+
+    /// The refcount blocks cover every metadata cluster and the refcount table names every
+    /// block, at every cluster size, up to the largest L1 table.
+    #[test]
+    fn qcow2_layouts_cover_their_metadata() {
+        for bits in 9..=21 {
+            let c = 1u64 << bits;
+            for size in [512, 1 << 30, 128 << 30, 1 << 40, 1 << 50, 1 << 60] {
+                let Ok(l) = Qcow2Layout::new(size, bits) else {
+                    assert!(size.div_ceil(c * c / 8) * 8 > MAX_L1_BYTES, "{bits} {size}");
+                    continue;
+                };
+                assert!(l.rb_clusters * (c / 2) >= l.total_clusters(), "{l:?}");
+                assert!(l.rt_clusters * (c / 8) >= l.rb_clusters, "{l:?}");
+                assert!(l.l1_clusters * c >= l.l1_size * 8, "{l:?}");
+            }
+        }
+        let l = Qcow2Layout::new(128 << 30, 9).unwrap();
+        assert_eq!(
+            (l.rt_clusters, l.rb_clusters, l.l1_clusters),
+            (5, 258, 65536)
+        );
+    }
+
+    /// A parallels BAT larger than QEMU (and vublk) opens is refused, naming the smallest
+    /// cluster size that fits.
+    #[test]
+    fn parallels_bats_are_held_to_the_open_limit() {
+        use crate::image::parallels::{min_cluster, new_header};
+        assert_eq!(min_cluster(1 << 40), 2560);
+        assert!(new_header(1 << 40, 2560).is_ok());
+        let e = new_header(1 << 40, 2048).unwrap_err();
+        assert!(e.contains("at least 2560 bytes"), "{e}");
+        let (h, data_off) = new_header(1 << 40, 4096).unwrap();
+        assert_eq!(data_off, (64 + (1u64 << 28) * 4).next_multiple_of(4096));
+        assert_eq!(&h[..16], crate::image::parallels::MAGIC_EXT);
     }
 
     #[test]

@@ -160,6 +160,29 @@ impl Backend {
         self.pid
     }
 
+    /// The process's peak resident memory so far (VmHWM in /proc), in bytes.
+    pub fn peak_rss_bytes(&self) -> u64 {
+        self.status_kib("VmHWM:") * 1024
+    }
+
+    /// The process's peak virtual memory so far (VmPeak in /proc: every allocation counts,
+    /// touched or not), in bytes.
+    pub fn peak_virtual_bytes(&self) -> u64 {
+        self.status_kib("VmPeak:") * 1024
+    }
+
+    /// A "Field:   N kB" line of /proc/PID/status.
+    fn status_kib(&self, field: &str) -> u64 {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.pid))
+            .unwrap_or_else(|e| panic!("/proc/{}/status: {e}", self.pid));
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {field} in /proc/{}/status", self.pid))
+    }
+
     pub fn log_contents(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -370,4 +393,31 @@ pub fn wait_unlocked(image: &Path, timeout: Duration) {
     while locked() && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// Runs `cmd` to completion with the resource limit `resource` (soft and hard) at `value`,
+/// set between fork and exec: e.g. `vublk create` under an address-space or file size limit.
+pub fn output_with_rlimit(
+    cmd: &mut Command,
+    resource: libc::__rlimit_resource_t,
+    value: u64,
+) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let limit = libc::rlimit {
+        rlim_cur: value,
+        rlim_max: value,
+    };
+    // SAFETY: the hook only calls setrlimit, which is async-signal-safe, between fork and
+    // exec, on a limit value copied into the closure.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setrlimit(resource, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    cmd.output()
+        .unwrap_or_else(|e| panic!("{:?}: {e}", cmd.get_program()))
 }

@@ -14,6 +14,12 @@
 //! Free clusters inside the file (from discards) are reused first, then the preallocated tail,
 //! then the file grows. A discarded cluster becomes reusable only once the BAT that no longer
 //! names it is durable, so a crash can never leave two entries naming one cluster.
+//!
+//! What a header may make vublk allocate is bounded: the header and the BAT (held in memory)
+//! must lie in the file and the BAT may have at most [`MAX_BAT_ENTRIES`] (QEMU's limit, a BAT
+//! under 2 GiB); the padding before the data offset is never read; and the clusters in use
+//! are one bit each, up to the last one a BAT entry names (a file's holes after it cost
+//! nothing).
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +32,7 @@ pub use super::prealloc::PreallocMode;
 use super::{ImageError, ZeroMode};
 use crate::io::aligned::{read_aligned, write_all_aligned, write_unaligned};
 use crate::io::Storage;
+use used::UsedClusters;
 
 pub const MAGIC_OLD: &[u8; 16] = b"WithoutFreeSpace";
 pub const MAGIC_EXT: &[u8; 16] = b"WithouFreSpacExt";
@@ -38,6 +45,10 @@ pub const INUSE_CLOSED: u32 = 0x312e_3276;
 pub const EXT_MAGIC: u64 = 0xAB23_4CEF_23DC_EA87;
 /// Largest cluster: QEMU's limit on tracks (sectors per cluster) keeps this far below.
 const MAX_CLUSTER: u64 = 1 << 30;
+/// Most BAT entries an image may have: QEMU's limit (its BAT is one allocation of less than
+/// 2 GiB), so no image QEMU opens is refused. The BAT is held in memory, so this bounds what
+/// a header can make vublk allocate for it.
+pub const MAX_BAT_ENTRIES: u64 = i32::MAX as u64 / 4;
 /// Growth is rounded to this: O_DIRECT I/O racing a size change to a non-page multiple
 /// fails with EIO on some file systems.
 const GROW_ALIGN: u64 = 4096;
@@ -72,13 +83,13 @@ pub struct ParallelsStats {
 }
 
 struct State {
-    /// Header and BAT as in the file, up to the data offset (the BAT is changed here and
-    /// written back by chunks).
+    /// Header and BAT as in the file, up to the end of the BAT's last metadata chunk (never
+    /// past the data offset; the BAT is changed here and written back by chunks).
     meta: Vec<u8>,
     /// Chunks of `meta` (by offset) that differ from the file.
     dirty: DirtyChunks,
-    /// One flag per host cluster from the data offset to the end of the file: in use.
-    used: Vec<bool>,
+    /// Host clusters in use, from the data offset (up to the end of the file once open).
+    used: UsedClusters,
     /// Lowest index that may be free.
     free_hint: usize,
     /// End of the last used cluster (bytes).
@@ -203,6 +214,11 @@ impl ParallelsImage {
             )));
         }
         let nb_bat = le32(&h, 32) as usize;
+        if nb_bat as u64 > MAX_BAT_ENTRIES {
+            return Err(ParallelsError::Unsupported(format!(
+                "a BAT of {nb_bat} entries: vublk (like QEMU) opens at most {MAX_BAT_ENTRIES}"
+            )));
+        }
         let nb_sectors = if old {
             u64::from(le32(&h, 36))
         } else {
@@ -217,7 +233,7 @@ impl ParallelsImage {
             )));
         }
         let bat_end = HEADER_LEN + nb_bat as u64 * 4;
-        // The BAT must be in the file: this also bounds the memory it takes.
+        // The BAT must be in the file (and at most MAX_BAT_ENTRIES long): it is held in memory.
         if bat_end > file_size {
             return Err(ParallelsError::Header(format!(
                 "a BAT of {nb_bat} entries does not fit in a {file_size}-byte file"
@@ -245,51 +261,31 @@ impl ParallelsImage {
             )));
         }
         let unit = if old { 512 } else { cluster };
-        let meta = read_aligned(file, 0, data_off as usize).map_err(ParallelsError::Io)?;
+        // Only the header and the BAT: the padding up to the data offset is never used.
+        let meta_len = bat_end.next_multiple_of(chunk).min(data_off);
+        let meta = read_aligned(file, 0, meta_len as usize).map_err(ParallelsError::Io)?;
         let in_use = le32(&meta, 44);
         let was_in_use = in_use == INUSE_OPEN;
 
-        // Every used cluster inside the file, once, cluster-aligned in the data area.
-        let slots = ((file_size - data_off) / cluster) as usize;
-        let mut used = vec![false; slots];
-        let mut data_end = data_off;
-        let mut mark = |host: u64, what: &str| -> Result<(), ParallelsError> {
-            if host < data_off || (host - data_off) % cluster != 0 {
-                return Err(ParallelsError::NeedsRepair(format!(
-                    "{what} at {host} is not a cluster of the data area"
-                )));
-            }
-            let i = ((host - data_off) / cluster) as usize;
-            if i >= slots {
-                return Err(ParallelsError::NeedsRepair(format!(
-                    "{what} at {host} lies beyond the end of the file ({file_size} bytes)"
-                )));
-            }
-            if used[i] {
-                return Err(ParallelsError::NeedsRepair(format!(
-                    "{what} at {host} is used twice"
-                )));
-            }
-            used[i] = true;
-            data_end = data_end.max(host + cluster);
-            Ok(())
-        };
         let ext_off = le64(&meta, 56);
         let ext_cluster = if ext_off != 0 {
-            let host = ext_off
-                .checked_mul(512)
-                .ok_or_else(|| ParallelsError::NeedsRepair("format extension offset".into()))?;
-            mark(host, "the format extension cluster")?;
-            Some(host)
+            Some(
+                ext_off
+                    .checked_mul(512)
+                    .ok_or_else(|| ParallelsError::NeedsRepair("format extension offset".into()))?,
+            )
         } else {
             None
         };
-        for g in 0..nb_bat {
-            let e = u64::from(le32(&meta, HEADER_LEN as usize + g * 4));
-            if e != 0 {
-                mark(e * unit, &format!("BAT entry {g}"))?;
-            }
-        }
+        let layout = DataArea {
+            data_off,
+            cluster,
+            file_size,
+        };
+        let used = layout.used_clusters(&meta, nb_bat, unit, ext_cluster)?;
+        let data_end = used
+            .last_used()
+            .map_or(data_off, |i| data_off + (i as u64 + 1) * cluster);
         let mut img = ParallelsImage {
             size_bytes,
             cluster_size: cluster,
@@ -325,7 +321,7 @@ impl ParallelsImage {
                 img.trimmed_at_open = file_size - st.data_end;
                 st.file_end = st.data_end;
                 let slots = ((st.data_end - data_off) / cluster) as usize;
-                st.used.truncate(slots);
+                st.used.resize(slots);
             }
             st.meta[44..48].copy_from_slice(&INUSE_OPEN.to_le_bytes());
             let chunk0 = st.meta[..chunk.min(data_off) as usize].to_vec();
@@ -468,13 +464,7 @@ impl ParallelsImage {
         need: u64,
     ) -> Result<u64, ImageError> {
         let c = self.cluster_size;
-        let find = |st: &State| {
-            st.used
-                .get(st.free_hint..)?
-                .iter()
-                .position(|&u| !u)
-                .map(|i| i + st.free_hint)
-        };
+        let find = |st: &State| st.used.first_free_from(st.free_hint);
         let i = match find(st) {
             Some(i) => i,
             None => {
@@ -492,7 +482,7 @@ impl ParallelsImage {
                 let _ = file.allocate(host, c);
             }
         }
-        st.used[i] = true;
+        st.used.set(i);
         st.free_hint = i + 1;
         st.data_end = st.data_end.max(host + c);
         self.stats.allocated.fetch_add(1, Ordering::Relaxed);
@@ -549,7 +539,7 @@ impl ParallelsImage {
         }
         let slots = ((st.file_end - self.data_off) / c) as usize;
         if slots > st.used.len() {
-            st.used.resize(slots, false);
+            st.used.resize(slots);
         }
         Ok(())
     }
@@ -649,9 +639,7 @@ impl ParallelsImage {
         let mut st = self.lock();
         self.write_dirty(&mut st, file)?;
         for i in st.pending_free.release(file)? {
-            if let Some(u) = st.used.get_mut(i) {
-                *u = false;
-            }
+            st.used.clear(i);
             st.free_hint = st.free_hint.min(i);
         }
         Ok(())
@@ -679,12 +667,10 @@ impl ParallelsImage {
         self.write_dirty(&mut st, file)?;
         file.sync_data()?;
         for i in st.pending_free.take_durable() {
-            if let Some(u) = st.used.get_mut(i) {
-                *u = false;
-            }
+            st.used.clear(i);
         }
         // The end of the last used cluster (freed clusters at the end give space back too).
-        let last = st.used.iter().rposition(|&u| u);
+        let last = st.used.last_used();
         st.data_end = last.map_or(self.data_off, |i| {
             self.data_off + (i as u64 + 1) * self.cluster_size
         });
@@ -711,9 +697,76 @@ impl ParallelsImage {
     }
 }
 
-/// A new, empty parallels image's bytes (new magic, as `qemu-img create -f parallels` makes
-/// them): header, zeroed BAT, data offset rounded up to a cluster.
-pub fn new_image(size_bytes: u64, cluster: u64) -> Result<Vec<u8>, String> {
+/// Where the data area is, for checking the clusters the BAT names.
+struct DataArea {
+    data_off: u64,
+    cluster: u64,
+    file_size: u64,
+}
+
+impl DataArea {
+    /// The index of the data area's cluster at `host`, if it is one inside the file.
+    fn index(&self, host: u64, what: &dyn Fn() -> String) -> Result<usize, ParallelsError> {
+        let Self {
+            data_off,
+            cluster,
+            file_size,
+        } = *self;
+        if host < data_off || (host - data_off) % cluster != 0 {
+            return Err(ParallelsError::NeedsRepair(format!(
+                "{} at {host} is not a cluster of the data area",
+                what()
+            )));
+        }
+        if host.checked_add(cluster).is_none_or(|end| end > file_size) {
+            return Err(ParallelsError::NeedsRepair(format!(
+                "{} at {host} lies beyond the end of the file ({file_size} bytes)",
+                what()
+            )));
+        }
+        Ok(((host - data_off) / cluster) as usize)
+    }
+
+    /// Every cluster in use (the format extension cluster and each BAT entry's), once and
+    /// inside the file. Two passes: the first finds the last cluster in use, so the map
+    /// covers only up to it.
+    fn used_clusters(
+        &self,
+        meta: &[u8],
+        nb_bat: usize,
+        unit: u64,
+        ext_cluster: Option<u64>,
+    ) -> Result<UsedClusters, ParallelsError> {
+        let ext = || "the format extension cluster".to_string();
+        let entry = |g: usize| u64::from(le32(meta, HEADER_LEN as usize + g * 4)) * unit;
+        let mut len = 0;
+        if let Some(host) = ext_cluster {
+            len = self.index(host, &ext)? + 1;
+        }
+        for g in (0..nb_bat).filter(|&g| entry(g) != 0) {
+            len = len.max(self.index(entry(g), &|| format!("BAT entry {g}"))? + 1);
+        }
+        let mut used = UsedClusters::new(len);
+        if let Some(host) = ext_cluster {
+            used.set(self.index(host, &ext)?);
+        }
+        for g in (0..nb_bat).filter(|&g| entry(g) != 0) {
+            if !used.set(self.index(entry(g), &|| String::new())?) {
+                return Err(ParallelsError::NeedsRepair(format!(
+                    "BAT entry {g} at {} is used twice",
+                    entry(g)
+                )));
+            }
+        }
+        Ok(used)
+    }
+}
+
+/// A new, empty parallels image (new magic, as `qemu-img create -f parallels` makes them):
+/// its header, and its data offset (the BAT after the header reads as zeroes up to there, so
+/// the caller writes the header and extends the file; nothing the size of the BAT is built
+/// in memory). The BAT may have at most [`MAX_BAT_ENTRIES`], so that the image opens.
+pub fn new_header(size_bytes: u64, cluster: u64) -> Result<([u8; 64], u64), String> {
     if cluster == 0 || cluster % 512 != 0 || cluster > MAX_CLUSTER {
         return Err(format!(
             "cluster size {cluster}: must be a multiple of 512 up to 1G"
@@ -722,25 +775,50 @@ pub fn new_image(size_bytes: u64, cluster: u64) -> Result<Vec<u8>, String> {
     if size_bytes == 0 || size_bytes % 512 != 0 {
         return Err("size must be a positive multiple of 512 bytes".into());
     }
-    let tracks = cluster / 512;
     let nb_bat = size_bytes.div_ceil(cluster);
-    let nb_bat32 = u32::try_from(nb_bat).map_err(|_| "too many clusters: use larger clusters")?;
+    if nb_bat > MAX_BAT_ENTRIES {
+        return Err(format!(
+            "{size_bytes} bytes in clusters of {cluster} need {nb_bat} BAT entries; vublk (like \
+             QEMU) opens at most {MAX_BAT_ENTRIES}: use clusters of at least {} bytes",
+            min_cluster(size_bytes)
+        ));
+    }
+    let tracks = cluster / 512;
     let bat_sectors = (HEADER_LEN + nb_bat * 4).div_ceil(512);
     let data_sectors = bat_sectors.next_multiple_of(tracks);
     let data_off = u32::try_from(data_sectors).map_err(|_| "the BAT is too large")?;
     let nb_sectors = size_bytes / 512;
-    let mut b = vec![0u8; (data_sectors * 512) as usize];
+    let mut b = [0u8; HEADER_LEN as usize];
     b[..16].copy_from_slice(MAGIC_EXT);
     b[16..20].copy_from_slice(&VERSION.to_le_bytes());
     b[20..24].copy_from_slice(&16u32.to_le_bytes());
     let cylinders = u32::try_from(nb_sectors / (16 * 32)).unwrap_or(u32::MAX);
     b[24..28].copy_from_slice(&cylinders.to_le_bytes());
     b[28..32].copy_from_slice(&(tracks as u32).to_le_bytes());
-    b[32..36].copy_from_slice(&nb_bat32.to_le_bytes());
+    b[32..36].copy_from_slice(&(nb_bat as u32).to_le_bytes());
     b[36..44].copy_from_slice(&nb_sectors.to_le_bytes());
     b[48..52].copy_from_slice(&data_off.to_le_bytes());
+    Ok((b, data_sectors * 512))
+}
+
+/// The smallest cluster size (a multiple of 512) whose BAT for `size_bytes` opens.
+pub fn min_cluster(size_bytes: u64) -> u64 {
+    let mut c = size_bytes.div_ceil(MAX_BAT_ENTRIES).next_multiple_of(512);
+    while size_bytes.div_ceil(c) > MAX_BAT_ENTRIES {
+        c += 512;
+    }
+    c
+}
+
+/// A new, empty parallels image's bytes: [`new_header`] and the zeroed BAT (for small images,
+/// in tests; `vublk create` extends the file instead).
+pub fn new_image(size_bytes: u64, cluster: u64) -> Result<Vec<u8>, String> {
+    let (header, data_off) = new_header(size_bytes, cluster)?;
+    let mut b = header.to_vec();
+    b.resize(data_off as usize, 0);
     Ok(b)
 }
 
 #[cfg(test)]
 mod tests;
+mod used;

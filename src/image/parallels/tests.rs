@@ -318,3 +318,69 @@ fn completed_writes_survive_a_killed_process() {
         "a completed write was lost with the process"
     );
 }
+
+/// A sparse file in the unit tests' directory: `bytes`, then holes up to `len` bytes.
+fn sparse_file(tag: &str, bytes: &[u8], len: u64) -> (std::path::PathBuf, std::fs::File) {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(format!("parallels-{tag}-{}", std::process::id()));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&p)
+        .unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, bytes, 0).unwrap();
+    f.set_len(len).unwrap();
+    (p, f)
+}
+
+/// Issue 28, item 8: the BAT is held in memory, so a header claiming more entries than QEMU
+/// opens is refused before anything that size is read, even in a (sparse) file holding it.
+#[test]
+fn a_bat_beyond_the_limit_is_refused_before_it_is_read() {
+    let mut img = new_image(1 << 20, 512).unwrap();
+    let nb_bat = MAX_BAT_ENTRIES + 1;
+    let data_off = (HEADER_LEN + nb_bat * 4).next_multiple_of(512);
+    img[32..36].copy_from_slice(&(nb_bat as u32).to_le_bytes());
+    img[48..52].copy_from_slice(&((data_off / 512) as u32).to_le_bytes());
+    let (p, f) = sparse_file("big-bat", &img, data_off);
+    let t = std::time::Instant::now();
+    let r = ParallelsImage::open(&f, ParallelsOptions::default());
+    let took = t.elapsed();
+    std::fs::remove_file(p).unwrap();
+    match r {
+        Err(e @ ParallelsError::Unsupported(_)) => {
+            assert!(e.to_string().contains("at most 536870911"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(took.as_millis() < 500, "the refusal took {took:?}");
+}
+
+/// Issue 28, item 8: the map of clusters in use covers the data area up to its last cluster
+/// in use, not to the end of the file: 4 TiB of holes after one cluster cost nothing (one
+/// flag per cluster to the end of the file was 8 GiB here), and a read-write open trims them.
+#[test]
+fn a_sparse_tail_costs_no_memory() {
+    let mut img = new_image(1 << 20, 512).unwrap();
+    let first = img.len() as u32 / 512;
+    img[64..68].copy_from_slice(&first.to_le_bytes());
+    img.extend_from_slice(&[0x5a; 512]);
+    let (p, f) = sparse_file("sparse-tail", &img, 4 << 40);
+    let used = |q: &ParallelsImage| q.lock().used.len();
+    let ro = ParallelsImage::open(&f, ParallelsOptions::default()).unwrap();
+    assert_eq!(used(&ro), 1, "read-only");
+    let opts = ParallelsOptions {
+        writable: true,
+        chunk: 512,
+        prealloc: None,
+    };
+    let q = ParallelsImage::open(&f, opts).unwrap();
+    assert_eq!(used(&q), 1, "read-write");
+    q.close(&f).unwrap();
+    let len = f.metadata().unwrap().len();
+    std::fs::remove_file(p).unwrap();
+    assert_eq!(len, img.len() as u64, "the holes were not trimmed");
+}

@@ -38,6 +38,7 @@ mod cow;
 pub mod header;
 mod l2cache;
 mod map;
+mod metadata;
 mod open;
 mod refcount;
 mod resize;
@@ -51,7 +52,7 @@ mod crash_tests;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -65,10 +66,13 @@ pub use cow::{CowInstall, Fill, FillGate, FreshWrite};
 pub use header::{Compression, MAGIC};
 pub use map::Extent;
 
-/// Refuse L1 tables larger than this: 32 MiB of L1 maps 2^22 L2 tables, petabytes of guest
-/// space at any cluster size; an image claiming more is hostile or broken. The refcount
-/// table has the same bound.
-const MAX_L1_BYTES: u64 = 32 << 20;
+/// Refuse L1 tables larger than this (QEMU's limit, for the active table and each snapshot's):
+/// 32 MiB of L1 maps 2^22 L2 tables, 128 GiB of guest space at 512-byte clusters and 2 PiB at
+/// 64 KiB; an image claiming more is hostile or broken.
+pub(crate) const MAX_L1_BYTES: u64 = 32 << 20;
+/// Refuse refcount tables larger than this, and never grow one past it (QEMU's limit): 8 MiB
+/// of refcount table covers 128 GiB of file at 512-byte clusters and 2 PiB at 64 KiB.
+const MAX_REFCOUNT_TABLE_BYTES: u64 = 8 << 20;
 /// Default L2 cache: 32 MiB, or what covers 64 GiB of guest data when that is more (small
 /// clusters), never more than the image's own L2 tables.
 pub const DEFAULT_L2_CACHE_BYTES: u64 = 32 << 20;
@@ -118,6 +122,8 @@ pub enum Qcow2Error {
     ReadRefcounts(#[source] ImageError),
     #[error("qcow2 metadata is inconsistent ({0}): serve it with --read-only or repair it with qemu-img check -r all")]
     Metadata(&'static str),
+    #[error("qcow2 image has {0}, more than vublk (like QEMU) accepts")]
+    Limit(&'static str),
 }
 
 /// How the image is served, fixed at open.
@@ -232,7 +238,7 @@ pub struct Qcow2Image {
     l1: RwLock<Vec<u64>>,
     /// Clusters holding metadata (header, tables, L2 tables, refcount blocks): a data write
     /// must never land in one (a hostile image could point an L2 entry at its own metadata).
-    metadata: RwLock<HashSet<u64>>,
+    metadata: RwLock<metadata::MetadataMap>,
     l2_cache: Mutex<l2cache::L2Cache>,
     /// Present when opened writable: allocation state, behind the allocation lock.
     write: Option<Mutex<WriteState>>,
@@ -317,7 +323,7 @@ impl Qcow2Image {
         self.metadata
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .contains(&host_cluster)
+            .contains(host_cluster)
     }
 
     fn note_metadata(&self, host_cluster: u64) {

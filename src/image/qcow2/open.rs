@@ -1,17 +1,27 @@
 //! Opening a qcow2 image: the header, the L1 table, and for a read-write open the refcount
 //! table, the refusal of tables that overlap or lie outside the file (a hostile image could
 //! point one table at another), and the trim of a tail a crash left behind.
+//!
+//! What a header asks for is bounded twice: every table must lie inside the file, and none
+//! may be larger than QEMU allows (L1 tables 32 MiB, the refcount table 8 MiB, 65,536
+//! snapshots in at most 64 MiB of snapshot table). Tables are read whole only where vublk
+//! uses them (the active L1 and the refcount table); snapshots' L1 tables are only placed,
+//! one entry each, and the scans at open read a bounded number of L2 tables. So an open
+//! costs at most about 130 MB of memory (an image at every limit at once), whatever the
+//! header claims.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 
 use super::header::{be64, Header, SnapshotEntry};
 use super::map::{compressed_span, L1_OFFSET_MASK, L2_COMPRESSED, L2_OFFSET_MASK};
+use super::metadata::MetadataMap;
 use super::refcount::RefChange;
 use super::{
     compress, cow, l2cache, ImageError, Qcow2Error, Qcow2Image, Qcow2Options, Qcow2Stats,
     WriteState, DEFAULT_L2_CACHE_BYTES, DEFAULT_L2_COVERAGE, MAX_L1_BYTES,
+    MAX_REFCOUNT_TABLE_BYTES,
 };
 use crate::image::prealloc::{Background, Prealloc};
 use crate::io::aligned::read_aligned;
@@ -19,10 +29,17 @@ use crate::io::Storage;
 
 /// Most internal snapshots an image may have (QEMU's limit).
 const MAX_SNAPSHOTS: u32 = 65536;
+/// Most bytes the snapshot table may take: QEMU's limit (1 KiB per snapshot on average, for
+/// ids, names and extra data).
+const MAX_SNAPSHOT_TABLE_BYTES: u64 = 64 << 20;
+/// Tables are read in windows of this size.
+const TABLE_WINDOW: u64 = 64 << 10;
 /// At a read-write open, a tail past the last refcounted cluster is only cut off after
 /// checking that no active L2 entry points into it, which reads every L2 table: not for
 /// images with more tables than this (1 TiB of guest data at 64 KiB clusters).
 const MAX_TAIL_SCAN_TABLES: usize = 2048;
+/// ... and never more than this many bytes of them (64 tables of 2 MiB clusters).
+const MAX_TAIL_SCAN_BYTES: u64 = 128 << 20;
 /// The tail scan looks at most at this many clusters from the end of the file.
 const MAX_TAIL_SCAN_CLUSTERS: u64 = 1 << 20;
 /// The header is read as one block of this size (the backing file name lives in it).
@@ -75,25 +92,27 @@ impl Qcow2Image {
         {
             return Err(Qcow2Error::L1Offset(l1_offset));
         }
-        let raw = if l1_size > 0 {
-            read_aligned(file, l1_offset, (l1_size * 8) as usize).map_err(Qcow2Error::ReadL1)?
+        let l1 = if l1_size > 0 {
+            read_table(file, l1_offset, l1_size * 8)?
         } else {
             Vec::new()
         };
-        let l1: Vec<u64> = raw.chunks_exact(8).map(|c| be64(c, 0)).collect();
         let rt_offset = h.refcount_table_offset;
         let rt_len = u64::from(h.refcount_table_clusters) * cluster_size;
         let write = if writable {
+            if rt_len > MAX_REFCOUNT_TABLE_BYTES {
+                return Err(Qcow2Error::Limit("a refcount table larger than 8 MiB"));
+            }
             if rt_offset % cluster_size != 0
                 || rt_len == 0
-                || rt_len > MAX_L1_BYTES
-                || rt_offset + rt_len > file_size
+                || rt_offset
+                    .checked_add(rt_len)
+                    .is_none_or(|end| end > file_size)
             {
                 return Err(Qcow2Error::RefcountTable);
             }
-            let rt = read_aligned(file, rt_offset, rt_len as usize).map_err(Qcow2Error::ReadL1)?;
             Some(WriteState {
-                refcount_table: rt.chunks_exact(8).map(|c| be64(c, 0)).collect(),
+                refcount_table: read_table(file, rt_offset, rt_len)?,
                 refcount_table_offset: rt_offset,
                 refcount_order: h.refcount_order,
                 next_free: file_size.next_multiple_of(cluster_size),
@@ -132,7 +151,9 @@ impl Qcow2Image {
             l1: RwLock::new(l1),
             metadata: RwLock::new(metadata),
             l2_cache: Mutex::new(l2cache::L2Cache {
-                tables: VecDeque::with_capacity(capacity),
+                // Filled as tables are read: nothing is reserved up front for a capacity
+                // that the header's size chose.
+                tables: VecDeque::new(),
                 capacity,
             }),
             write: write.map(Mutex::new),
@@ -195,16 +216,20 @@ impl Qcow2Image {
         // Refcounts say the tail is free; never cut off what an L2 entry still points at (an
         // image with broken refcounts). Bounded: with more L2 tables than this, keep the tail.
         if end < ws.next_free {
-            let l1: Vec<u64> = self.l1.read().unwrap_or_else(|e| e.into_inner()).clone();
-            let tables: Vec<u64> = l1
+            let most = self.tail_scan_tables();
+            let tables: Vec<u64> = self
+                .l1
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
                 .iter()
                 .map(|e| e & L1_OFFSET_MASK)
                 .filter(|&t| t != 0)
+                .take(most + 1)
                 .collect();
-            if tables.len() > MAX_TAIL_SCAN_TABLES {
+            if tables.len() > most {
                 end = ws.next_free;
             }
-            for &t in tables.iter().take(MAX_TAIL_SCAN_TABLES) {
+            for &t in tables.iter().take(most) {
                 if t + c > self.file_len() {
                     continue;
                 }
@@ -244,11 +269,17 @@ impl Qcow2Image {
 }
 
 impl Qcow2Image {
+    /// How many L2 tables a scan at open may read: [`MAX_TAIL_SCAN_TABLES`], fewer when
+    /// they would be more than [`MAX_TAIL_SCAN_BYTES`].
+    fn tail_scan_tables(&self) -> usize {
+        MAX_TAIL_SCAN_TABLES.min((MAX_TAIL_SCAN_BYTES >> self.cluster_bits) as usize)
+    }
+
     /// After a crash, the file can end in clusters reserved ahead of the allocations
     /// (refcount 1, referenced by nothing, reading as zeroes): set their refcounts back to 0
     /// and return where the file's data really ends. Only looked into when the last
     /// cluster looks like one (refcount 1, not metadata, all zeroes); then every active L2
-    /// table is read (at most [`MAX_TAIL_SCAN_TABLES`]) to find the last cluster in use.
+    /// table is read (at most [`Self::tail_scan_tables`]) to find the last cluster in use.
     fn reclaim_reserved_tail(
         &self,
         ws: &mut WriteState,
@@ -271,8 +302,9 @@ impl Qcow2Image {
             .iter()
             .map(|e| e & L1_OFFSET_MASK)
             .filter(|&t| t != 0)
+            .take(self.tail_scan_tables() + 1)
             .collect();
-        if tables.len() > MAX_TAIL_SCAN_TABLES {
+        if tables.len() > self.tail_scan_tables() {
             return Ok(end);
         }
         // The end of the last cluster anything refers to: metadata, or an L2 entry.
@@ -280,10 +312,8 @@ impl Qcow2Image {
             .metadata
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|&m| m + c)
-            .max()
-            .unwrap_or(c);
+            .end()
+            .max(c);
         for &t in &tables {
             for e in self.read_l2(file, t)? {
                 let end_of = if e & L2_COMPRESSED != 0 {
@@ -319,6 +349,21 @@ impl Qcow2Image {
     }
 }
 
+/// A table of big-endian u64 entries (the L1 or the refcount table; `len` is bounded by the
+/// caller), read in windows of [`TABLE_WINDOW`] bytes: the bytes read never take as much
+/// memory again as the table.
+fn read_table(file: &dyn Storage, offset: u64, len: u64) -> Result<Vec<u64>, Qcow2Error> {
+    let mut table = Vec::with_capacity((len / 8) as usize);
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(TABLE_WINDOW);
+        let raw = read_aligned(file, offset + at, n as usize).map_err(Qcow2Error::ReadL1)?;
+        table.extend(raw.chunks_exact(8).map(|c| be64(c, 0)));
+        at += n;
+    }
+    Ok(table)
+}
+
 /// Before anything is written: clear the autoclear feature bits, none of which vublk
 /// maintains (qcow2 spec: a writer clears those it does not maintain before its first
 /// write). With bit 0 gone, QEMU treats the image's persistent dirty bitmaps as
@@ -338,47 +383,50 @@ fn clear_autoclear(file: &dyn Storage, bits: u64) -> Result<(), Qcow2Error> {
     Ok(())
 }
 
-/// Clusters holding metadata. Ranges are clamped to the file, so a hostile header cannot
-/// make this set large; a read-write open (`write` present) refuses tables that overlap or
-/// lie outside the file, and also counts internal snapshots' tables and refcount blocks.
+/// Clusters holding metadata. Ranges are clamped to the file, and tables of several clusters
+/// are one entry each (see [`MetadataMap`]), so a hostile header cannot make this map large;
+/// a read-write open (`write` present) refuses tables that overlap or lie outside the file,
+/// and also counts internal snapshots' tables and refcount blocks.
 fn metadata_clusters(
     file: &dyn Storage,
     h: &Header,
     l1: &[u64],
     write: Option<&WriteState>,
     file_size: u64,
-) -> Result<HashSet<u64>, Qcow2Error> {
+) -> Result<MetadataMap, Qcow2Error> {
     let writable = write.is_some();
     let cluster_size = 1u64 << h.cluster_bits;
-    let mut metadata = HashSet::new();
     let file_end = file_size.next_multiple_of(cluster_size);
-    let mut add_range = |off: u64, len: u64| -> bool {
-        let end = off.saturating_add(len).min(file_end);
-        let mut overlap = false;
-        let mut c = off & !(cluster_size - 1);
-        while c < end {
-            overlap |= !metadata.insert(c);
-            c += cluster_size;
-        }
-        overlap
+    let mut map = MetadataMap::new(cluster_size);
+    let add_table = |map: &mut MetadataMap, off: u64, len: u64| -> bool {
+        map.insert_range(off, off.saturating_add(len).min(file_end))
     };
-    add_range(0, cluster_size);
-    if add_range(h.l1_table_offset, u64::from(h.l1_size) * 8) && writable {
+    add_table(&mut map, 0, cluster_size);
+    if !add_table(&mut map, h.l1_table_offset, u64::from(h.l1_size) * 8) && writable {
         return Err(Qcow2Error::Metadata("the L1 table overlaps the header"));
     }
     let rt_len = u64::from(h.refcount_table_clusters) * cluster_size;
-    if rt_len <= MAX_L1_BYTES && add_range(h.refcount_table_offset, rt_len) && writable {
+    if rt_len <= MAX_REFCOUNT_TABLE_BYTES
+        && !add_table(&mut map, h.refcount_table_offset, rt_len)
+        && writable
+    {
         return Err(Qcow2Error::Metadata(
             "the refcount table overlaps the header or the L1 table",
         ));
     }
+    if writable {
+        snapshot_tables(file, h, &mut map, file_size)?;
+    }
+    // Sized once: growing the set would hold its old and new tables at once.
+    let rt = write.map_or(&[][..], |ws| &ws.refcount_table[..]);
+    map.reserve(l1.iter().chain(rt).filter(|&&e| e != 0).count());
     for &e in l1 {
         let l2 = e & L1_OFFSET_MASK;
         if l2 == 0 {
             continue;
         }
         let inside = l2 % cluster_size == 0 && l2 + cluster_size <= file_end;
-        if add_range(l2, cluster_size) && writable {
+        if l2 < file_end && !map.insert(l2) && writable {
             return Err(Qcow2Error::Metadata(
                 "an L2 table overlaps other metadata or another L2 table",
             ));
@@ -390,56 +438,107 @@ fn metadata_clusters(
         }
     }
     let Some(ws) = write else {
-        return Ok(metadata);
+        return Ok(map);
     };
-    // Internal snapshots: their table and their L1 tables are metadata too (QEMU's default
-    // overlap checks); a data write must never land on them.
-    let nb = h.nb_snapshots;
-    let table = h.snapshots_offset;
-    if nb > MAX_SNAPSHOTS {
-        return Err(Qcow2Error::Metadata("more than 65536 internal snapshots"));
-    }
-    let fixed = super::header::snap::FIXED_LEN;
-    let mut pos = table;
-    for _ in 0..nb {
-        if pos % 8 != 0 || pos.saturating_add(fixed as u64) > file_size {
-            return Err(Qcow2Error::Metadata(
-                "the snapshot table is unaligned or outside the file",
-            ));
-        }
-        let raw = read_aligned(file, pos, fixed).map_err(Qcow2Error::ReadL1)?;
-        let e = SnapshotEntry::parse(&raw);
-        if e.l1_table_offset % cluster_size != 0
-            || e.l1_bytes > MAX_L1_BYTES
-            || e.l1_table_offset.saturating_add(e.l1_bytes) > file_end
-        {
-            return Err(Qcow2Error::Metadata(
-                "a snapshot's L1 table is unaligned or outside the file",
-            ));
-        }
-        if add_range(e.l1_table_offset, e.l1_bytes) {
-            return Err(Qcow2Error::Metadata(
-                "a snapshot's L1 table overlaps other metadata",
-            ));
-        }
-        pos += e.entry_len;
-    }
-    if nb > 0 && add_range(table, pos - table) {
-        return Err(Qcow2Error::Metadata(
-            "the snapshot table overlaps other metadata",
-        ));
-    }
     for &rb in ws.refcount_table.iter().filter(|&&rb| rb != 0) {
         if rb % cluster_size != 0 || rb.saturating_add(cluster_size) > file_end {
             return Err(Qcow2Error::Metadata(
                 "a refcount block is unaligned or outside the file",
             ));
         }
-        if add_range(rb, cluster_size) {
+        if !map.insert(rb) {
             return Err(Qcow2Error::Metadata(
                 "a refcount block overlaps other metadata",
             ));
         }
     }
-    Ok(metadata)
+    Ok(map)
+}
+
+/// Internal snapshots: their table and their L1 tables are metadata too (QEMU's default
+/// overlap checks); a data write must never land on them. Each table must lie inside the
+/// file, overlap nothing, and keep to QEMU's limits ([`MAX_SNAPSHOTS`],
+/// [`MAX_SNAPSHOT_TABLE_BYTES`], [`MAX_L1_BYTES`] per L1 table), so the walk is bounded
+/// whatever the header claims; the L1 tables themselves are never read.
+fn snapshot_tables(
+    file: &dyn Storage,
+    h: &Header,
+    map: &mut MetadataMap,
+    file_size: u64,
+) -> Result<(), Qcow2Error> {
+    let nb = h.nb_snapshots;
+    if nb > MAX_SNAPSHOTS {
+        return Err(Qcow2Error::Limit("more than 65536 internal snapshots"));
+    }
+    let cluster_size = 1u64 << h.cluster_bits;
+    let file_end = file_size.next_multiple_of(cluster_size);
+    let outside = Qcow2Error::Metadata("the snapshot table is unaligned or outside the file");
+    let fixed = super::header::snap::FIXED_LEN;
+    let table = h.snapshots_offset;
+    let mut window = Window::new(file);
+    let mut pos = table;
+    for _ in 0..nb {
+        if pos % 8 != 0 || pos.saturating_add(fixed as u64) > file_size {
+            return Err(outside);
+        }
+        let e = SnapshotEntry::parse(window.get(pos, fixed).map_err(Qcow2Error::ReadL1)?);
+        if e.l1_bytes > MAX_L1_BYTES {
+            return Err(Qcow2Error::Limit("a snapshot L1 table larger than 32 MiB"));
+        }
+        let l1_end = e.l1_table_offset.saturating_add(e.l1_bytes);
+        if e.l1_table_offset % cluster_size != 0 || l1_end > file_end {
+            return Err(Qcow2Error::Metadata(
+                "a snapshot's L1 table is unaligned or outside the file",
+            ));
+        }
+        if !map.insert_range(e.l1_table_offset, l1_end) {
+            return Err(Qcow2Error::Metadata(
+                "a snapshot's L1 table overlaps other metadata",
+            ));
+        }
+        pos = pos.saturating_add(e.entry_len);
+        if pos - table > MAX_SNAPSHOT_TABLE_BYTES {
+            return Err(Qcow2Error::Limit("a snapshot table larger than 64 MiB"));
+        }
+    }
+    // The last entry's padding may lie past the end of the file, not its cluster.
+    if nb > 0 && pos > file_end {
+        return Err(outside);
+    }
+    if !map.insert_range(table, pos) {
+        return Err(Qcow2Error::Metadata(
+            "the snapshot table overlaps other metadata",
+        ));
+    }
+    Ok(())
+}
+
+/// Reads small entries of a table through one window of [`TABLE_WINDOW`] bytes: walking
+/// 65,536 snapshot entries costs about a thousand reads, not one (O_DIRECT) read each.
+struct Window<'a> {
+    file: &'a dyn Storage,
+    start: u64,
+    buf: Vec<u8>,
+}
+
+impl<'a> Window<'a> {
+    fn new(file: &'a dyn Storage) -> Self {
+        Window {
+            file,
+            start: 0,
+            buf: Vec::new(),
+        }
+    }
+
+    /// `len` bytes at `pos` (zeroes past the end of the file).
+    fn get(&mut self, pos: u64, len: usize) -> std::io::Result<&[u8]> {
+        let end = pos.saturating_add(len as u64);
+        if pos < self.start || end > self.start + self.buf.len() as u64 {
+            self.start = pos & !(TABLE_WINDOW - 1);
+            let n = (end - self.start).max(TABLE_WINDOW);
+            self.buf = read_aligned(self.file, self.start, n as usize)?;
+        }
+        let at = (pos - self.start) as usize;
+        Ok(&self.buf[at..at + len])
+    }
 }

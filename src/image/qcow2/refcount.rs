@@ -3,7 +3,7 @@
 //! and a grown table made durable before anything names them.
 
 use super::header::set_refcount_table;
-use super::{ImageError, Qcow2Image, WriteState, MAX_L1_BYTES};
+use super::{ImageError, Qcow2Image, WriteState, MAX_REFCOUNT_TABLE_BYTES};
 use crate::io::aligned::{read_aligned, write_all_aligned, write_unaligned};
 use crate::io::bounce::AlignedBuf;
 use crate::io::Storage;
@@ -182,8 +182,8 @@ impl Qcow2Image {
         let new_entries = (ws.refcount_table.len() * 2)
             .max(needed + 1)
             .next_multiple_of(per_cluster);
-        if (new_entries * 8) as u64 > MAX_L1_BYTES {
-            return Err(ImageError::Corrupt("refcount table would exceed 32 MiB"));
+        if (new_entries * 8) as u64 > MAX_REFCOUNT_TABLE_BYTES {
+            return Err(ImageError::Corrupt("refcount table would exceed 8 MiB"));
         }
         let table_clusters = (new_entries / per_cluster) as u64;
         let start = ws.next_free;

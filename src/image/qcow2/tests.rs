@@ -237,3 +237,151 @@ fn open_keeps_referenced_clusters_past_the_last_refcount() {
     assert!(after[last..last + 65536].iter().all(|&b| b == 0x5a));
     assert_eq!(after.len(), len, "the unused tail was not cut off");
 }
+
+/// What [`hostile_image`] puts in its file.
+struct Hostile {
+    snapshots: u32,
+    /// Bytes each snapshot's L1 table claims.
+    snap_l1_bytes: u64,
+    /// Extra data in each snapshot table entry.
+    snap_extra: u32,
+    refcount_table_clusters: u32,
+}
+
+/// A sparse qcow2 file built from its header's claims: 512-byte clusters, a 512-byte disk
+/// (one L1 entry, no L2 table), an empty refcount table, and snapshot table entries whose L1
+/// tables follow one another from the first MiB after the table. Only the header and the
+/// table hold data; the L1 tables are holes.
+fn hostile_image(tag: &str, spec: Hostile) -> (PathBuf, File) {
+    use super::header::{put32, put64, snap, Header};
+    use std::os::unix::fs::FileExt;
+    const C: u64 = 512;
+    let rt_at = 2 * C;
+    let table_at = rt_at + u64::from(spec.refcount_table_clusters) * C;
+    let entry_len = (snap::FIXED_LEN as u64 + u64::from(spec.snap_extra)).next_multiple_of(8);
+    let table_len = u64::from(spec.snapshots) * entry_len;
+    let l1s_at = (table_at + table_len).next_multiple_of(1 << 20) + (1 << 20);
+    let mut h = Header::new_v3(9, C, Compression::Zlib);
+    h.l1_size = 1;
+    h.l1_table_offset = C;
+    h.refcount_table_offset = rt_at;
+    h.refcount_table_clusters = spec.refcount_table_clusters;
+    h.nb_snapshots = spec.snapshots;
+    h.snapshots_offset = table_at;
+    let mut first = vec![0u8; C as usize];
+    h.write_to(&mut first);
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/unit-tmp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(format!("qcow2-{tag}-{}", std::process::id()));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&p)
+        .unwrap();
+    f.write_all_at(&first, 0).unwrap();
+    // The fixed part of each entry; the extra data is a hole (zeroes).
+    let mut e = [0u8; snap::FIXED_LEN];
+    for i in 0..u64::from(spec.snapshots) {
+        put64(
+            &mut e,
+            snap::L1_TABLE_OFFSET,
+            l1s_at + i * spec.snap_l1_bytes,
+        );
+        put32(&mut e, snap::L1_SIZE, (spec.snap_l1_bytes / 8) as u32);
+        put32(&mut e, snap::EXTRA_DATA_SIZE, spec.snap_extra);
+        f.write_all_at(&e, table_at + i * entry_len).unwrap();
+    }
+    let end = l1s_at + u64::from(spec.snapshots) * spec.snap_l1_bytes;
+    f.set_len(end.max(table_at + table_len)).unwrap();
+    (p, f)
+}
+
+/// Issue 28, item 8: 1,024 internal snapshots whose L1 tables claim 32 MiB each (a 32 GiB
+/// sparse file) once took 1.7 GB and over a minute to open read-write (a set entry per
+/// claimed cluster). Each table now costs one entry, and the open is quick.
+#[test]
+fn many_huge_snapshot_l1_tables_open_quickly() {
+    let (p, f) = hostile_image(
+        "snap-l1",
+        Hostile {
+            snapshots: 1024,
+            snap_l1_bytes: MAX_L1_BYTES,
+            snap_extra: 0,
+            refcount_table_clusters: 1,
+        },
+    );
+    let t = std::time::Instant::now();
+    let q = Qcow2Image::open(&f, rw()).unwrap();
+    let took = t.elapsed();
+    let entries = q.metadata.read().unwrap().entries();
+    std::fs::remove_file(p).unwrap();
+    assert!(
+        entries <= 1024 + 4,
+        "{entries} metadata entries for 1024 tables"
+    );
+    assert!(took.as_secs() < 5, "the open took {took:?}");
+}
+
+/// The limits an image header is held to (QEMU's): each refused at a read-write open, with
+/// the limit named, before anything of that size is read or walked. A read-only open does
+/// not look at snapshots or the refcount table, and still serves the image.
+#[test]
+fn header_claims_beyond_the_limits_are_refused() {
+    let base = Hostile {
+        snapshots: 1,
+        snap_l1_bytes: 512,
+        snap_extra: 0,
+        refcount_table_clusters: 1,
+    };
+    let cases = [
+        (
+            "many-snaps",
+            Hostile {
+                snapshots: 65_537,
+                ..base
+            },
+            "more than 65536 internal snapshots",
+        ),
+        (
+            "big-snap-l1",
+            Hostile {
+                snap_l1_bytes: MAX_L1_BYTES + 512,
+                ..base
+            },
+            "a snapshot L1 table larger than 32 MiB",
+        ),
+        (
+            "big-snap-table",
+            Hostile {
+                snapshots: 3,
+                snap_extra: 30 << 20,
+                ..base
+            },
+            "a snapshot table larger than 64 MiB",
+        ),
+        (
+            "big-rt",
+            Hostile {
+                refcount_table_clusters: (8 << 20) / 512 + 1,
+                ..base
+            },
+            "a refcount table larger than 8 MiB",
+        ),
+    ];
+    for (tag, spec, limit) in cases {
+        let (p, f) = hostile_image(tag, spec);
+        let t = std::time::Instant::now();
+        let r = Qcow2Image::open(&f, rw());
+        let took = t.elapsed();
+        let ro = Qcow2Image::open_read_only(&f).map(|q| q.size_bytes());
+        std::fs::remove_file(p).unwrap();
+        match r {
+            Err(Qcow2Error::Limit(m)) => assert_eq!(m, limit, "{tag}"),
+            other => panic!("{tag}: {other:?}"),
+        }
+        assert!(took.as_secs() < 2, "{tag}: the refusal took {took:?}");
+        assert_eq!(ro.unwrap(), 512, "{tag}: read-only");
+    }
+}
