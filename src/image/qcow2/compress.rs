@@ -28,6 +28,9 @@ pub(super) struct CacheState {
     start: u64,
     data: Vec<u8>,
     used: usize,
+    /// `data[..written]` is in the file as it is here (chunks are only appended, so only
+    /// the blocks from the one holding `written` on change): a publish writes just those.
+    written: usize,
     /// `data` has bytes the file does not.
     dirty: bool,
     /// A cache write failed: that data is lost, and every later FLUSH fails.
@@ -201,6 +204,7 @@ impl Qcow2Image {
                 cache.data.resize(c_us, 0);
                 cache.start = next;
                 cache.used = 0;
+                cache.written = 0;
             } else {
                 let grown = cache.data.len() + c_us;
                 cache.data.resize(grown, 0);
@@ -219,6 +223,7 @@ impl Qcow2Image {
         if cache.data.is_empty() || host != end || cache.data.len() >= cap {
             runs.extend(Self::take_run(&mut cache, self.meta_chunk()));
             cache.start = host;
+            cache.written = 0;
         }
         let at = (host - cache.start) as usize;
         cache.data.resize(at + c_us, 0);
@@ -233,6 +238,7 @@ impl Qcow2Image {
     /// the caller to write once it has dropped the allocation lock; the cache is empty after.
     pub(super) fn take_run(cache: &mut CacheState, align: u64) -> Option<Run> {
         let data = std::mem::take(&mut cache.data);
+        cache.written = 0;
         if !cache.dirty || data.is_empty() {
             return None;
         }
@@ -280,7 +286,9 @@ impl Qcow2Image {
         result
     }
 
-    /// Write the cached run up to what is used, rounded up to `align`.
+    /// Write the cached run up to what is used, rounded up to `align`: only the blocks
+    /// changed since the last such write (chunks are appended; a publish writes the blocks
+    /// of the chunks completed since the last one, not the whole run again).
     pub(super) fn write_cache(
         cache: &mut CacheState,
         file: &dyn Storage,
@@ -292,11 +300,13 @@ impl Qcow2Image {
         let n = (cache.used as u64)
             .next_multiple_of(align)
             .min(cache.data.len() as u64) as usize;
-        match write_all_aligned(file, cache.start, &cache.data[..n]) {
+        let from = ((cache.written as u64 / align) * align).min(n as u64) as usize;
+        match write_all_aligned(file, cache.start + from as u64, &cache.data[from..n]) {
             Ok(()) => {
                 cache.dirty = false;
+                cache.written = cache.used;
                 cache.file_writes += 1;
-                cache.file_bytes += n as u64;
+                cache.file_bytes += (n - from) as u64;
                 Ok(())
             }
             Err(e) => {
@@ -381,6 +391,7 @@ impl Qcow2Image {
             cache.data.drain(..drop_n);
             cache.start += drop_n as u64;
             cache.used = cache.used.saturating_sub(drop_n);
+            cache.written = cache.written.saturating_sub(drop_n);
         }
         Ok(())
     }
@@ -393,6 +404,7 @@ impl Qcow2Image {
         if cached {
             cache.data.clear();
             cache.dirty = false;
+            cache.written = 0;
         }
         drop(cache);
         if cached || ws.comp_pos & !(self.cluster_size() - 1) == host {
