@@ -964,12 +964,7 @@ fn main() {
         vec![vec![Vec::new(); backends.len()]; workloads.len()];
     for run in 0..opts.runs {
         for (wi, wl) in workloads.iter().enumerate() {
-            // With --rotate, round r starts with backend r: every backend takes every place
-            // in the order equally often, so what one run leaves behind (a big file being
-            // freed) does not always fall on the same backend.
-            let n = backends.len();
-            let start = if opts.rotate { run % n } else { 0 };
-            for bi in (0..n).map(|k| (start + k) % n) {
+            for bi in run_order(run, backends.len(), opts.rotate) {
                 let backend = &backends[bi];
                 let r = run_once(backend, wl, &opts, &vublk, &work);
                 eprintln!(
@@ -994,6 +989,15 @@ fn main() {
     if let Some(p) = &opts.report {
         fs::write(p, &report).expect("write report");
     }
+}
+
+/// The order of `n` backends in round `run`: as listed, or with `rotate` starting with the
+/// backend `run` (mod n), so that every backend takes every place in the order equally often
+/// and what one run leaves behind (a big file being freed) does not always fall on the same
+/// backend.
+fn run_order(run: usize, n: usize, rotate: bool) -> impl Iterator<Item = usize> {
+    let start = if rotate { run % n } else { 0 };
+    (0..n).map(move |k| (start + k) % n)
 }
 
 fn render_report(
@@ -1244,6 +1248,44 @@ fn write_zeroes_through(b: &mut Blkio, q: &mut Blkioq, size: u64) {
     assert_eq!(n, 1);
 }
 
+/// One `--zero-fill` run: `opts.size` bytes of zeroes through `backend` into `image`, made
+/// afresh (sparse, or fully written when `full`); the time to the FLUSH and the space the
+/// image holds once the backend has exited. Panics if the image does not read back as zeroes.
+fn zero_fill_run(
+    backend: &Backend,
+    image: &Path,
+    full: bool,
+    opts: &Opts,
+    vublk: &Path,
+    work: &Path,
+) -> FillResult {
+    let _ = fs::remove_file(image);
+    if full {
+        prepare_image(image, opts.size);
+    } else {
+        File::create(image)
+            .and_then(|f| f.set_len(opts.size))
+            .expect("sparse image");
+    }
+    let server = start_server(backend, image, opts, vublk, work);
+    let (mut b, mut queues) = connect_client(backend, &server, image, 1);
+    let t0 = Instant::now();
+    write_zeroes_through(&mut b, &mut queues[0], opts.size);
+    let secs = t0.elapsed().as_secs_f64();
+    drop(queues);
+    drop(b);
+    drop(server);
+    let allocated = fs::metadata(image).expect("image").blocks() * 512;
+    // Everything reads back as zero, whatever the backend did with the space.
+    let data = fs::read(image).expect("read image");
+    assert!(
+        data.iter().all(|&x| x == 0),
+        "{}: image not all zero after the zero writes",
+        backend.name()
+    );
+    FillResult { secs, allocated }
+}
+
 fn zero_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
     let image = work.join("zero-fill.img");
     let mut rows = String::new();
@@ -1251,38 +1293,16 @@ fn zero_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
         let mut results: Vec<Vec<FillResult>> = backends.iter().map(|_| Vec::new()).collect();
         for run in 0..opts.runs {
             for (bi, backend) in backends.iter().enumerate() {
-                let _ = fs::remove_file(&image);
-                if full {
-                    prepare_image(&image, opts.size);
-                } else {
-                    File::create(&image)
-                        .and_then(|f| f.set_len(opts.size))
-                        .expect("sparse image");
-                }
-                let server = start_server(backend, &image, opts, vublk, work);
-                let (mut b, mut queues) = connect_client(backend, &server, &image, 1);
-                let t0 = Instant::now();
-                write_zeroes_through(&mut b, &mut queues[0], opts.size);
-                let secs = t0.elapsed().as_secs_f64();
-                drop(queues);
-                drop(b);
-                drop(server);
-                let allocated = fs::metadata(&image).expect("image").blocks() * 512;
-                // Everything reads back as zero, whatever the backend did with the space.
-                let data = fs::read(&image).expect("read image");
-                assert!(
-                    data.iter().all(|&x| x == 0),
-                    "{}: image not all zero after the zero writes",
-                    backend.name()
-                );
+                let r = zero_fill_run(backend, &image, full, opts, vublk, work);
                 eprintln!(
-                    "run {} {} {:8} {secs:.3} s, {} MiB allocated",
+                    "run {} {} {:8} {:.3} s, {} MiB allocated",
                     run + 1,
                     if full { "fully-written" } else { "sparse" },
                     backend.name(),
-                    allocated >> 20
+                    r.secs,
+                    r.allocated >> 20
                 );
-                results[bi].push(FillResult { secs, allocated });
+                results[bi].push(r);
             }
         }
         for (bi, backend) in backends.iter().enumerate() {
@@ -1324,77 +1344,37 @@ fn zero_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
     }
 }
 
+/// `--fresh-file`: bytes written per run and write size (2 GiB: seconds of writing, so that
+/// the file system's allocation work, not the set-up, is what is measured).
+const FRESH_FILE_BYTES: u64 = 2 << 30;
+
+/// How `--fresh-file` prepares the new file before writing into it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FreshSpace {
+    /// Sized with `ftruncate`: every write fills a hole.
+    Holes,
+    /// Allocated with `fallocate`: every write lands in allocated (unwritten) space.
+    Fallocated,
+    /// Left empty: every write extends the file.
+    Extending,
+}
+
 /// Sequential O_DIRECT writes at depth 64 through io_uring into a fresh file, three ways.
 fn fresh_file(opts: &Opts, work: &Path) {
-    use io_uring::{opcode, types, IoUring};
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
-    const TOTAL: u64 = 2 << 30;
-    const DEPTH: usize = 64;
     let path = work.join("fresh-file.img");
     println!("\n| write size | into holes (IOPS) | into fallocated space | extending the file |");
     println!("|---|---:|---:|---:|");
     for bs in [16usize << 10, 64 << 10] {
         let mut row = Vec::new();
-        for mode in ["hole", "falloc", "extend"] {
-            let mut iops = Vec::new();
-            for _ in 0..opts.runs {
-                let _ = fs::remove_file(&path);
-                // SAFETY: plain system call.
-                unsafe { libc::sync() };
-                let f = fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .custom_flags(libc::O_DIRECT)
-                    .open(&path)
-                    .expect("create the probe file");
-                match mode {
-                    "hole" => f.set_len(TOTAL).expect("size"),
-                    "falloc" => {
-                        // SAFETY: plain system call on our fd.
-                        let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, TOTAL as i64) };
-                        assert_eq!(r, 0, "fallocate");
-                    }
-                    _ => {}
-                }
-                let mut ring = IoUring::new(256).expect("io_uring");
-                let layout = std::alloc::Layout::from_size_align(bs * DEPTH, 4096).expect("layout");
-                // SAFETY: non-zero size; freed below.
-                let buf = unsafe { std::alloc::alloc(layout) };
-                assert!(!buf.is_null());
-                // SAFETY: buf is bs * DEPTH bytes.
-                unsafe { std::ptr::write_bytes(buf, 0x5a, bs * DEPTH) };
-                let n = TOTAL / bs as u64;
-                let (mut next, mut done, mut inflight) = (0u64, 0u64, 0usize);
-                let t = Instant::now();
-                while done < n {
-                    while inflight < DEPTH && next < n {
-                        let slot = (next as usize) % DEPTH;
-                        // SAFETY: inside buf.
-                        let p = unsafe { buf.add(slot * bs) };
-                        let e = opcode::Write::new(types::Fd(f.as_raw_fd()), p, bs as u32)
-                            .offset(next * bs as u64)
-                            .build()
-                            .user_data(next);
-                        // SAFETY: the buffer outlives the operation (we reap all of them).
-                        unsafe { ring.submission().push(&e).expect("sq") };
-                        next += 1;
-                        inflight += 1;
-                    }
-                    ring.submit_and_wait(1).expect("submit");
-                    for c in ring.completion() {
-                        assert_eq!(c.result(), bs as i32, "short or failed write");
-                        done += 1;
-                        inflight -= 1;
-                    }
-                }
-                iops.push(n as f64 / t.elapsed().as_secs_f64());
-                // SAFETY: allocated above with this layout; no operation is in flight.
-                unsafe { std::alloc::dealloc(buf, layout) };
-            }
-            iops.sort_by(f64::total_cmp);
-            row.push(iops[iops.len() / 2]);
+        for space in [
+            FreshSpace::Holes,
+            FreshSpace::Fallocated,
+            FreshSpace::Extending,
+        ] {
+            let iops = (0..opts.runs)
+                .map(|_| fresh_file_iops(&path, bs, space, FRESH_FILE_BYTES))
+                .collect();
+            row.push(median(iops));
         }
         println!(
             "| {} KiB | {:.0} | {:.0} | {:.0} |",
@@ -1405,6 +1385,69 @@ fn fresh_file(opts: &Opts, work: &Path) {
         );
     }
     let _ = fs::remove_file(&path);
+}
+
+/// One `--fresh-file` run: `total_bytes` as sequential O_DIRECT writes of `bs` bytes at depth
+/// 64 through io_uring into a new file at `path`, prepared as `space` says; IOPS.
+fn fresh_file_iops(path: &Path, bs: usize, space: FreshSpace, total_bytes: u64) -> f64 {
+    use io_uring::{opcode, types, IoUring};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    const DEPTH: usize = 64;
+    let _ = fs::remove_file(path);
+    // SAFETY: plain system call.
+    unsafe { libc::sync() };
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .expect("create the probe file");
+    match space {
+        FreshSpace::Holes => f.set_len(total_bytes).expect("size"),
+        FreshSpace::Fallocated => {
+            // SAFETY: plain system call on our fd.
+            let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, total_bytes as i64) };
+            assert_eq!(r, 0, "fallocate");
+        }
+        FreshSpace::Extending => {}
+    }
+    let mut ring = IoUring::new(256).expect("io_uring");
+    let layout = std::alloc::Layout::from_size_align(bs * DEPTH, 4096).expect("layout");
+    // SAFETY: non-zero size; freed below.
+    let buf = unsafe { std::alloc::alloc(layout) };
+    assert!(!buf.is_null());
+    // SAFETY: buf is bs * DEPTH bytes.
+    unsafe { std::ptr::write_bytes(buf, 0x5a, bs * DEPTH) };
+    let n = total_bytes / bs as u64;
+    let (mut next, mut done, mut inflight) = (0u64, 0u64, 0usize);
+    let t = Instant::now();
+    while done < n {
+        while inflight < DEPTH && next < n {
+            let slot = (next as usize) % DEPTH;
+            // SAFETY: inside buf.
+            let p = unsafe { buf.add(slot * bs) };
+            let e = opcode::Write::new(types::Fd(f.as_raw_fd()), p, bs as u32)
+                .offset(next * bs as u64)
+                .build()
+                .user_data(next);
+            // SAFETY: the buffer outlives the operation (we reap all of them).
+            unsafe { ring.submission().push(&e).expect("sq") };
+            next += 1;
+            inflight += 1;
+        }
+        ring.submit_and_wait(1).expect("submit");
+        for c in ring.completion() {
+            assert_eq!(c.result(), bs as i32, "short or failed write");
+            done += 1;
+            inflight -= 1;
+        }
+    }
+    let iops = n as f64 / t.elapsed().as_secs_f64();
+    // SAFETY: allocated above with this layout; no operation is in flight.
+    unsafe { std::alloc::dealloc(buf, layout) };
+    iops
 }
 
 /// `--compress-fill` data: `len` bytes of a constant byte, or of the files under /usr.
@@ -1557,6 +1600,64 @@ struct CompressResult {
     cache_writes: Option<(u64, u64)>,
 }
 
+/// One `--compress-fill` run: `data` as 64 KiB writes at depth 8 through `backend` into a
+/// fresh qcow2 of its size (64 KiB clusters, compression type `ctype`), then FLUSH; the time to
+/// the FLUSH's completion, the image's size and the backend's writes.
+fn compress_fill_run(
+    backend: &Backend,
+    data: &[u8],
+    ctype: &str,
+    opts: &Opts,
+    vublk: &Path,
+    work: &Path,
+) -> CompressResult {
+    let default_image = work.join("compress-fill.qcow2");
+    let image = backend.image.as_deref().unwrap_or(&default_image);
+    if fs::remove_file(image).is_ok() {
+        // SAFETY: plain system call.
+        unsafe { libc::sync() };
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let st = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-o"])
+        .arg(format!("cluster_size=64k,compression_type={ctype}"))
+        .arg(image)
+        .arg(data.len().to_string())
+        .status()
+        .expect("qemu-img create");
+    assert!(st.success(), "qemu-img create {} failed", image.display());
+    let server = start_server(backend, image, opts, vublk, work);
+    let (mut b, mut queues) = connect_client(backend, &server, image, 1);
+    let pid = server.pid().expect("a server process");
+    let perf_out = work.join("compress-fill.perf");
+    let perf = start_write_count(pid, &perf_out);
+    let w0 = proc_writes(pid).unwrap_or_default();
+    let t0 = Instant::now();
+    write_data_through(&mut b, &mut queues[0], data);
+    let secs = t0.elapsed().as_secs_f64();
+    let w1 = proc_writes(pid).unwrap_or_default();
+    let pwrites = perf.and_then(|p| stop_write_count(p, &perf_out));
+    drop(queues);
+    drop(b);
+    drop(server);
+    let log = fs::read_to_string(work.join(format!("{}.log", backend.name()))).unwrap_or_default();
+    let cache_writes = log.split("compressed writes: ").find_map(|r| {
+        let (w, rest) = r.split_once(" writes of ")?;
+        let bytes = rest.split_whitespace().next()?;
+        Some((w.parse().ok()?, bytes.parse().ok()?))
+    });
+    let image_bytes = fs::metadata(image).expect("image").len();
+    CompressResult {
+        secs,
+        image_bytes,
+        // perf's count of positioned writes when it works; else every write system call
+        // (eventfd signals included).
+        syscw: pwrites.unwrap_or(w1.0 - w0.0),
+        wchar: w1.1 - w0.1,
+        cache_writes,
+    }
+}
+
 fn compress_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
     let size = opts.size - opts.size % (64 << 10);
     let mut rows = String::new();
@@ -1567,52 +1668,7 @@ fn compress_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
                 backends.iter().map(|_| Vec::new()).collect();
             for run in 0..opts.runs {
                 for (bi, backend) in backends.iter().enumerate() {
-                    let default_image = work.join("compress-fill.qcow2");
-                    let image = backend.image.as_deref().unwrap_or(&default_image);
-                    if fs::remove_file(image).is_ok() {
-                        // SAFETY: plain system call.
-                        unsafe { libc::sync() };
-                        std::thread::sleep(Duration::from_millis(500));
-                    }
-                    let st = Command::new("qemu-img")
-                        .args(["create", "-q", "-f", "qcow2", "-o"])
-                        .arg(format!("cluster_size=64k,compression_type={ctype}"))
-                        .arg(image)
-                        .arg(size.to_string())
-                        .status()
-                        .expect("qemu-img create");
-                    assert!(st.success(), "qemu-img create {} failed", image.display());
-                    let server = start_server(backend, image, opts, vublk, work);
-                    let (mut b, mut queues) = connect_client(backend, &server, image, 1);
-                    let pid = server.pid().expect("a server process");
-                    let perf_out = work.join("compress-fill.perf");
-                    let perf = start_write_count(pid, &perf_out);
-                    let w0 = proc_writes(pid).unwrap_or_default();
-                    let t0 = Instant::now();
-                    write_data_through(&mut b, &mut queues[0], &data);
-                    let secs = t0.elapsed().as_secs_f64();
-                    let w1 = proc_writes(pid).unwrap_or_default();
-                    let pwrites = perf.and_then(|p| stop_write_count(p, &perf_out));
-                    drop(queues);
-                    drop(b);
-                    drop(server);
-                    let log = fs::read_to_string(work.join(format!("{}.log", backend.name())))
-                        .unwrap_or_default();
-                    let cache_writes = log.split("compressed writes: ").find_map(|r| {
-                        let (w, rest) = r.split_once(" writes of ")?;
-                        let bytes = rest.split_whitespace().next()?;
-                        Some((w.parse().ok()?, bytes.parse().ok()?))
-                    });
-                    let image_bytes = fs::metadata(image).expect("image").len();
-                    let r = CompressResult {
-                        secs,
-                        image_bytes,
-                        // perf's count of positioned writes when it works; else every
-                        // write system call (eventfd signals included).
-                        syscw: pwrites.unwrap_or(w1.0 - w0.0),
-                        wchar: w1.1 - w0.1,
-                        cache_writes,
-                    };
+                    let r = compress_fill_run(backend, &data, ctype, opts, vublk, work);
                     eprintln!(
                         "run {} {kind} {ctype} {:10} {:.2} s, image {} MiB, {} write calls \
                          ({} MiB), compressed writes to the file {:?}",
@@ -1678,58 +1734,88 @@ fn compress_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
     }
 }
 
+/// `--parallels-fill` data: `len` bytes that are neither zero nor the same everywhere.
+fn parallels_data(len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u64).wrapping_mul(0x9e37_79b9) as u8 | 1)
+        .collect()
+}
+
+struct ParallelsResult {
+    secs: f64,
+    /// The file's size just before the backend closed it (preallocated tail included).
+    running_bytes: u64,
+    /// The file's size after the backend closed it.
+    closed_bytes: u64,
+}
+
+/// One `--parallels-fill` run: `data` as sequential 64 KiB writes at `depth` through
+/// `backend` into a fresh 64 GiB parallels image (64 KiB clusters), then FLUSH.
+fn parallels_fill_run(
+    backend: &Backend,
+    data: &[u8],
+    depth: usize,
+    opts: &Opts,
+    vublk: &Path,
+    work: &Path,
+) -> ParallelsResult {
+    let default_image = work.join("parallels-fill.img");
+    let image = backend.image.as_deref().unwrap_or(&default_image);
+    if fs::remove_file(image).is_ok() {
+        // SAFETY: plain system call.
+        unsafe { libc::sync() };
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let st = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "parallels", "-o", "cluster_size=64k"])
+        .arg(image)
+        .arg("64G")
+        .status()
+        .expect("qemu-img create");
+    assert!(st.success(), "qemu-img create {} failed", image.display());
+    let server = start_server(backend, image, opts, vublk, work);
+    let (mut b, mut queues) = connect_client(backend, &server, image, 1);
+    let t0 = Instant::now();
+    write_data_at_depth(&mut b, &mut queues[0], data, depth);
+    let secs = t0.elapsed().as_secs_f64();
+    let running_bytes = fs::metadata(image).expect("image").len();
+    drop(queues);
+    drop(b);
+    drop(server);
+    let closed_bytes = fs::metadata(image).expect("image").len();
+    ParallelsResult {
+        secs,
+        running_bytes,
+        closed_bytes,
+    }
+}
+
 fn parallels_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
     let size = opts.size - opts.size % (64 << 10);
-    // Data that is neither zero nor trivially the same everywhere.
-    let data: Vec<u8> = (0..size as usize)
-        .map(|i| (i as u64).wrapping_mul(0x9e37_79b9) as u8 | 1)
-        .collect();
+    let data = parallels_data(size as usize);
     let mut rows = String::new();
     for depth in [1usize, 8] {
-        let mut results: Vec<Vec<(f64, u64)>> = backends.iter().map(|_| Vec::new()).collect();
+        let mut results: Vec<Vec<ParallelsResult>> = backends.iter().map(|_| Vec::new()).collect();
         for run in 0..opts.runs {
             for (bi, backend) in backends.iter().enumerate() {
-                let default_image = work.join("parallels-fill.img");
-                let image = backend.image.as_deref().unwrap_or(&default_image);
-                if fs::remove_file(image).is_ok() {
-                    // SAFETY: plain system call.
-                    unsafe { libc::sync() };
-                    std::thread::sleep(Duration::from_millis(500));
-                }
-                let st = Command::new("qemu-img")
-                    .args(["create", "-q", "-f", "parallels", "-o", "cluster_size=64k"])
-                    .arg(image)
-                    .arg("64G")
-                    .status()
-                    .expect("qemu-img create");
-                assert!(st.success(), "qemu-img create {} failed", image.display());
-                let server = start_server(backend, image, opts, vublk, work);
-                let (mut b, mut queues) = connect_client(backend, &server, image, 1);
-                let t0 = Instant::now();
-                write_data_at_depth(&mut b, &mut queues[0], &data, depth);
-                let secs = t0.elapsed().as_secs_f64();
-                let running_size = fs::metadata(image).expect("image").len();
-                drop(queues);
-                drop(b);
-                drop(server);
-                let closed = fs::metadata(image).expect("image").len();
+                let r = parallels_fill_run(backend, &data, depth, opts, vublk, work);
                 eprintln!(
                     "run {} qd{depth} {:10} {:.2} s ({:.0} MB/s), file {} MiB while running, \
                      {} MiB after close",
                     run + 1,
                     backend.name(),
-                    secs,
-                    size as f64 / secs / 1e6,
-                    running_size >> 20,
-                    closed >> 20
+                    r.secs,
+                    size as f64 / r.secs / 1e6,
+                    r.running_bytes >> 20,
+                    r.closed_bytes >> 20
                 );
-                results[bi].push((secs, closed));
+                results[bi].push(r);
             }
         }
-        let base = median(results[0].iter().map(|r| r.0).collect());
+        let base = median(results[0].iter().map(|r| r.secs).collect());
         for (bi, backend) in backends.iter().enumerate() {
-            let secs = median(results[bi].iter().map(|r| r.0).collect());
-            let closed = median(results[bi].iter().map(|r| r.1 as f64).collect());
+            let secs = median(results[bi].iter().map(|r| r.secs).collect());
+            let closed = median(results[bi].iter().map(|r| r.closed_bytes as f64).collect());
             let _ = writeln!(
                 rows,
                 "| {depth} | {} | {secs:.2} | {:.0} | {:.2} | {:.0} |",
