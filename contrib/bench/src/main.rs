@@ -6,6 +6,7 @@
 //! arrays, latency samples) so that nothing is allocated per request.
 
 mod hop;
+mod seed_check;
 
 use std::fmt::Write as _;
 use std::fs::{self, File, OpenOptions};
@@ -14,14 +15,14 @@ use std::mem::MaybeUninit;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, ReqFlags};
 use clap::Parser;
 
 /// Side-by-side block benchmark through libblkio.
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(name = "vublk-bench")]
 struct Opts {
     /// Image file (created and fully written if missing or not fully allocated).
@@ -132,6 +133,20 @@ struct Opts {
     /// With --fresh-qcow2: the fresh images are overlays over this backing file (its size).
     #[arg(long)]
     fresh_backing: Option<PathBuf>,
+
+    /// Instead of workloads: the four seed gains (preallocation, detect-zeroes, the
+    /// compressed-write cache, parallels preallocation), each with its BENCHMARKS.md workload
+    /// and the vublk configurations its target compares, alternating run by run; prints each
+    /// row's speed-up, its target and "ok" or "BELOW TARGET", and exits with status 1 if a
+    /// row is below its target. The preallocation row also shows the file system's own gain.
+    /// Sizes are the seeds' own (--smoke shrinks them); --vublk picks the build to check.
+    #[arg(long, conflicts_with_all = [
+        "size", "backends", "workloads", "variants", "scaling", "list", "vublk_args",
+        "backend_queues", "zero_fill", "fresh_file", "compress_fill", "fill_data",
+        "compression_types", "parallels_fill", "zero_scan", "hop", "fresh_qcow2",
+        "fresh_backing",
+    ])]
+    seed_check: bool,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -874,7 +889,7 @@ fn machine_description() -> String {
     format!("{ncpu} x {cpu}, Linux {kernel}")
 }
 
-fn main() {
+fn main() -> ExitCode {
     let mut opts = Opts::parse();
     let mut workloads = standard_workloads();
     if opts.list {
@@ -888,7 +903,7 @@ fn main() {
                 w.name, w.pattern, w.dir, w.bs, w.depth, w.queues
             );
         }
-        return;
+        return ExitCode::SUCCESS;
     }
     if opts.scaling {
         workloads.extend(scaling_workloads());
@@ -924,29 +939,37 @@ fn main() {
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."));
+    if opts.seed_check {
+        return if seed_check::seed_check(&opts, &vublk, &work) {
+            ExitCode::SUCCESS
+        } else {
+            // A row below its target (a panic, when the check could not run, exits with 101).
+            ExitCode::FAILURE
+        };
+    }
     if opts.zero_scan {
         zero_scan();
-        return;
+        return ExitCode::SUCCESS;
     }
     if opts.hop {
         hop::hop();
-        return;
+        return ExitCode::SUCCESS;
     }
     if opts.fresh_file {
         fresh_file(&opts, &work);
-        return;
+        return ExitCode::SUCCESS;
     }
     if opts.zero_fill {
         zero_fill(&opts, &backends, &vublk, &work);
-        return;
+        return ExitCode::SUCCESS;
     }
     if opts.compress_fill {
         compress_fill(&opts, &backends, &vublk, &work);
-        return;
+        return ExitCode::SUCCESS;
     }
     if opts.parallels_fill {
         parallels_fill(&opts, &backends, &vublk, &work);
-        return;
+        return ExitCode::SUCCESS;
     }
     // Only fresh qcow2 images: the raw benchmark image is not needed (and may be large).
     let only_fresh = opts.fresh_qcow2
@@ -989,6 +1012,7 @@ fn main() {
     if let Some(p) = &opts.report {
         fs::write(p, &report).expect("write report");
     }
+    ExitCode::SUCCESS
 }
 
 /// The order of `n` backends in round `run`: as listed, or with `rotate` starting with the
