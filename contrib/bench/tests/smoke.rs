@@ -1,5 +1,5 @@
-//! A smoke run of the benchmark (a few hundred I/Os per workload and backend): the tool, the
-//! client and the backends work together. Not a performance test.
+//! Smoke runs of the benchmark (a few hundred I/Os per workload and backend, tiny sizes for
+//! --seed-check): the tool, the client and the backends work together. Not a performance test.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -15,7 +15,8 @@ fn vublk_binary() -> PathBuf {
     let p = dir.join("vublk");
     assert!(
         p.exists(),
-        "{} is missing: run the suite with `cargo test --workspace`, which builds it",
+        "{} is missing: run the suite with `cargo test --workspace`, which builds it (or \
+         build it first: `cargo build -p vublk`)",
         p.display()
     );
     p
@@ -73,4 +74,84 @@ fn smoke_run_reports_every_workload_for_every_backend() {
         );
     }
     let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// The verdict cell of a `--seed-check` table row (its last cell).
+fn verdict(row: &str) -> &str {
+    row.trim_end()
+        .trim_end_matches('|')
+        .rsplit('|')
+        .next()
+        .unwrap()
+        .trim()
+}
+
+#[test]
+fn seed_check_smoke_run_gives_every_seed_row_a_verdict() {
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-seed-check");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let report = tmp.join("seed-check.md");
+    let out = Command::new(env!("CARGO_BIN_EXE_vublk-bench"))
+        .args(["--seed-check", "--smoke", "--image"])
+        .arg(tmp.join("unused.img"))
+        .arg("--vublk")
+        .arg(vublk_binary())
+        .arg("--report")
+        .arg(&report)
+        .output()
+        .expect("run vublk-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // 0: every row met its target, 1: one did not (smoke sizes decide nothing); anything
+    // else is a check that did not run.
+    let code = out.status.code();
+    assert!(
+        code == Some(0) || code == Some(1),
+        "vublk-bench --seed-check failed ({:?}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let mut below = false;
+    for (seed, rows) in [("000", 1), ("002", 1), ("003", 2), ("004", 1)] {
+        let found: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with(&format!("| {seed} | ")))
+            .collect();
+        assert_eq!(found.len(), rows, "rows of seed {seed}:\n{stdout}");
+        for row in found {
+            let v = verdict(row);
+            assert!(
+                v == "ok" || v.starts_with("BELOW TARGET"),
+                "seed {seed}: no verdict in {row}"
+            );
+            below |= v != "ok";
+        }
+    }
+    assert!(
+        stdout.contains("the file system itself gains")
+            || verdict(stdout.lines().find(|l| l.starts_with("| 000 |")).unwrap()) == "ok",
+        "seed 000 below target without the file system's own gain:\n{stdout}"
+    );
+    assert_eq!(
+        code == Some(1),
+        below,
+        "exit status and verdicts disagree:\n{stdout}"
+    );
+    let written = std::fs::read_to_string(&report).expect("the --report file");
+    assert_eq!(written, stdout, "--report differs from what was printed");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+#[test]
+fn seed_check_refuses_options_it_would_ignore() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vublk-bench"))
+        .args(["--seed-check", "--size", "1G"])
+        .output()
+        .expect("run vublk-bench");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("'--seed-check' cannot be used with '--size"),
+        "{stderr}"
+    );
 }
