@@ -37,6 +37,9 @@ for t in "${tools[@]}"; do
 	read -r tool pkg <<<"$t"
 	command -v "$tool" >/dev/null 2>&1 || missing+=("$pkg")
 done
+# The guest's aio-verify (contrib/guest/aio-verify.c) is built static.
+command -v gcc >/dev/null 2>&1 || missing+=(gcc)
+ls /usr/lib/*/libc.a >/dev/null 2>&1 || missing+=(libc6-dev)
 # The guest tests boot the host's kernel image.
 ls /boot/vmlinuz-* >/dev/null 2>&1 || missing+=(linux-image-amd64)
 # librbd's headers for the `rbd` feature.

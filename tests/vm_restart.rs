@@ -20,7 +20,9 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{check_blocks, markers, read_log, ChildGuard, LineCollector, ScratchDir, MARK};
+use vm::{
+    check_blocks, markers, read_log, wait_listening, ChildGuard, LineCollector, ScratchDir, MARK,
+};
 
 const NUM_QUEUES: u32 = 2;
 const WRITERS: u64 = 4;
@@ -42,23 +44,6 @@ fn start_vublk(run: &Path, sock: &Path, image: &Path, n: usize) -> (ChildGuard, 
         vm::spawn_vublk(&format!("vublk-{n}"), &log, sock, image, NUM_QUEUES, &[]),
         log,
     )
-}
-
-/// Wait until the process logging to `log` listens (the socket file of a killed process
-/// is still there, so the file alone says nothing).
-fn wait_listening(p: &mut ChildGuard, log: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !read_log(log).contains("listening on") {
-        if let Ok(Some(st)) = p.try_wait() {
-            panic!("vublk exited ({st}) before listening:\n{}", read_log(log));
-        }
-        assert!(
-            Instant::now() < deadline,
-            "vublk did not listen:\n{}",
-            read_log(log)
-        );
-        thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// QEMU's copy of the inflight region (vublk made it with memfd_create("vublk-inflight")),

@@ -85,11 +85,17 @@ for t in "${TOOLS_EXTRA[@]}"; do
 	[ -x "$t" ] || die "VUBLK_E2E_EXTRA_TOOLS: $t is not executable"
 done
 
+# aio-verify (native AIO random writes, then read back and checked, as fio's libaio
+# engine with verify does): built static from its source here, /usr/bin/aio-verify in the
+# guest (E2E_MODE=aio-verify). Needs a C compiler with static libc (gcc, libc6-dev).
+AIO_VERIFY_SRC=$SCRIPT_DIR/aio-verify.c
+command -v gcc >/dev/null 2>&1 || skip "gcc (install gcc libc6-dev), to build aio-verify"
+
 # ---------------------------------------------------------------- cache
 fingerprint() {
 	echo "kver=$KVER pattern=$PATTERN_MIB novmlinux=${VUBLK_E2E_NO_VMLINUX:-}"
 	stat -Lc '%n %s %Y' "$BZIMAGE" "$MODDIR/modules.dep" "$BUSYBOX" "${TOOLS_REQUIRED[@]}" "${TOOLS_EXTRA[@]}"
-	sha256sum "$SELF" "$WORKLOAD"
+	sha256sum "$SELF" "$WORKLOAD" "$AIO_VERIFY_SRC"
 }
 KEY=$(fingerprint | sha256sum | cut -d' ' -f1)
 
@@ -294,6 +300,8 @@ head -c "$((PATTERN_MIB << 20))" /dev/urandom >"$STAGE/pattern.bin"
 cp "$STAGE/pattern.bin" "$ROOT/e2e/pattern.bin"
 cp "$WORKLOAD" "$ROOT/e2e/workload.sh"
 chmod +x "$ROOT/e2e/workload.sh"
+gcc -static -O2 -o "$ROOT/usr/bin/aio-verify" "$AIO_VERIFY_SRC" ||
+	die "building aio-verify from $AIO_VERIFY_SRC"
 
 cat >"$ROOT/init" <<'EOF'
 #!/bin/busybox sh

@@ -214,6 +214,28 @@ restart)
 	phase
 	exit 0
 	;;
+aio-verify)
+	# As fio --ioengine=libaio --rw=randwrite --bs=4k --direct=1 --verify does: E2E_AIO_WRITES
+	# (default 20000) random 4 KiB writes at depth E2E_AIO_DEPTH (default 16) over the first
+	# E2E_AIO_BYTES (default 256 MiB) of the device with native AIO, then every block
+	# written read back and checked (aio-verify, built from contrib/guest/aio-verify.c). An
+	# I/O outstanding for 30 s prints "STALL block=... outstanding_s=..." (every 30 s) while
+	# it keeps waiting; the host's deadline decides when waiting is a hang. Runs
+	# E2E_AIO_ROUNDS times (default 1), a new seed each.
+	rounds=${E2E_AIO_ROUNDS:-1}
+	r=1
+	while [ $r -le "$rounds" ]; do
+		phase "aio-verify-$r"
+		say "AIO-ROUND $r"
+		run aio-verify /usr/bin/aio-verify "$DEV" "${E2E_AIO_BYTES:-$((256 * MIB))}" \
+			"${E2E_AIO_WRITES:-20000}" "${E2E_AIO_DEPTH:-16}" "$r"
+		r=$((r + 1))
+	done
+	errors=$(/bin/busybox dmesg | grep -i -E 'i/o error|blk_update_request|timed out|timeout|reset' || true)
+	[ -z "$errors" ] || fail aio-dmesg "$(echo "$errors" | head -n 3 | tr '\n' ' ')"
+	phase
+	exit 0
+	;;
 resize)
 	# The host grows the disk online after RESIZE-WAIT: the size in sysfs must change
 	# within E2E_RESIZE_WAIT seconds (default 60); then the new last 4 KiB block is written

@@ -533,3 +533,20 @@ pub fn spawn_vublk(
         .stderr(f);
     ChildGuard::spawn(name, &mut cmd).unwrap()
 }
+
+/// Wait until the process logging to `log` listens (the socket file of a killed process
+/// is still there, so the file alone says nothing).
+pub fn wait_listening(p: &mut ChildGuard, log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !read_log(log).contains("listening on") {
+        if let Ok(Some(st)) = p.try_wait() {
+            panic!("vublk exited ({st}) before listening:\n{}", read_log(log));
+        }
+        assert!(
+            Instant::now() < deadline,
+            "vublk did not listen:\n{}",
+            read_log(log)
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+}
