@@ -13,21 +13,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::Value;
 
-fn ctl(sock: &Path, method: &str, args: &[&str]) -> (bool, Value, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .arg("ctl")
-        .arg("--control-socket")
-        .arg(sock)
-        .arg(method)
-        .args(args)
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    let v = serde_json::from_str(&out).unwrap_or(Value::Null);
-    (o.status.success(), v, err)
-}
-
 fn start(dir: &TestDir, img: &Path, queues: u32, extra: &[&str]) -> (Backend, PathBuf) {
     let sock = dir.join("ctl.sock");
     let mut args = vec!["--control-socket".to_string(), sock.display().to_string()];

@@ -423,18 +423,10 @@ fn a_take_back_that_fails_fails_requests_and_serves_once_the_image_is_free() {
     }
 }
 
-fn ctl_resize(ctl: &Path, size: u64) -> (bool, serde_json::Value, Duration) {
+fn ctl_resize(ctl_sock: &Path, size: u64) -> (bool, serde_json::Value, Duration) {
     let t0 = Instant::now();
-    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .arg("ctl")
-        .arg("--control-socket")
-        .arg(ctl)
-        .arg("resize")
-        .arg(size.to_string())
-        .output()
-        .unwrap();
-    let v = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
-    (o.status.success(), v, t0.elapsed())
+    let (ok, v, _) = ctl(ctl_sock, "resize", &[&size.to_string()]);
+    (ok, v, t0.elapsed())
 }
 
 /// A frontend that set up a backend channel but never reads it: with REPLY_ACK the first

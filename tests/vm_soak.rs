@@ -72,22 +72,10 @@ fn start(
     (p, log)
 }
 
-/// `vublk ctl resize SIZE` on `ctl`: the new size.
-fn resize(ctl: &Path, size: u64) -> u64 {
-    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .arg("ctl")
-        .arg("--control-socket")
-        .arg(ctl)
-        .arg("resize")
-        .arg(size.to_string())
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "resize to {size}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+/// `vublk ctl resize SIZE` on `ctl_sock`: the new size.
+fn resize(ctl_sock: &Path, size: u64) -> u64 {
+    let (ok, v, err) = common::ctl(ctl_sock, "resize", &[&size.to_string()]);
+    assert!(ok, "resize to {size}: {err}");
     v["size_bytes"].as_u64().unwrap()
 }
 

@@ -421,3 +421,20 @@ pub fn output_with_rlimit(
     cmd.output()
         .unwrap_or_else(|e| panic!("{:?}: {e}", cmd.get_program()))
 }
+
+/// `vublk ctl --control-socket SOCK METHOD ARGS...`: (exit 0, the JSON it printed or Null,
+/// its stderr).
+pub fn ctl(sock: &Path, method: &str, args: &[&str]) -> (bool, serde_json::Value, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .arg("ctl")
+        .arg("--control-socket")
+        .arg(sock)
+        .arg(method)
+        .args(args)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    let v = serde_json::from_str(&out).unwrap_or(serde_json::Value::Null);
+    (o.status.success(), v, err)
+}
