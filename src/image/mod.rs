@@ -518,6 +518,13 @@ impl Image {
         }
     }
 
+    /// Does publishing cost a sync nearly every time, so that completions are better
+    /// published in batches (`--compress-writes on`: each publish makes the unfinished
+    /// compressed run, its refcounts and L2 entries durable in order)?
+    pub fn publishes_in_batches(&self) -> bool {
+        matches!(&self.kind, Kind::Qcow2(d) if d.q.compress_writes())
+    }
+
     /// Are there pools at all (a queue then needs an inbox for their results)?
     pub fn has_pools(&self) -> bool {
         matches!(&self.kind, Kind::Qcow2(d) if d.cow_pool.is_some() || d.compress_pool.is_some())
