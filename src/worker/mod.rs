@@ -11,7 +11,8 @@
 //!    where O_DIRECT needs them, read-modify-write of sub-block writes);
 //! 5. completions are reaped here and accounted in `complete`, which writes the status
 //!    byte, gives back what the image lent (`end_write`), and frees the slot;
-//! 6. the used ring is updated and the guest signalled as EVENT_IDX allows.
+//! 6. the used ring is updated (the image's metadata first) and the guest signalled as
+//!    EVENT_IDX allows (`publish`).
 //!
 //! Host failures go through `failure`, the one place that maps them to a status and logs
 //! them (rate-limited). A queue's start (taking the image, inflight recovery) is in
@@ -22,6 +23,7 @@ mod failure;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
 pub mod poll;
+mod publish;
 mod read;
 mod slot;
 mod start;
@@ -60,12 +62,6 @@ type VringState = vhost_user_backend::VringState<GuestMemoryAtomic<Mem>>;
 /// How long a wait for another request (a fill, a pool job) sleeps before this queue
 /// reaps its own completions again: the request waited for is often this queue's own.
 const SELF_WAIT: Duration = Duration::from_micros(20);
-
-/// How long finished requests may wait for the pool's other jobs in flight, so that one
-/// publish covers them all, where publishing costs a sync (`Image::publishes_in_batches`),
-/// and how many may wait (a deep queue that keeps the pool busy publishes anyway).
-const BATCH_HOLD: Duration = Duration::from_millis(10);
-const BATCH_MAX: usize = 64;
 
 /// Per-queue counters, for logs and later stats.
 #[derive(Default, Debug, Clone, Copy)]
@@ -412,48 +408,6 @@ impl QueueWorker {
         self.resubmit.clear();
     }
 
-    /// Put finished requests on the used ring, each accounted in the inflight region; the
-    /// image's metadata they depend on reaches the file first (a process killed after this
-    /// leaves nothing the guest was told is written only in its memory).
-    fn publish_used(&mut self, state: &mut VringState) {
-        let index = self.index;
-        if self.deferred_used.is_empty() {
-            return;
-        }
-        self.held_since = None;
-        if let Err(e) = self.image.publish() {
-            log_limited!(
-                log::Level::Error,
-                "queue {index}: writing image metadata: {}",
-                crate::logging::error_chain(&e)
-            );
-        }
-        for (head, len) in self.deferred_used.drain(..) {
-            let mut publish = || match state.add_used(head, len) {
-                Ok(()) => Some(state.get_queue().next_used()),
-                Err(e) => {
-                    log_limited!(log::Level::Warn, "queue {index}: add_used: {e}");
-                    None
-                }
-            };
-            match self.inflight.as_mut() {
-                Some(t) => t.complete(head, publish),
-                None => {
-                    publish();
-                }
-            }
-        }
-        // The used ring's writes went through guest memory, which logged them at the ring's
-        // address; the frontend may have asked for them at another.
-        if let Some(at) = self.used_log {
-            if self.dev.dirty_log.load(Ordering::Acquire) {
-                let (_, _, used_bytes) = ring_bytes(state.get_queue().size());
-                let mem = self.mem.memory();
-                crate::guest_memory::mark_dirty(&mem, vm_memory::GuestAddress(at), used_bytes);
-            }
-        }
-    }
-
     /// Block until something in flight may have completed; false if waiting failed.
     fn wait_for_completion(&mut self) -> bool {
         if self.offloaded > 0 {
@@ -655,93 +609,6 @@ impl QueueWorker {
     fn pump(&mut self) {
         self.submit_engine();
         self.reap_deferred();
-    }
-
-    fn reap_and_complete(&mut self, vring: &Vring) {
-        loop {
-            self.reap_deferred();
-            // Completions may have queued follow-up operations (write-through syncs); the
-            // blocking engine finishes them at once, so reap again until nothing is ready.
-            self.submit_engine();
-            if !self.engine.has_completions() && !self.inbox_ready() {
-                break;
-            }
-        }
-        if self.deferred_used.is_empty() || self.hold_for_batch() {
-            return;
-        }
-        self.publish_and_signal(vring);
-    }
-
-    /// Put every finished request on the used ring and signal the guest.
-    fn publish_and_signal(&mut self, vring: &Vring) {
-        if self.deferred_used.is_empty() {
-            return;
-        }
-        let mut state = vring.get_mut();
-        self.publish_used(&mut state);
-        drop(state);
-        self.signal(vring);
-    }
-
-    /// Hold finished requests back while the pool still has jobs of this queue in flight,
-    /// where each publish costs a sync: one publish then covers the batch (the queue's
-    /// depth of compressed writes instead of the one or two each completion brings), at
-    /// most [`BATCH_HOLD`] and [`BATCH_MAX`] requests (a pool job in flight wakes the queue
-    /// when it is done).
-    fn hold_for_batch(&mut self) -> bool {
-        if self.offloaded == 0
-            || self.deferred_used.len() >= BATCH_MAX
-            || !self.image.publishes_in_batches()
-        {
-            self.held_since = None;
-            return false;
-        }
-        let since = *self.held_since.get_or_insert_with(Instant::now);
-        if since.elapsed() >= BATCH_HOLD {
-            self.held_since = None;
-            return false;
-        }
-        true
-    }
-
-    /// Reap the engine and the inbox and account completions; finished requests wait in
-    /// `deferred_used` for the caller to put them on the used ring.
-    fn reap_deferred(&mut self) {
-        self.engine.reap(&mut self.completions);
-        if let Some(inbox) = &self.inbox {
-            inbox.take(&mut self.completions);
-        }
-        while !self.completions.is_empty() {
-            let mut done = std::mem::take(&mut self.completions);
-            for c in done.drain(..) {
-                if let Some(x) = self.complete_op(c) {
-                    self.deferred_used.push(x);
-                }
-            }
-            // complete_op never queues completions itself, but keep any that appeared.
-            done.append(&mut self.completions);
-            if done.is_empty() {
-                self.completions = done;
-                break;
-            }
-            self.completions = done;
-        }
-    }
-
-    fn inbox_ready(&self) -> bool {
-        self.inbox.as_ref().is_some_and(|i| i.has())
-    }
-
-    fn signal(&self, vring: &Vring) {
-        match vring.needs_notification() {
-            Ok(true) | Err(_) => {
-                if let Err(e) = vring.signal_used_queue() {
-                    log::debug!("queue {}: signal: {e}", self.index);
-                }
-            }
-            Ok(false) => {}
-        }
     }
 }
 
