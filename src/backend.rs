@@ -27,6 +27,7 @@ use crate::inflight::{InflightRegion, QueueInflight};
 use crate::worker::QueueWorker;
 
 use crate::guest_memory::Mem;
+use crate::locks::Locked;
 
 #[cfg(any(test, feature = "testing"))]
 #[path = "backend_fuzz.rs"]
@@ -73,9 +74,7 @@ impl VhostUserBlkBackend {
 
     fn worker(&self, i: usize) -> Option<MutexGuard<'_, QueueWorker>> {
         // A poisoned worker means a bug already logged by the panic; keep serving others.
-        self.workers
-            .get(i)
-            .map(|w| w.lock().unwrap_or_else(|p| p.into_inner()))
+        self.workers.get(i).map(|w| w.locked())
     }
 
     /// Throttle timers to register with each queue's epoll loop.
@@ -225,11 +224,7 @@ impl VhostUserBackend for VhostUserBlkBackend {
     /// SET_BACKEND_REQ_FD: the channel on which an online resize is announced
     /// (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG).
     fn set_backend_req_fd(&self, backend: vhost::vhost_user::Backend) {
-        self.dev
-            .frontend_channel
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .set(backend);
+        self.dev.frontend_channel.locked().set(backend);
     }
 
     /// GET_INFLIGHT_FD: a new region for the frontend to keep (QEMU asks when it holds none:

@@ -28,6 +28,7 @@ use log::info;
 use serde_json::{json, Value};
 
 use crate::device::Device;
+use crate::locks::Locked;
 use crate::stats::QueueSnapshot;
 use crate::throttle::Limits;
 
@@ -183,7 +184,7 @@ struct Place {
 
 impl Clients {
     fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+        self.table.locked()
     }
 
     /// A place for `conn`: a free one, or the place of the client idle the longest, which is

@@ -20,6 +20,7 @@ use crate::config::{Config, Socket};
 use crate::device::{Device, DeviceParams};
 use crate::image::{Image, ImageOpenError};
 use crate::io::{Engine, SyncEngine, UringEngine};
+use crate::locks::Locked;
 use crate::worker::QueueWorker;
 
 /// Start-up failures; each names what the operator should check.
@@ -345,7 +346,7 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
         signal_name(sig)
     ));
     {
-        let mut p = phase.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = phase.locked();
         p.stop = true;
         match p.connection.take() {
             Some((h, backend)) => {
@@ -463,7 +464,7 @@ fn serve_loop(
             continue;
         }
         {
-            let mut p = phase.lock().unwrap_or_else(|e| e.into_inner());
+            let mut p = phase.locked();
             if p.stop {
                 daemon.request_shutdown();
             } else {
@@ -490,14 +491,11 @@ fn serve_loop(
         drop(daemon);
         dev.frontend_connected
             .store(false, std::sync::atomic::Ordering::Relaxed);
-        dev.frontend_channel
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .0 = None;
+        dev.frontend_channel.locked().0 = None;
         backend.drain_all();
         backend.log_stats();
         let stop = {
-            let mut p = phase.lock().unwrap_or_else(|e| e.into_inner());
+            let mut p = phase.locked();
             p.connection = None;
             p.stop
         };

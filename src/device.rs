@@ -8,6 +8,7 @@ use crate::image::handover::ImageSlot;
 use crate::image::{Image, ImageError, ImageOptions};
 use crate::io::align::DioAlign;
 use crate::io::ranges::RangeLocks;
+use crate::locks::Locked;
 use crate::virtio_blk::{DeviceLimits, ID_BYTES, SECTOR_SHIFT};
 use crate::zero::DetectZeroes;
 
@@ -195,7 +196,7 @@ impl Device {
 
     /// Grow the disk online to `new_bytes` (see [`Image::grow`]) and tell the frontend.
     pub fn resize(&self, new_bytes: Option<u64>) -> Result<ResizeOutcome, String> {
-        let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.resizing.locked();
         if self.params.read_only {
             return Err("the disk is served read-only".into());
         }
@@ -235,10 +236,7 @@ impl Device {
     /// config-space read).
     fn announce_config_change(&self) -> Option<bool> {
         let (ch, generation) = {
-            let cur = self
-                .frontend_channel
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let cur = self.frontend_channel.locked();
             (cur.0.clone()?, cur.1)
         };
         match ch.config_change() {
@@ -250,10 +248,7 @@ impl Device {
                     FRONTEND_CHANNEL_TIMEOUT.as_secs()
                 );
                 ch.set_failed(libc::EIO);
-                let mut cur = self
-                    .frontend_channel
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
+                let mut cur = self.frontend_channel.locked();
                 if cur.1 == generation {
                     // (Not a channel a new frontend has set meanwhile.)
                     cur.0 = None;

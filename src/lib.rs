@@ -33,6 +33,7 @@ pub mod http;
 pub mod image;
 pub mod inflight;
 pub mod io;
+pub mod locks;
 pub mod logging;
 pub mod metrics;
 pub mod nbd;

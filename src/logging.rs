@@ -5,6 +5,7 @@
 //! [`error_chain`]: an error with all its sources on one line (messages never repeat their
 //! source, so logging only the top one would lose the cause).
 
+use crate::locks::Locked;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -61,7 +62,7 @@ impl RateLimit {
     }
 
     fn check_at(&self, now: Instant) -> Option<u64> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.state.locked();
         let start = *st.window_start.get_or_insert(now);
         if now.duration_since(start) >= WINDOW {
             st.window_start = Some(now);

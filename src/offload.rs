@@ -11,6 +11,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use crate::io::Completion;
+use crate::locks::Locked;
 
 /// One piece of work; it reports its own result (see [`Inbox::post`]).
 pub type Job = Box<dyn FnOnce() + Send>;
@@ -51,7 +52,7 @@ impl Pool {
 
     /// Queue a job; gives it back if every thread is gone.
     pub fn submit(&self, job: Job) -> Result<(), Job> {
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = self.tx.locked();
         tx.send(job).map_err(|e| e.0)
     }
 }
@@ -59,7 +60,7 @@ impl Pool {
 fn run(rx: &Mutex<Receiver<Job>>) {
     loop {
         let job = {
-            let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
+            let rx = rx.locked();
             rx.recv()
         };
         match job {
@@ -105,7 +106,7 @@ impl Inbox {
     /// a burst of completions costs one wake-up.
     pub fn post(&self, c: Completion) {
         let was_ready = {
-            let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+            let mut done = self.done.locked();
             done.push(c);
             self.ready.swap(true, Ordering::AcqRel)
         };
@@ -131,14 +132,14 @@ impl Inbox {
         if !self.has() {
             return;
         }
-        let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let mut done = self.done.locked();
         self.ready.store(false, Ordering::Release);
         out.append(&mut done);
     }
 
     /// Block until something is posted, at most `timeout`.
     pub fn wait(&self, timeout: Duration) {
-        let done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let done = self.done.locked();
         if done.is_empty() {
             // Counted under the lock a post takes first: a post after this sees the waiter.
             self.waiters.fetch_add(1, Ordering::AcqRel);

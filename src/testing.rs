@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use crate::io::Storage;
+use crate::locks::Locked;
 
 /// How much an image may grow while being fuzzed.
 const MAX_GROWTH: u64 = 64 << 20;
@@ -28,7 +29,7 @@ impl MemStorage {
 
     /// The bytes as they are now.
     pub fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
-        self.bytes.lock().unwrap_or_else(|e| e.into_inner())
+        self.bytes.locked()
     }
 }
 
@@ -147,13 +148,13 @@ impl SimDisk {
 
     /// How many times the disk was synced.
     pub fn syncs(&self) -> u64 {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).syncs
+        self.state.locked().syncs
     }
 
     /// The disk after a power failure: the durable image plus the pending writes (in
     /// order) for which `survives()` says yes.
     pub fn crash(&self, mut survives: impl FnMut() -> bool) -> Vec<u8> {
-        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let st = self.state.locked();
         let mut img = st.durable.clone();
         for p in &st.pending {
             if survives() {
@@ -166,7 +167,7 @@ impl SimDisk {
 
 impl Storage for SimDisk {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let st = self.state.locked();
         let start = (offset as usize).min(st.current.len());
         let n = buf.len().min(st.current.len() - start);
         buf[..n].copy_from_slice(&st.current[start..start + n]);
@@ -174,7 +175,7 @@ impl Storage for SimDisk {
     }
 
     fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.state.locked();
         let p = Pending::Write(offset, buf.to_vec());
         apply(&mut st.current, &p);
         st.pending.push(p);
@@ -182,7 +183,7 @@ impl Storage for SimDisk {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.state.locked();
         let p = Pending::SetLen(len);
         apply(&mut st.current, &p);
         st.pending.push(p);
@@ -190,16 +191,11 @@ impl Storage for SimDisk {
     }
 
     fn size(&self) -> io::Result<u64> {
-        Ok(self
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .current
-            .len() as u64)
+        Ok(self.state.locked().current.len() as u64)
     }
 
     fn allocate(&self, offset: u64, len: u64) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.state.locked();
         let end = offset + len;
         if end > st.current.len() as u64 {
             let p = Pending::SetLen(end);
@@ -210,7 +206,7 @@ impl Storage for SimDisk {
     }
 
     fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.state.locked();
         let end = (offset + len).min(st.current.len() as u64);
         if offset < end {
             let p = Pending::Write(offset, vec![0; (end - offset) as usize]);
@@ -221,7 +217,7 @@ impl Storage for SimDisk {
     }
 
     fn sync_data(&self) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.state.locked();
         st.syncs += 1;
         let pending = std::mem::take(&mut st.pending);
         for p in &pending {

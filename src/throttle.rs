@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::locks::Locked;
 use serde::{Deserialize, Serialize};
 
 /// The limits, 0 meaning unlimited.
@@ -134,16 +135,13 @@ impl Throttle {
 
     /// New limits, in effect for the next request (buckets start full).
     pub fn set(&self, l: Limits) {
-        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let mut b = self.buckets.locked();
         *b = Buckets::new(l);
         self.on.store(!l.unlimited(), Ordering::Release);
     }
 
     pub fn limits(&self) -> Limits {
-        self.buckets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .limits
+        self.buckets.locked().limits
     }
 
     /// Is any limit set?
@@ -157,7 +155,7 @@ impl Throttle {
         if !self.on() {
             return Ok(());
         }
-        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let mut b = self.buckets.locked();
         let now = Instant::now();
         let secs = now.duration_since(b.last).as_secs_f64();
         b.last = now;

@@ -19,6 +19,7 @@ use log::info;
 
 use super::lock::LockError;
 use super::{Image, ImageError, ImageOpenError, ImageOptions};
+use crate::locks::Locked;
 
 /// How long taking the image at a queue's start waits for the other process to give up its
 /// lock: QEMU starts the destination's queues after the source's have stopped, so a lock
@@ -57,7 +58,7 @@ impl ImageSlot {
     }
 
     fn lock(&self) -> MutexGuard<'_, Arc<Image>> {
-        self.current.lock().unwrap_or_else(|e| e.into_inner())
+        self.current.locked()
     }
 
     /// The image as it is now (inactive ones serve nothing).

@@ -44,6 +44,7 @@ pub use open::{
 pub use qcow2::FillGate;
 pub use raw::{open_raw, OpenError, RawImage};
 
+use crate::locks::Locked;
 use crate::offload::Pool;
 use chain::Layer;
 use parallels::ParallelsImage;
@@ -725,7 +726,7 @@ impl Image {
 
     /// Give up the image's and its backing files' locks (a clean exit, after `close`).
     pub fn release_locks(&self) {
-        let mut l = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut l = self.lock.locked();
         l.release(&self.file);
         #[cfg(feature = "rbd")]
         if let Kind::Rbd(r) = &self.kind {
@@ -733,7 +734,7 @@ impl Image {
         }
         if let Kind::Qcow2(d) = &self.kind {
             for layer in &d.backing {
-                let mut l = layer.lock.lock().unwrap_or_else(|e| e.into_inner());
+                let mut l = layer.lock.locked();
                 l.release(&layer.file);
             }
         }

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::io::Storage;
+use crate::locks::Locked;
 
 /// What a write needs before it is issued.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -217,29 +218,28 @@ impl Background {
                 for (start, end) in rx {
                     let r =
                         preallocate(&file, PreallocMode::Falloc, start, end).map_err(|e| errno(&e));
-                    *done.lock().unwrap_or_else(|e| e.into_inner()) = Some((end, r));
+                    *done.locked() = Some((end, r));
                 }
             });
         if spawned.is_ok() {
-            *self.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+            *self.tx.locked() = Some(tx);
         }
     }
 
     pub fn active(&self) -> bool {
-        self.tx.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.tx.locked().is_some()
     }
 
     /// Hand an extension to the thread; false without one.
     pub fn start(&self, start: u64, end: u64) -> bool {
         self.tx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .as_ref()
             .is_some_and(|tx| tx.send((start, end)).is_ok())
     }
 
     pub fn take_done(&self) -> Option<ExtensionDone> {
-        self.done.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.done.locked().take()
     }
 
     /// Wait (at most [`BACKGROUND_WAIT`]) for the extension in flight (a clean close).

@@ -14,6 +14,7 @@ use super::lock::Locking;
 use super::open::{CephOptions, RbdCache};
 use super::{Image, ImageError, ImageOpenError, ImageOptions, Kind, RawFacts};
 use crate::io::align::DioAlign;
+use crate::locks::Locked;
 use crate::rbd::{Cluster, ConnectOptions, RbdError, RbdImage, RbdSpec};
 
 /// An RBD image being served.
@@ -173,15 +174,12 @@ impl RbdDisk {
     /// Call `f` (on a librbd thread) whenever the image's header changes in the cluster.
     pub(super) fn watch(&self, f: crate::rbd::UpdateFn) -> Result<(), String> {
         self.img.watch(f.clone()).map_err(|e| e.to_string())?;
-        *self.on_update.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+        *self.on_update.locked() = Some(f);
         Ok(())
     }
 
     pub(super) fn watcher(&self) -> Option<crate::rbd::UpdateFn> {
-        self.on_update
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.on_update.locked().clone()
     }
 
     /// Everything completed so far in the cluster.

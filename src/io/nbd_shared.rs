@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::{Completion, NbdEngine, Op};
+use crate::locks::Locked;
 use crate::offload::{Inbox, Mailbox};
 
 /// An operation on its way to the connection thread.
@@ -93,10 +94,7 @@ fn run(mut engine: NbdEngine, shared: std::sync::Weak<Shared>, wake: EventFd) {
             route(&mut got, &mut ids);
             continue;
         };
-        std::mem::swap(
-            &mut *s.queue.lock().unwrap_or_else(|e| e.into_inner()),
-            &mut taken,
-        );
+        std::mem::swap(&mut *s.queue.locked(), &mut taken);
         drop(s);
         for h in taken.drain(..) {
             next = next.wrapping_add(1);
@@ -137,15 +135,11 @@ impl NbdQueue {
     /// # Safety
     /// See [`super::Engine::push`].
     pub unsafe fn push(&mut self, op: &Op, user_data: u64) -> io::Result<()> {
-        self.conn
-            .queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Handed {
-                op: *op,
-                user_data,
-                to: self.mailbox.inbox().clone(),
-            });
+        self.conn.queue.locked().push(Handed {
+            op: *op,
+            user_data,
+            to: self.mailbox.inbox().clone(),
+        });
         self.conn.wake.write(1)
     }
 

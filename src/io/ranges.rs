@@ -4,6 +4,7 @@
 //!
 //! Only used when read-modify-write can happen at all; otherwise writes never touch it.
 
+use crate::locks::Locked;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -33,7 +34,7 @@ pub struct RangeLocks {
 
 impl RangeLocks {
     fn lock(&self) -> MutexGuard<'_, (u64, Vec<Entry>)> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+        self.entries.locked()
     }
 
     /// Take [start, end) as `holder` if nothing conflicting holds an overlapping range:

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use crate::io::Completion;
+use crate::locks::{Locked, RwLocked};
 use crate::offload::Inbox;
 /// `rbd:POOL/IMAGE[@SNAPSHOT]`, QEMU's pseudo-protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -302,7 +303,7 @@ impl RbdImage {
 
     /// The handle, held open for the caller's call; an error once the image is closed.
     fn opened(&self) -> Result<RwLockReadGuard<'_, bool>, RbdError> {
-        let g = self.open.read().unwrap_or_else(|e| e.into_inner());
+        let g = self.open.read_locked();
         if !*g {
             return Err(RbdError {
                 what: "the image is closed".into(),
@@ -325,7 +326,7 @@ impl RbdImage {
     /// its last user. Later calls on the image fail (ESHUTDOWN). Idempotent.
     pub fn close(&self) {
         self.unwatch();
-        let mut open = self.open.write().unwrap_or_else(|e| e.into_inner());
+        let mut open = self.open.write_locked();
         if !*open {
             return;
         }
@@ -404,7 +405,7 @@ impl RbdImage {
     /// the first).
     pub fn watch(&self, f: UpdateFn) -> Result<(), RbdError> {
         let _open = self.opened()?;
-        let mut w = self.watch.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self.watch.locked();
         if w.is_some() {
             return Ok(());
         }
@@ -425,7 +426,7 @@ impl RbdImage {
 
     fn unwatch(&self) {
         let Ok(_open) = self.opened() else { return };
-        let mut w = self.watch.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self.watch.locked();
         if let Some((handle, arg)) = w.take() {
             // SAFETY: our image and the handle rbd_update_watch gave; after it returns librbd
             // calls the callback no more, so its argument can go.

@@ -32,6 +32,7 @@ pub use super::prealloc::PreallocMode;
 use super::{ImageError, ZeroMode};
 use crate::io::aligned::{read_aligned, write_all_aligned, write_unaligned};
 use crate::io::Storage;
+use crate::locks::Locked;
 use used::UsedClusters;
 
 pub const MAGIC_OLD: &[u8; 16] = b"WithoutFreeSpace";
@@ -313,7 +314,10 @@ impl ParallelsImage {
             trimmed_at_open: 0,
         };
         if writable {
-            let st = img.state.get_mut().unwrap_or_else(|e| e.into_inner());
+            let st = img
+                .state
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             // Nothing past the last used cluster is referenced: a tail a crash left behind
             // (or an old preallocation) goes.
             if file_size > st.data_end {
@@ -336,7 +340,7 @@ impl ParallelsImage {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// The preallocation mode in use (`Falloc` once truncate turned out unsupported).

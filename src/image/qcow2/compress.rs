@@ -13,6 +13,7 @@ use super::refcount::{refcount_max, RefChange};
 use super::{CompressOptions, Compression, ImageError, Qcow2Image, WriteState};
 use crate::io::aligned::{read_aligned, write_all_aligned, write_unaligned};
 use crate::io::Storage;
+use crate::locks::Locked;
 
 /// `--compressed-cache-size` default, in host clusters.
 pub const DEFAULT_COMPRESSED_CACHE_CLUSTERS: usize = 16;
@@ -69,7 +70,7 @@ impl CompCache {
     }
 
     fn lock(&self) -> MutexGuard<'_, CacheState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 }
 
@@ -373,11 +374,7 @@ impl Qcow2Image {
         let mut cache = self.comp.lock();
         // Their threads do not need the allocation lock to finish.
         while !cache.writing.is_empty() {
-            cache = self
-                .comp
-                .written
-                .wait(cache)
-                .unwrap_or_else(|e| e.into_inner());
+            cache = crate::locks::wait(&self.comp.written, cache);
         }
         if cache.failed {
             return Err(ImageError::CompressedDataLost);

@@ -24,6 +24,7 @@ use crate::io::aligned::write_all_aligned;
 use crate::io::bounce::AlignedBuf;
 use crate::io::ranges::{Holder, RangeLocks};
 use crate::io::Storage;
+use crate::locks::Locked;
 
 /// Where a write planned into fresh clusters goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,7 +85,7 @@ impl Fills {
 
     fn end(&self) {
         if self.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 {
-            let _g = self.drained.0.lock().unwrap_or_else(|e| e.into_inner());
+            let _g = self.drained.0.locked();
             self.drained.1.notify_all();
         }
     }
@@ -108,7 +109,7 @@ impl FillGate {
         if timeout.is_zero() {
             return false;
         }
-        let g = f.drained.0.lock().unwrap_or_else(|e| e.into_inner());
+        let g = f.drained.0.locked();
         if f.in_flight.load(Ordering::SeqCst) == 0 {
             return true;
         }
@@ -134,12 +135,12 @@ pub(super) struct CowClusters {
 
 impl CowClusters {
     pub(super) fn lock(&self) -> MutexGuard<'_, HashSet<u64>> {
-        self.busy.lock().unwrap_or_else(|e| e.into_inner())
+        self.busy.locked()
     }
 
     /// Wait (with the allocation lock dropped) until a cluster leaves the set.
     pub(super) fn wait<'a>(&self, busy: MutexGuard<'a, HashSet<u64>>) {
-        drop(self.done.wait(busy).unwrap_or_else(|e| e.into_inner()));
+        drop(crate::locks::wait(&self.done, busy));
     }
 
     /// `n` guest clusters from `first` (clusters of `c` bytes) are done.
@@ -407,7 +408,7 @@ impl Qcow2Image {
         let in_cl = (offset - cl_start) as usize;
         let n = data.len();
         let (new, reused) = loop {
-            let mut ws = ws_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let mut ws = ws_lock.locked();
             let busy = self.cow.lock();
             if busy.contains(&cl_start) {
                 drop(ws);
@@ -451,7 +452,7 @@ impl Qcow2Image {
             }
         })();
         // Infallible from here: the cluster must leave `cow` whatever happens.
-        let mut ws = ws_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ws = ws_lock.locked();
         let installed = io.and_then(|durable| {
             let cur = self.l2_entry(file, cl_start)?;
             let l2 = self.ensure_l2(&mut ws, file, cl_start)?;

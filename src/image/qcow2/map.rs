@@ -5,6 +5,7 @@
 use super::{ImageError, Qcow2Image, WriteState};
 use crate::io::aligned::{write_all_aligned, write_unaligned};
 use crate::io::Storage;
+use crate::locks::RwLocked;
 
 /// L1 entry: offset of the L2 table.
 pub(super) const L1_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
@@ -76,13 +77,7 @@ impl Qcow2Image {
     /// The (validated) L2 table offset for `guest_offset`; None when the L1 entry is empty.
     pub(super) fn l2_table_offset(&self, guest_offset: u64) -> Result<Option<u64>, ImageError> {
         let l1_index = (guest_offset >> (self.cluster_bits + self.l2_bits)) as usize;
-        let Some(l1e) = self
-            .l1
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(l1_index)
-            .copied()
-        else {
+        let Some(l1e) = self.l1.read_locked().get(l1_index).copied() else {
             return Err(ImageError::Corrupt("guest offset beyond the L1 table"));
         };
         let l2_offset = l1e & L1_OFFSET_MASK;
@@ -209,8 +204,7 @@ impl Qcow2Image {
         let l1_index = (guest_offset >> (self.cluster_bits + self.l2_bits)) as usize;
         let l1e = self
             .l1
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .get(l1_index)
             .copied()
             .ok_or(ImageError::Corrupt("guest offset beyond the L1 table"))?;
@@ -301,12 +295,7 @@ impl Qcow2Image {
             self.meta_chunk(),
         )
         .map_err(ImageError::Io)?;
-        if let Some(e) = self
-            .l1
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_mut(l1_index)
-        {
+        if let Some(e) = self.l1.write_locked().get_mut(l1_index) {
             *e = entry;
         }
         Ok(())

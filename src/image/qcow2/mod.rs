@@ -60,6 +60,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use super::prealloc::{Background, Prealloc, PreallocParams};
 use super::ImageError;
+use crate::locks::{Locked, RwLocked};
 
 pub use compress::DEFAULT_COMPRESSED_CACHE_CLUSTERS;
 pub use cow::{CowInstall, Fill, FillGate, FreshWrite};
@@ -312,25 +313,19 @@ impl Qcow2Image {
     /// The allocation lock (None: read-only image).
     fn lock_write(&self) -> Result<std::sync::MutexGuard<'_, WriteState>, ImageError> {
         let ws = self.write.as_ref().ok_or(ImageError::ReadOnly)?;
-        Ok(ws.lock().unwrap_or_else(|e| e.into_inner()))
+        Ok(ws.locked())
     }
 
     fn lock_l2(&self) -> std::sync::MutexGuard<'_, l2cache::L2Cache> {
-        self.l2_cache.lock().unwrap_or_else(|e| e.into_inner())
+        self.l2_cache.locked()
     }
 
     fn is_metadata(&self, host_cluster: u64) -> bool {
-        self.metadata
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(host_cluster)
+        self.metadata.read_locked().contains(host_cluster)
     }
 
     fn note_metadata(&self, host_cluster: u64) {
-        self.metadata
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(host_cluster);
+        self.metadata.write_locked().insert(host_cluster);
     }
 
     /// Metadata is rewritten in blocks of this size: never more than one cluster.

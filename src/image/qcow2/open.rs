@@ -26,6 +26,7 @@ use super::{
 use crate::image::prealloc::{Background, Prealloc};
 use crate::io::aligned::read_aligned;
 use crate::io::Storage;
+use crate::locks::RwLocked;
 
 /// Most internal snapshots an image may have (QEMU's limit).
 const MAX_SNAPSHOTS: u32 = 65536;
@@ -219,8 +220,7 @@ impl Qcow2Image {
             let most = self.tail_scan_tables();
             let tables: Vec<u64> = self
                 .l1
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
+                .read_locked()
                 .iter()
                 .map(|e| e & L1_OFFSET_MASK)
                 .filter(|&t| t != 0)
@@ -297,8 +297,7 @@ impl Qcow2Image {
         }
         let tables: Vec<u64> = self
             .l1
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .iter()
             .map(|e| e & L1_OFFSET_MASK)
             .filter(|&t| t != 0)
@@ -308,12 +307,7 @@ impl Qcow2Image {
             return Ok(end);
         }
         // The end of the last cluster anything refers to: metadata, or an L2 entry.
-        let mut in_use = self
-            .metadata
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .end()
-            .max(c);
+        let mut in_use = self.metadata.read_locked().end().max(c);
         for &t in &tables {
             for e in self.read_l2(file, t)? {
                 let end_of = if e & L2_COMPRESSED != 0 {

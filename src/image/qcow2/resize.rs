@@ -9,6 +9,7 @@ use super::{ImageError, Qcow2Image, MAX_L1_BYTES};
 use crate::io::aligned::{write_all_aligned, write_unaligned};
 use crate::io::bounce::AlignedBuf;
 use crate::io::Storage;
+use crate::locks::RwLocked;
 
 impl Qcow2Image {
     /// Grow the guest-visible size to `new` bytes (larger than now; the caller checks).
@@ -34,7 +35,7 @@ impl Qcow2Image {
             )));
         }
         let cluster = self.cluster_size();
-        let old: Vec<u64> = self.l1.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let old: Vec<u64> = self.l1.read_locked().clone();
         let old_len = old.len() as u64;
         let old_clusters = (old_len * 8).div_ceil(cluster).max(1);
         let room = old_clusters * cluster / 8;
@@ -82,7 +83,7 @@ impl Qcow2Image {
         write_unaligned(file, off::SIZE as u64, &fields, chunk).map_err(ImageError::Io)?;
         file.sync_data().map_err(ImageError::Io)?;
         {
-            let mut l1 = self.l1.write().unwrap_or_else(|e| e.into_inner());
+            let mut l1 = self.l1.write_locked();
             l1.resize(l1_size as usize, 0);
             self.l1_offset.store(offset, Ordering::Release);
         }

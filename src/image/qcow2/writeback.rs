@@ -6,6 +6,7 @@ use super::alloc::SIZE_STEP;
 use super::refcount::{RefChange, MAX_DIRTY_REFCOUNT_CHUNKS};
 use super::{ImageError, Qcow2Image, WriteState};
 use crate::io::Storage;
+use crate::locks::Locked;
 
 impl Qcow2Image {
     /// Write back dirty metadata in dependency order; the caller syncs the file afterwards
@@ -136,7 +137,7 @@ impl Qcow2Image {
         file: &dyn Storage,
         release: bool,
     ) -> Result<(), ImageError> {
-        let _io = self.write_back_io.lock().unwrap_or_else(|e| e.into_inner());
+        let _io = self.write_back_io.locked();
         let (covers, copies) = self.prepare_write_back(ws, file)?;
         self.write_chunk_copies(file, copies)?;
         // Everything changed before `covers` is in the file now.
