@@ -391,7 +391,7 @@ pub enum Command {
     /// Create a new raw, qcow2 or parallels image (never overwrites).
     Create(CreateArgs),
     /// Call a running vublk's control socket: `vublk ctl --control-socket PATH METHOD
-    /// [--name value ...]`; prints the JSON result (exit 0) or the error (exit 1).
+    /// [OPTIONS]`; prints the JSON result (exit 0) or the error (exit 1).
     Ctl(CtlArgs),
     /// Write the files a package installs beside the binary into DIR: the man page
     /// (vublk.1.gz), shell completions (bash, zsh, fish) and QEMU's vhost-user backend
@@ -410,19 +410,90 @@ pub struct GenerateArgs {
     pub binary: PathBuf,
 }
 
-/// `vublk ctl` options.
+/// `vublk ctl` options: the socket, and the method as a subcommand.
 #[derive(Debug, clap::Args)]
+#[command(subcommand_required = true, arg_required_else_help = true)]
 pub struct CtlArgs {
-    /// The daemon's `--control-socket`.
-    #[arg(long, value_name = "PATH")]
-    pub control_socket: PathBuf,
-    /// version, status, stats, flush, get-throttle, set-throttle, resize; or top (a live
-    /// view of IOPS, throughput, latency and in-flight requests per queue; `--once`: one
-    /// frame as text; `--interval SECS`: default 1).
-    pub method: String,
-    /// Parameters: `--iops 400`, `--read-bps 1048576`, ... (set-throttle).
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-    pub args: Vec<String>,
+    /// The daemon's `--control-socket` (before or after the method).
+    #[arg(long, value_name = "PATH", global = true)]
+    pub control_socket: Option<PathBuf>,
+    #[command(subcommand)]
+    pub method: CtlMethod,
+}
+
+/// The control methods (README, "The control socket").
+#[derive(Debug, Subcommand)]
+pub enum CtlMethod {
+    /// The daemon's name and version.
+    Version,
+    /// The image, its size and format, whether it is active here and a frontend connected,
+    /// queues, uptime.
+    Status,
+    /// Request counters per queue and in total (requests, bytes, latency, errors, in
+    /// flight and the oldest request's age, wake-ups, polling) and the features' counters.
+    Stats {
+        /// Also each latency histogram's buckets (bucket i: requests under 2^i us).
+        #[arg(long)]
+        histograms: bool,
+    },
+    /// Write back all metadata and sync the file; answers once it is durable.
+    Flush,
+    /// Grow the disk online to SIZE (bytes, or with K, M, G, T) and tell the frontend;
+    /// without SIZE, a block device's or RBD image's size now.
+    Resize {
+        /// The new size.
+        size: Option<String>,
+    },
+    /// The I/O limits in effect.
+    GetThrottle,
+    /// Change the I/O limits (0: unlimited; the limits not named stay).
+    SetThrottle(ThrottleArgs),
+    /// A live view of IOPS, throughput, latency and requests in flight per queue and in
+    /// total, refreshed every interval (q, Esc or Ctrl-C quits).
+    Top {
+        /// One frame as plain text, for scripts (needs no terminal).
+        #[arg(long)]
+        once: bool,
+        /// Seconds between frames (0.1-3600).
+        #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = top_interval)]
+        interval: f64,
+    },
+    /// Any other method (a newer daemon's): sent as it is, `--name value` pairs as its
+    /// parameters.
+    #[command(external_subcommand)]
+    Other(Vec<String>),
+}
+
+/// `vublk ctl set-throttle` limits (per second; 0 = unlimited; a negative number is
+/// refused naming the limit, not taken for an option).
+#[derive(Debug, clap::Args)]
+#[command(arg_required_else_help = true)]
+pub struct ThrottleArgs {
+    /// Reads and writes together.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub iops: Option<u64>,
+    /// Bytes read and written together.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub bps: Option<u64>,
+    /// Reads.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub read_iops: Option<u64>,
+    /// Writes.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub write_iops: Option<u64>,
+    /// Bytes read.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub read_bps: Option<u64>,
+    /// Bytes written.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub write_bps: Option<u64>,
+}
+
+fn top_interval(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.1..=3600.0).contains(&v) => Ok(v),
+        _ => Err("seconds from 0.1 to 3600".into()),
+    }
 }
 
 /// `vublk create` options.

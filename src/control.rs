@@ -572,25 +572,72 @@ pub fn client(socket: &Path, method: &str, params: Value) -> Result<Value, Strin
     Ok(v.get("result").cloned().unwrap_or(Value::Null))
 }
 
-/// `vublk ctl` arguments after the method: `--name value` pairs become `{"name": value}`
-/// (dashes as underscores; integers as numbers), a lone positional argument of `resize`
-/// becomes `{"size": ...}`.
-pub fn params_from_args(method: &str, args: &[String]) -> Result<Value, String> {
+/// The request `vublk ctl METHOD ...` sends: the method's name and its parameters.
+pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String> {
+    use crate::args::CtlMethod as M;
+    let name = |n: &str| n.to_owned();
+    Ok(match m {
+        M::Version => (name("version"), Value::Null),
+        M::Status => (name("status"), Value::Null),
+        M::Stats { histograms } => (
+            name("stats"),
+            if *histograms {
+                json!({"histograms": true})
+            } else {
+                Value::Null
+            },
+        ),
+        M::Flush => (name("flush"), Value::Null),
+        M::Resize { size } => (
+            name("resize"),
+            match size {
+                Some(s) => json!({ "size": s }),
+                None => Value::Null,
+            },
+        ),
+        M::GetThrottle => (name("get-throttle"), Value::Null),
+        M::SetThrottle(t) => {
+            let mut p = serde_json::Map::new();
+            for (k, v) in [
+                ("iops", t.iops),
+                ("bps", t.bps),
+                ("read_iops", t.read_iops),
+                ("write_iops", t.write_iops),
+                ("read_bps", t.read_bps),
+                ("write_bps", t.write_bps),
+            ] {
+                if let Some(v) = v {
+                    p.insert(k.into(), v.into());
+                }
+            }
+            (name("set-throttle"), Value::Object(p))
+        }
+        M::Top { .. } => return Err("top is not a request".into()),
+        M::Other(words) => {
+            let (method, args) = words.split_first().ok_or_else(|| "no method".to_owned())?;
+            (method.clone(), params_from_args(args)?)
+        }
+    })
+}
+
+/// Parameters of a method the client does not know (`vublk ctl OTHER --name value ...`):
+/// `--name value` pairs become `{"name": value}` (dashes as underscores; integers as
+/// numbers).
+fn params_from_args(args: &[String]) -> Result<Value, String> {
     let mut m = serde_json::Map::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        if let Some(name) = a.strip_prefix("--") {
-            let v = it.next().ok_or_else(|| format!("{a}: needs a value"))?;
-            let val = v
-                .parse::<u64>()
-                .map(Value::from)
-                .unwrap_or_else(|_| Value::from(v.as_str()));
-            m.insert(name.replace('-', "_"), val);
-        } else if method == "resize" && !m.contains_key("size") {
-            m.insert("size".into(), Value::from(a.as_str()));
-        } else {
-            return Err(format!("unexpected argument {a:?}"));
-        }
+        let Some(name) = a.strip_prefix("--") else {
+            return Err(format!(
+                "unexpected argument {a:?} (parameters are --name value)"
+            ));
+        };
+        let v = it.next().ok_or_else(|| format!("{a}: needs a value"))?;
+        let val = v
+            .parse::<u64>()
+            .map(Value::from)
+            .unwrap_or_else(|_| Value::from(v.as_str()));
+        m.insert(name.replace('-', "_"), val);
     }
     Ok(Value::Object(m))
 }
@@ -681,20 +728,41 @@ mod tests {
     }
 
     #[test]
-    fn ctl_arguments_become_params() {
+    fn ctl_methods_become_requests() {
+        use crate::args::{Args, Command};
+        use clap::Parser;
+        let req = |words: &[&str]| {
+            let a = Args::try_parse_from(
+                ["vublk", "ctl", "--control-socket", "/s"]
+                    .iter()
+                    .chain(words),
+            )
+            .map_err(|e| e.to_string())?;
+            let Some(Command::Ctl(c)) = a.command else {
+                return Err("not ctl".into());
+            };
+            request_of(&c.method)
+        };
         assert_eq!(
-            params_from_args("set-throttle", &["--iops".into(), "400".into()]).unwrap(),
-            json!({"iops": 400})
+            req(&["set-throttle", "--iops", "400"]).unwrap(),
+            ("set-throttle".into(), json!({"iops": 400}))
         );
         assert_eq!(
-            params_from_args("set-throttle", &["--read-bps".into(), "1M".into()]).unwrap(),
-            json!({"read_bps": "1M"})
+            req(&["resize", "10G"]).unwrap(),
+            ("resize".into(), json!({"size": "10G"}))
         );
         assert_eq!(
-            params_from_args("resize", &["10G".into()]).unwrap(),
-            json!({"size": "10G"})
+            req(&["stats", "--histograms"]).unwrap(),
+            ("stats".into(), json!({"histograms": true}))
         );
-        assert!(params_from_args("stats", &["x".into()]).is_err());
-        assert!(params_from_args("stats", &["--x".into()]).is_err());
+        // A method this client does not know goes as it is.
+        assert_eq!(
+            req(&["new-method", "--some-thing", "7", "--x", "y"]).unwrap(),
+            ("new-method".into(), json!({"some_thing": 7, "x": "y"}))
+        );
+        assert!(req(&["new-method", "loose"]).is_err());
+        assert!(req(&["set-throttle", "--bogus", "3"]).is_err());
+        assert!(req(&["set-throttle", "--iops", "-3"]).is_err());
+        assert!(req(&["stats", "extra"]).is_err());
     }
 }

@@ -57,29 +57,7 @@ fn main() -> ExitCode {
         };
     }
     if let Some(vublk::args::Command::Ctl(c)) = &args.command {
-        if c.method == "top" {
-            return top(&c.control_socket, &c.args);
-        }
-        let params = match vublk::control::params_from_args(&c.method, &c.args) {
-            Ok(p) => p,
-            Err(msg) => {
-                eprintln!("vublk ctl: {msg}");
-                return ExitCode::from(EXIT_USAGE);
-            }
-        };
-        return match vublk::control::client(&c.control_socket, &c.method, params) {
-            Ok(v) => {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string())
-                );
-                ExitCode::SUCCESS
-            }
-            Err(msg) => {
-                eprintln!("vublk ctl: {msg}");
-                ExitCode::FAILURE
-            }
-        };
+        return ctl(c);
     }
     if args.print_capabilities {
         println!("{}", capabilities_json());
@@ -111,36 +89,39 @@ fn main() -> ExitCode {
     }
 }
 
-/// `vublk ctl --control-socket PATH top [--once] [--interval SECS]`.
-fn top(socket: &std::path::Path, args: &[String]) -> ExitCode {
-    let mut once = false;
-    let mut interval = std::time::Duration::from_secs(1);
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--once" => once = true,
-            "--interval" => {
-                let secs = it.next().and_then(|v| v.parse::<f64>().ok());
-                match secs {
-                    Some(s) if (0.1..=3600.0).contains(&s) => {
-                        interval = std::time::Duration::from_secs_f64(s)
-                    }
-                    _ => {
-                        eprintln!("vublk ctl top: --interval SECS: 0.1 to 3600");
-                        return ExitCode::from(EXIT_USAGE);
-                    }
-                }
+/// `vublk ctl --control-socket PATH METHOD ...`: one request, its JSON result printed (exit
+/// 0) or its error (exit 1); `top`, the live view.
+fn ctl(c: &vublk::args::CtlArgs) -> ExitCode {
+    let Some(socket) = &c.control_socket else {
+        eprintln!("vublk ctl: --control-socket PATH is needed (the daemon's --control-socket)");
+        return ExitCode::from(EXIT_USAGE);
+    };
+    if let vublk::args::CtlMethod::Top { once, interval } = c.method {
+        return match vublk::top::run(socket, once, std::time::Duration::from_secs_f64(interval)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(msg) => {
+                eprintln!("vublk ctl top: {msg}");
+                ExitCode::FAILURE
             }
-            other => {
-                eprintln!("vublk ctl top: unexpected argument {other:?} (--once, --interval SECS)");
-                return ExitCode::from(EXIT_USAGE);
-            }
-        }
+        };
     }
-    match vublk::top::run(socket, once, interval) {
-        Ok(()) => ExitCode::SUCCESS,
+    let (method, params) = match vublk::control::request_of(&c.method) {
+        Ok(r) => r,
         Err(msg) => {
-            eprintln!("vublk ctl top: {msg}");
+            eprintln!("vublk ctl: {msg}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    match vublk::control::client(socket, &method, params) {
+        Ok(v) => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string())
+            );
+            ExitCode::SUCCESS
+        }
+        Err(msg) => {
+            eprintln!("vublk ctl: {msg}");
             ExitCode::FAILURE
         }
     }
