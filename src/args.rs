@@ -4,6 +4,14 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+pub use crate::device::{CacheMode, DiscardMode};
+pub use crate::image::lock::Locking;
+pub use crate::image::prealloc::PreallocMode;
+pub use crate::image::qcow2::Compression;
+pub use crate::image::{Format, PreallocChoice};
+pub use crate::io::AioMode;
+pub use crate::zero::DetectZeroes;
+
 /// vhost-user-blk backend: serve a disk image to QEMU, cloud-hypervisor or libblkio.
 #[derive(Debug, Parser)]
 #[command(name = "vublk", version, about, long_about = None, args_conflicts_with_subcommands = true)]
@@ -77,8 +85,8 @@ pub struct Args {
     /// Image locking, QEMU's protocol (OFD locks on the image and its backing files): auto
     /// (on where the file system has OFD locks), on (refuse to serve without them), off
     /// (nothing stops another user corrupting the image).
-    #[arg(long, value_enum, default_value_t = LockingArg::Auto)]
-    pub locking: LockingArg,
+    #[arg(long, value_enum, default_value_t = Locking::Auto)]
+    pub locking: Locking,
 
     /// With --read-only: share every permission with other users of the image, like
     /// `qemu-img -U` (reads may see another writer's half-done changes).
@@ -145,8 +153,8 @@ pub struct Args {
 
     /// Turn all-zero guest writes into cheap zero operations: on = keep the space allocated,
     /// unmap = may deallocate (needs --discard unmap).
-    #[arg(long, value_enum, default_value_t = DetectZeroesArg::Off)]
-    pub detect_zeroes: DetectZeroesArg,
+    #[arg(long, value_enum, default_value_t = DetectZeroes::Off)]
+    pub detect_zeroes: DetectZeroes,
 
     /// What guest DISCARD (and WRITE_ZEROES with the unmap flag) may do: ignore = keep every
     /// block allocated, unmap = punch holes.
@@ -205,8 +213,8 @@ pub struct Args {
     /// Preallocate file space ahead of writes past the end of a growing image (qcow2):
     /// on, off, or auto (on when the image's file system sits on a non-rotational device or
     /// on a virtual disk, whose rotational flag is only a default).
-    #[arg(long, value_enum, default_value_t = PreallocArg::Auto)]
-    pub prealloc: PreallocArg,
+    #[arg(long, value_enum, default_value_t = PreallocChoice::Auto)]
+    pub prealloc: PreallocChoice,
 
     /// How much to preallocate past the end of a write that extends the file.
     #[arg(long, value_name = "SIZE", default_value = "128M")]
@@ -218,8 +226,8 @@ pub struct Args {
 
     /// parallels: how the file grows ahead of the data: falloc (allocated) or truncate
     /// (size only, sparse).
-    #[arg(long, value_enum, default_value_t = PreallocModeArg::Falloc)]
-    pub prealloc_mode: PreallocModeArg,
+    #[arg(long, value_enum, default_value_t = PreallocMode::Falloc)]
+    pub prealloc_mode: PreallocMode,
 
     /// qcow2: store every cluster written whole compressed (the image's compression type),
     /// merging partial writes to unallocated clusters into whole ones; a cluster that does not
@@ -274,55 +282,6 @@ pub enum LogFormat {
     Json,
 }
 
-/// Image formats.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    /// Raw image: guest sector N is byte N*512 of the file.
-    Raw,
-    /// qcow2 (versions 2 and 3).
-    Qcow2,
-    /// Parallels (Virtuozzo) images, both magics.
-    Parallels,
-}
-
-/// Host cache modes (QEMU's names and meanings).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CacheMode {
-    /// O_DIRECT; the guest sees a volatile write cache that FLUSH empties.
-    None,
-    /// Page cache; the guest sees a volatile write cache that FLUSH empties.
-    Writeback,
-    /// Page cache; every write is durable before it completes; no volatile cache.
-    Writethrough,
-}
-
-/// I/O engines.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum AioMode {
-    /// One io_uring per queue.
-    #[value(name = "io_uring")]
-    IoUring,
-    /// Blocking system calls on the queue's own thread.
-    Threads,
-}
-
-/// `--detect-zeroes` values (QEMU's names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum DetectZeroesArg {
-    Off,
-    On,
-    Unmap,
-}
-
-/// `--discard` values (QEMU's names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum DiscardMode {
-    /// DISCARD succeeds and does nothing; nothing is ever deallocated.
-    Ignore,
-    /// DISCARD punches holes; WRITE_ZEROES with the unmap flag deallocates.
-    Unmap,
-}
-
 /// on / off switches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OnOff {
@@ -348,32 +307,6 @@ impl std::str::FromStr for PollArg {
             .map(PollArg::Fixed)
             .map_err(|_| format!("{s:?}: expected microseconds (0-10000) or auto"))
     }
-}
-
-/// `--prealloc-mode` values (parallels).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum PreallocModeArg {
-    /// Allocate the preallocated space (fallocate).
-    Falloc,
-    /// Only extend the file's size (sparse); falls back to falloc where unsupported.
-    Truncate,
-}
-
-/// `--prealloc` values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum PreallocArg {
-    On,
-    Off,
-    /// On when the file system's block device is not rotational, or is a virtual disk.
-    Auto,
-}
-
-/// `--locking` values (QEMU's names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LockingArg {
-    Auto,
-    On,
-    Off,
 }
 
 /// `--backing` values.
@@ -510,20 +443,13 @@ pub struct CreateArgs {
     #[arg(long, value_name = "BYTES")]
     pub cluster_size: Option<String>,
     /// qcow2 compression type for compressed clusters.
-    #[arg(long, value_enum, default_value_t = CompressionArg::Zlib)]
-    pub compression_type: CompressionArg,
+    #[arg(long, value_enum, default_value_t = Compression::Zlib)]
+    pub compression_type: Compression,
     /// qcow2 backing file (stored as given, relative to the new image).
     #[arg(long, value_name = "FILE")]
     pub backing: Option<PathBuf>,
     /// The image to create.
     pub file: PathBuf,
-}
-
-/// `--compression-type` values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CompressionArg {
-    Zlib,
-    Zstd,
 }
 
 /// Parse a size with an optional binary suffix (K, M, G, T).

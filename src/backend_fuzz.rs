@@ -14,8 +14,8 @@ use vhost_user_backend::VhostUserDaemon;
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-use crate::args::CacheMode;
 use crate::backend::VhostUserBlkBackend;
+use crate::device::CacheMode;
 use crate::device::{Device, DeviceParams};
 use crate::image::Image;
 use crate::io::align::DioAlign;

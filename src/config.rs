@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::args::{AioMode, Args, CacheMode, DetectZeroesArg, DiscardMode, Format, PollArg};
+use crate::args::{AioMode, Args, CacheMode, DiscardMode, PollArg};
+use crate::image::prealloc::PreallocMode;
+use crate::image::{Format, PreallocChoice};
 use crate::worker::poll::Poller;
 use crate::zero::DetectZeroes;
 
@@ -63,8 +65,8 @@ pub struct Config {
     pub throttle: crate::throttle::Limits,
     pub detect_zeroes: DetectZeroes,
     pub discard: DiscardMode,
-    pub prealloc: crate::args::PreallocArg,
-    pub prealloc_mode: crate::args::PreallocModeArg,
+    pub prealloc: PreallocChoice,
+    pub prealloc_mode: PreallocMode,
     pub compress_writes: bool,
     pub compressed_cache: bool,
     /// `--compressed-cache-size` in bytes (None: 16 host clusters).
@@ -209,11 +211,7 @@ impl Config {
                 cpus
             }
         };
-        let detect_zeroes = match args.detect_zeroes {
-            DetectZeroesArg::Off => DetectZeroes::Off,
-            DetectZeroesArg::On => DetectZeroes::On,
-            DetectZeroesArg::Unmap => DetectZeroes::Unmap,
-        };
+        let detect_zeroes = args.detect_zeroes;
         if detect_zeroes == DetectZeroes::Unmap && args.discard != DiscardMode::Unmap {
             return Err(bad(
                 "--detect-zeroes unmap requires --discard unmap (deallocation must be allowed)",
@@ -324,11 +322,7 @@ impl Config {
             blk_file,
             format: args.format,
             follow_backing: args.backing == crate::args::BackingMode::Follow,
-            locking: match args.locking {
-                crate::args::LockingArg::Auto => crate::image::lock::Locking::Auto,
-                crate::args::LockingArg::On => crate::image::lock::Locking::On,
-                crate::args::LockingArg::Off => crate::image::lock::Locking::Off,
-            },
+            locking: args.locking,
             force_share: args.force_share,
             read_only: args.read_only,
             incoming: args.incoming,
@@ -397,8 +391,7 @@ impl Config {
 impl Config {
     /// How the image is opened and served.
     pub fn image_options(&self) -> crate::image::ImageOptions {
-        use crate::image::parallels::PreallocMode;
-        use crate::image::{Format as F, ImageOptions, PreallocChoice};
+        use crate::image::ImageOptions;
         let compress = self
             .compress_writes
             .then_some(crate::image::CompressChoice {
@@ -408,11 +401,7 @@ impl Config {
             });
         ImageOptions {
             path: self.blk_file.clone(),
-            format: self.format.map(|f| match f {
-                Format::Raw => F::Raw,
-                Format::Qcow2 => F::Qcow2,
-                Format::Parallels => F::Parallels,
-            }),
+            format: self.format,
             read_only: self.read_only,
             direct: self.cache == CacheMode::None,
             logical_block_size: self.logical_block_size,
@@ -421,23 +410,66 @@ impl Config {
             force_share: self.force_share,
             l2_cache_bytes: self.l2_cache_bytes,
             discard_unmap: self.discard == DiscardMode::Unmap,
-            prealloc: match self.prealloc {
-                crate::args::PreallocArg::On => PreallocChoice::On,
-                crate::args::PreallocArg::Off => PreallocChoice::Off,
-                crate::args::PreallocArg::Auto => PreallocChoice::Auto,
-            },
+            prealloc: self.prealloc,
             prealloc_size: self.prealloc_size,
             prealloc_align: self.prealloc_align,
-            prealloc_mode: match self.prealloc_mode {
-                crate::args::PreallocModeArg::Falloc => PreallocMode::Falloc,
-                crate::args::PreallocModeArg::Truncate => PreallocMode::Truncate,
-            },
+            prealloc_mode: self.prealloc_mode,
             compress,
             cow_threads: self.cow_threads,
             ceph: self.ceph.clone(),
             nbd: self.nbd,
         }
     }
+}
+
+/// `vublk create`'s options checked, the one place they are (as [`Config::from_args`] is
+/// for serving); the error names the option.
+pub fn create_request(
+    a: &crate::args::CreateArgs,
+) -> Result<crate::image::create::CreateRequest, String> {
+    use crate::args::parse_size;
+    let parallels = a.format == Format::Parallels;
+    let cs = a
+        .cluster_size
+        .as_deref()
+        .unwrap_or(if parallels { "1M" } else { "64K" });
+    let cluster = if parallels {
+        parse_size(cs)
+            .filter(|c| *c > 0 && c % 512 == 0 && *c <= 1 << 30)
+            .ok_or_else(|| format!("--cluster-size {cs}: must be a multiple of 512 up to 1G"))?
+    } else {
+        parse_size(cs)
+            .filter(|c| c.is_power_of_two() && (512..=2 << 20).contains(c))
+            .ok_or_else(|| format!("--cluster-size {cs}: must be a power of two from 512 to 2M"))?
+    };
+    if a.backing.is_some() && a.format != Format::Qcow2 {
+        return Err("--backing needs --format qcow2".into());
+    }
+    let size_bytes = match &a.size {
+        Some(s) => Some(
+            parse_size(s)
+                .filter(|n| *n > 0 && n % 512 == 0)
+                .ok_or_else(|| {
+                    format!("--size {s}: expected e.g. 8G, 512M or bytes, a multiple of 512")
+                })?,
+        ),
+        None => None,
+    };
+    if let (true, Some(n)) = (parallels, size_bytes) {
+        // A BAT too large to open: refused before any file exists.
+        crate::image::parallels::new_header(n, cluster).map_err(|e| {
+            let size = a.size.as_deref().unwrap_or_default();
+            format!("--size {size} with --cluster-size {cs}: {e}")
+        })?;
+    }
+    Ok(crate::image::create::CreateRequest {
+        format: a.format,
+        size_bytes,
+        cluster,
+        compression: a.compression_type,
+        backing: a.backing.clone(),
+        file: a.file.clone(),
+    })
 }
 
 /// The JSON printed by `--print-capabilities` (QEMU vhost-user backend program conventions).

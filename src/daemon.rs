@@ -14,11 +14,11 @@ use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
 
-use crate::args::AioMode;
 use crate::backend::{completion_event_id, VhostUserBlkBackend};
 use crate::config::{Config, Socket};
 use crate::device::{Device, DeviceParams};
 use crate::image::{Image, ImageOpenError};
+use crate::io::AioMode;
 use crate::io::{Engine, SyncEngine, UringEngine};
 use crate::locks::Locked;
 use crate::worker::QueueWorker;
@@ -104,8 +104,8 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
     // cache: writeback (WCE 1, FLUSH empties it) or writethrough (WCE 0).
     let cache = match facts.write_cache {
         None => cfg.cache,
-        Some(true) => crate::args::CacheMode::Writeback,
-        Some(false) => crate::args::CacheMode::Writethrough,
+        Some(true) => crate::device::CacheMode::Writeback,
+        Some(false) => crate::device::CacheMode::Writethrough,
     };
     let params = DeviceParams {
         logical_block_size: cfg.logical_block_size,
@@ -118,7 +118,7 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         align: dio,
         serial,
         detect_zeroes: cfg.detect_zeroes,
-        discard_unmap: cfg.discard == crate::args::DiscardMode::Unmap,
+        discard_unmap: cfg.discard == crate::device::DiscardMode::Unmap,
         is_block_device: facts.is_block_device,
     };
     if cfg.detect_zeroes != crate::zero::DetectZeroes::Off {

@@ -3,7 +3,6 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::args::CacheMode;
 use crate::image::handover::ImageSlot;
 use crate::image::{Image, ImageError, ImageOptions};
 use crate::io::align::DioAlign;
@@ -11,6 +10,26 @@ use crate::io::ranges::RangeLocks;
 use crate::locks::Locked;
 use crate::virtio_blk::{DeviceLimits, ID_BYTES, SECTOR_SHIFT};
 use crate::zero::DetectZeroes;
+
+/// Host cache modes (QEMU's names and meanings).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CacheMode {
+    /// O_DIRECT; the guest sees a volatile write cache that FLUSH empties.
+    None,
+    /// Page cache; the guest sees a volatile write cache that FLUSH empties.
+    Writeback,
+    /// Page cache; every write is durable before it completes; no volatile cache.
+    Writethrough,
+}
+
+/// `--discard` values (QEMU's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DiscardMode {
+    /// DISCARD succeeds and does nothing; nothing is ever deallocated.
+    Ignore,
+    /// DISCARD punches holes; WRITE_ZEROES with the unmap flag deallocates.
+    Unmap,
+}
 
 /// Largest single guest segment we accept (config size_max): 1 MiB keeps one iovec's worth of
 /// bounce buffer pooled.

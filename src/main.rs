@@ -27,13 +27,14 @@ fn main() -> ExitCode {
         }
     };
     if let Some(vublk::args::Command::Create(c)) = &args.command {
-        let params = match vublk::image::create::params_from_args(c) {
-            Ok(p) => p,
-            Err(msg) => {
-                eprintln!("vublk create: {msg}");
-                return ExitCode::from(EXIT_USAGE);
-            }
-        };
+        let params =
+            match vublk::config::create_request(c).and_then(|r| vublk::image::create::params(&r)) {
+                Ok(p) => p,
+                Err(msg) => {
+                    eprintln!("vublk create: {msg}");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            };
         return match vublk::image::create::create(&c.file, &params) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

@@ -10,8 +10,9 @@
 
 use std::sync::OnceLock;
 
-/// What the operator allows a detected all-zero write to become.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What the operator allows a detected all-zero write to become (`--detect-zeroes`, QEMU's
+/// names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DetectZeroes {
     /// Never scan.
     Off,

@@ -220,40 +220,32 @@ fn write_qcow2(f: &File, p: &CreateParams, layout: &Qcow2Layout) -> std::io::Res
     f.set_len(layout.l1_offset() + layout.l1_clusters * c)
 }
 
-/// Validate `vublk create` arguments into parameters; the error names the option.
-pub fn params_from_args(a: &crate::args::CreateArgs) -> Result<CreateParams, String> {
-    use crate::args::{parse_size, CompressionArg, Format};
-    let qcow2 = a.format == Format::Qcow2;
-    let cs = a
-        .cluster_size
-        .as_deref()
-        .unwrap_or(if a.format == Format::Parallels {
-            "1M"
-        } else {
-            "64K"
-        });
-    let cluster = if a.format == Format::Parallels {
-        parse_size(cs)
-            .filter(|c| *c > 0 && c % 512 == 0 && *c <= 1 << 30)
-            .ok_or_else(|| format!("--cluster-size {cs}: must be a multiple of 512 up to 1G"))?
-    } else {
-        parse_size(cs)
-            .filter(|c| c.is_power_of_two() && (512..=2 << 20).contains(c))
-            .ok_or_else(|| format!("--cluster-size {cs}: must be a power of two from 512 to 2M"))?
-    };
-    if a.format == Format::Parallels && a.backing.is_some() {
-        return Err("--backing needs --format qcow2".into());
-    }
-    let backing = match &a.backing {
+/// What the operator asked `vublk create` for, its options checked (`config::create_request`):
+/// the backing file is still to be looked at (`params`).
+#[derive(Debug, Clone)]
+pub struct CreateRequest {
+    pub format: super::Format,
+    /// None: the backing file's size.
+    pub size_bytes: Option<u64>,
+    pub cluster: u64,
+    pub compression: Compression,
+    /// As given (qcow2 only: checked).
+    pub backing: Option<std::path::PathBuf>,
+    pub file: std::path::PathBuf,
+}
+
+/// The parameters to create `req` with: its backing file opened and probed (its format
+/// recorded, its size the default); the error names the option.
+pub fn params(req: &CreateRequest) -> Result<CreateParams, String> {
+    let backing = match &req.backing {
         None => None,
-        Some(_) if !qcow2 => return Err("--backing needs --format qcow2".into()),
         Some(b) => {
             let name = b
                 .to_str()
                 .filter(|s| !s.is_empty() && s.len() <= 1023)
                 .ok_or_else(|| format!("--backing {}: not a usable name", b.display()))?
                 .to_owned();
-            let dir = a.file.parent().unwrap_or(Path::new("."));
+            let dir = req.file.parent().unwrap_or(Path::new("."));
             let resolved = if b.is_absolute() {
                 b.clone()
             } else {
@@ -274,39 +266,25 @@ pub fn params_from_args(a: &crate::args::CreateArgs) -> Result<CreateParams, Str
             Some((name, fmt, f))
         }
     };
-    let size_bytes = match &a.size {
-        Some(s) => {
-            parse_size(s).ok_or_else(|| format!("--size {s}: expected e.g. 8G, 512M or bytes"))?
-        }
-        None => match &backing {
-            Some((_, "qcow2", f)) => super::qcow2::Qcow2Image::open_read_only(f)
-                .map_err(|e| format!("--backing: {}", crate::logging::error_chain(&e)))?
-                .size_bytes(),
-            Some((_, _, f)) => f.metadata().map_err(|e| format!("--backing: {e}"))?.len(),
-            None => return Err("--size is required (or give --backing)".into()),
-        },
+    let size_bytes = match (req.size_bytes, &backing) {
+        (Some(n), _) => n,
+        (None, Some((_, "qcow2", f))) => super::qcow2::Qcow2Image::open_read_only(f)
+            .map_err(|e| format!("--backing: {}", crate::logging::error_chain(&e)))?
+            .size_bytes(),
+        (None, Some((_, _, f))) => f.metadata().map_err(|e| format!("--backing: {e}"))?.len(),
+        (None, None) => return Err("--size is required (or give --backing)".into()),
     };
     if size_bytes == 0 || size_bytes % 512 != 0 {
         return Err(format!(
             "--size {size_bytes}: must be a positive multiple of 512 bytes"
         ));
     }
-    if a.format == Format::Parallels {
-        // A BAT too large to open: refused before any file exists.
-        super::parallels::new_header(size_bytes, cluster).map_err(|e| {
-            let size = a.size.as_deref().unwrap_or_default();
-            format!("--size {size} with --cluster-size {cs}: {e}")
-        })?;
-    }
     Ok(CreateParams {
-        qcow2,
-        parallels_cluster: (a.format == Format::Parallels).then_some(cluster),
+        qcow2: req.format == super::Format::Qcow2,
+        parallels_cluster: (req.format == super::Format::Parallels).then_some(req.cluster),
         size_bytes,
-        cluster_bits: cluster.trailing_zeros(),
-        compression: match a.compression_type {
-            CompressionArg::Zlib => Compression::Zlib,
-            CompressionArg::Zstd => Compression::Zstd,
-        },
+        cluster_bits: req.cluster.trailing_zeros(),
+        compression: req.compression,
         backing: backing.map(|(n, f, _)| (n, f)),
     })
 }

@@ -83,8 +83,8 @@ impl Perms {
     };
 }
 
-/// `--locking`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `--locking` (QEMU's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Locking {
     /// Lock; where the file system has no OFD locks, go on unlocked with one warning.
     Auto,

@@ -17,16 +17,19 @@ use crate::io::align::{self, DioAlign, ProbeSource};
 use crate::io::Storage;
 use crate::offload::Pool;
 
-/// Image formats.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Image formats (`--format`, `vublk create --format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
+    /// Raw image: guest sector N is byte N*512 of the file.
     Raw,
+    /// qcow2 (versions 2 and 3).
     Qcow2,
+    /// Parallels (Virtuozzo) images, both magics.
     Parallels,
 }
 
 /// `--prealloc`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum PreallocChoice {
     On,
     Off,

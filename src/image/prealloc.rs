@@ -169,13 +169,13 @@ pub struct PreallocParams {
     pub file_align: u64,
 }
 
-/// How the file is grown (`--prealloc-mode`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How the file is grown (`--prealloc-mode`, parallels).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum PreallocMode {
     /// Allocate the blocks (fallocate): the tail reads as zeroes and writes into it do not
     /// allocate.
     Falloc,
-    /// Only extend the size (sparse).
+    /// Only extend the size (sparse); falls back to falloc where unsupported.
     Truncate,
 }
 

@@ -19,6 +19,16 @@ mod uring;
 use std::io;
 use std::os::fd::RawFd;
 
+/// I/O engines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AioMode {
+    /// One io_uring per queue.
+    #[value(name = "io_uring")]
+    IoUring,
+    /// Blocking system calls on the queue's own thread.
+    Threads,
+}
+
 pub use nbd::NbdEngine;
 pub use nbd_shared::{NbdConnection, NbdQueue};
 #[cfg(feature = "rbd")]

@@ -14,7 +14,7 @@ use vhost_user_backend::{VringRwLock, VringT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic};
 
 use super::QueueWorker;
-use crate::args::CacheMode;
+use crate::device::CacheMode;
 use crate::device::{Device, DeviceParams};
 use crate::image::Image;
 use crate::io::align::DioAlign;

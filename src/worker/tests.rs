@@ -12,7 +12,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic};
 use crate::guest_memory::Mem;
 
 use super::QueueWorker;
-use crate::args::CacheMode;
+use crate::device::CacheMode;
 use crate::device::{Device, DeviceParams};
 use crate::image::Image as DiskImage;
 use crate::io::align::DioAlign;

@@ -71,8 +71,8 @@ pub mod snap {
     pub const FIXED_LEN: usize = 40;
 }
 
-/// The kind of compression for compressed clusters.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The kind of compression for compressed clusters (`vublk create --compression-type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Compression {
     Zlib,
     Zstd,
