@@ -252,6 +252,32 @@ impl Config {
                 .unwrap_or(1)
                 .min(8),
         };
+        // Conflicts the options show by themselves (those that depend on the image, e.g.
+        // --compress-writes on a raw file or a --prealloc-align the file's alignment does not
+        // divide, are refused when it is opened: `image::open`).
+        let compress = args.compress_writes == crate::args::OnOff::On;
+        if compress && args.read_only {
+            return Err(bad(
+                "--compress-writes on: needs a qcow2 image opened read-write (not --read-only)",
+            ));
+        }
+        if let Some((path, what)) = args
+            .blk_file
+            .as_deref()
+            .and_then(|p| Some((p, remote_kind(p)?)))
+        {
+            if compress {
+                return Err(bad(format!(
+                    "--compress-writes on: needs a qcow2 image; {what} are raw"
+                )));
+            }
+            if args.format.is_some_and(|f| f != Format::Raw) {
+                return Err(bad(format!(
+                    "{}: {what} are served as raw (--format raw or no --format)",
+                    path.display()
+                )));
+            }
+        }
         if args.cow_threads > MAX_COMPRESS_THREADS {
             return Err(bad(format!(
                 "--cow-threads {}: at most {MAX_COMPRESS_THREADS}",
@@ -473,6 +499,18 @@ pub fn create_request(
 }
 
 /// The JSON printed by `--print-capabilities` (QEMU vhost-user backend program conventions).
+/// "NBD exports" or "RBD images" where `--blk-file` names one (their URI or spec), else None.
+fn remote_kind(blk_file: &std::path::Path) -> Option<&'static str> {
+    let s = blk_file.to_str()?;
+    if s.starts_with("nbd://") || s.starts_with("nbd+unix://") || s.starts_with("nbds://") {
+        Some("NBD exports")
+    } else if s.starts_with("rbd:") {
+        Some("RBD images")
+    } else {
+        None
+    }
+}
+
 pub fn capabilities_json() -> &'static str {
     "{\n  \"type\": \"block\",\n  \"features\": [\n    \"read-only\",\n    \"blk-file\",\n    \"migration\"\n  ]\n}"
 }
@@ -541,6 +579,25 @@ mod tests {
             let e = parse(&all).unwrap_err();
             assert!(e.0.contains(opt), "{e}");
         }
+    }
+
+    #[test]
+    fn option_conflicts_are_refused_here() {
+        let with = |blk: &str, more: &[&str]| {
+            parse(&[&["--socket-path", "/s", "--blk-file", blk][..], more].concat())
+        };
+        let err =
+            |r: Result<Config, ConfigError>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err(with("/f", &["--compress-writes", "on", "--read-only"]))
+            .contains("--compress-writes on"));
+        assert!(
+            err(with("nbd://h/e", &["--compress-writes", "on"])).contains("NBD exports are raw")
+        );
+        assert!(
+            err(with("rbd:p/i", &["--format", "qcow2"])).contains("RBD images are served as raw")
+        );
+        assert!(with("nbd+unix:///e?socket=/x", &["--format", "raw"]).is_ok());
+        assert!(with("/f", &["--compress-writes", "on"]).is_ok());
     }
 
     #[test]

@@ -48,7 +48,6 @@ pub(super) fn open(
     target: NbdTarget,
 ) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
     let name = target.to_string();
-    super::remote::refuse_format_options(opts, &name, "NBD exports")?;
     let (sock, export) = crate::nbd::connect(&target, opts.nbd.timeout)
         .map_err(|e| ImageOpenError::Remote(format!("{e} (is the server up? --blk-file)")))?;
     crate::nbd::disconnect(sock);

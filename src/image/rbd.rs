@@ -77,7 +77,6 @@ pub(super) fn open(
     incoming: bool,
 ) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
     let name = opts.path.display().to_string();
-    super::remote::refuse_format_options(opts, &name, "RBD images")?;
     let t0 = Instant::now();
     let cluster = connect(&opts.ceph)?;
     let cached = caches_writes(&cluster)?;

@@ -3,7 +3,7 @@
 
 use std::fs::File;
 
-use super::{Format, Image, ImageOpenError, ImageOptions, Kind};
+use super::{Image, ImageOpenError, Kind};
 
 /// A stable identity for the default serial of an image without a file: its name, hashed
 /// (FNV-1a).
@@ -13,26 +13,6 @@ pub(super) fn identity(name: &str) -> (u64, u64) {
         h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
     }
     (0x0072_6264, h)
-}
-
-/// Remote images (`what`: "NBD exports") are raw data: a format or format options given
-/// for `name` are refused.
-pub(super) fn refuse_format_options(
-    opts: &ImageOptions,
-    name: &str,
-    what: &str,
-) -> Result<(), ImageOpenError> {
-    if opts.compress.is_some() {
-        return Err(ImageOpenError::Option(format!(
-            "--compress-writes on: needs a qcow2 image; {what} are raw"
-        )));
-    }
-    if matches!(opts.format, Some(f) if f != Format::Raw) {
-        return Err(ImageOpenError::Option(format!(
-            "{name}: {what} are served as raw (--format raw or no --format)"
-        )));
-    }
-    Ok(())
 }
 
 impl Image {
