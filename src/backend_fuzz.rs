@@ -17,9 +17,10 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 use crate::backend::VhostUserBlkBackend;
 use crate::device::CacheMode;
 use crate::device::{Device, DeviceParams};
+use crate::image::Engine;
 use crate::image::Image;
 use crate::io::align::DioAlign;
-use crate::io::{Engine, SyncEngine};
+use crate::io::SyncEngine;
 use crate::worker::QueueWorker;
 use crate::zero::DetectZeroes;
 

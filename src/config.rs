@@ -83,7 +83,7 @@ pub struct Config {
     /// `--ceph-*` (librbd's cache comes from `cache`).
     pub ceph: crate::image::CephOptions,
     /// `--nbd-*`.
-    pub nbd: crate::image::nbd::NbdOptions,
+    pub nbd: crate::nbd::client::NbdOptions,
 }
 
 /// A rejected option: the message names it.
@@ -387,7 +387,7 @@ impl Config {
             prealloc_align,
             log_level,
             pidfile: args.pidfile.clone(),
-            nbd: crate::image::nbd::NbdOptions {
+            nbd: crate::nbd::client::NbdOptions {
                 timeout: std::time::Duration::from_secs(u64::from(args.nbd_timeout.max(1))),
                 reconnect_delay: std::time::Duration::from_millis(
                     u64::from(args.nbd_reconnect_delay) * 1000,

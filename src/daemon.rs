@@ -17,9 +17,10 @@ use vmm_sys_util::epoll::EventSet;
 use crate::backend::{completion_event_id, VhostUserBlkBackend};
 use crate::config::{Config, Socket};
 use crate::device::{Device, DeviceParams};
+use crate::image::Engine;
 use crate::image::{Image, ImageOpenError};
 use crate::io::AioMode;
-use crate::io::{Engine, SyncEngine, UringEngine};
+use crate::io::{SyncEngine, UringEngine};
 use crate::locks::Locked;
 use crate::worker::QueueWorker;
 
@@ -194,7 +195,7 @@ pub fn make_engine(
     aio: AioMode,
     entries: u32,
     image: &Image,
-    nbd_shared: Option<&crate::io::NbdConnection>,
+    nbd_shared: Option<&crate::nbd::client::NbdConnection>,
     warned: &mut bool,
 ) -> Result<Engine, DaemonError> {
     if let Some(conn) = nbd_shared {
@@ -204,14 +205,14 @@ pub fn make_engine(
     }
     if let Some((target, export, nbd)) = image.nbd() {
         return Ok(Engine::Nbd(
-            crate::io::NbdEngine::connect(target.clone(), *export, nbd)
+            crate::nbd::client::NbdEngine::connect(target.clone(), *export, nbd)
                 .map_err(DaemonError::Engine)?,
         ));
     }
     #[cfg(feature = "rbd")]
     if let Some((img, cached)) = image.rbd() {
         return Ok(Engine::Rbd(
-            crate::io::RbdEngine::new(img, cached).map_err(DaemonError::Engine)?,
+            crate::rbd::RbdEngine::new(img, cached).map_err(DaemonError::Engine)?,
         ));
     }
     let _ = image;
@@ -413,9 +414,12 @@ fn serve_loop(
             Some((target, export, opts))
                 if cfg.num_queues > 1 && !export.has(crate::nbd::wire::FLAG_CAN_MULTI_CONN) =>
             {
-                let engine = crate::io::NbdEngine::connect(target.clone(), *export, opts)
+                let engine = crate::nbd::client::NbdEngine::connect(target.clone(), *export, opts)
                     .map_err(DaemonError::Engine)?;
-                Some(crate::io::NbdConnection::start(engine).map_err(DaemonError::Engine)?)
+                Some(
+                    crate::nbd::client::NbdConnection::start(engine)
+                        .map_err(DaemonError::Engine)?,
+                )
             }
             _ => None,
         };

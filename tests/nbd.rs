@@ -301,7 +301,9 @@ fn unreachable_and_foreign_servers_fail_in_bounded_time() {
 /// with and without unmap, discards, flushes), reaped through the engine's event fd; every
 /// read equals the model. Returns the model (discarded bytes: either old data or zero).
 fn engine_model_check(target: &str) -> Option<(Vec<u8>, Vec<bool>)> {
-    use vublk::io::{Completion, Engine, NbdEngine, Op};
+    use vublk::image::Engine;
+    use vublk::io::{Completion, Op};
+    use vublk::nbd::client::NbdEngine;
     const SIZE: u64 = 32 * MIB;
     let t = NbdTarget::parse(target).unwrap();
     let (s, e) = nbd_connect(&t, Duration::from_secs(5)).unwrap();

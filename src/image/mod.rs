@@ -15,12 +15,12 @@
 pub mod chain;
 pub mod create;
 pub mod durable;
+pub mod engine;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
 mod grow;
 pub mod handover;
 pub mod lock;
-pub mod nbd;
 mod open;
 pub mod parallels;
 pub mod prealloc;
@@ -36,6 +36,7 @@ use std::io;
 use std::sync::atomic::Ordering;
 
 pub use chain::Piece;
+pub use engine::Engine;
 pub use grow::GrowError;
 pub use open::{
     probe, probe_bytes, CephOptions, CompressChoice, Format, ImageOpenError, ImageOptions,
@@ -156,7 +157,7 @@ enum Kind {
     Qcow2(Qcow2Disk),
     Parallels(ParallelsImage),
     /// An NBD export (`file` is /dev/null, never used: the NBD engine does every access).
-    Nbd(nbd::NbdDisk),
+    Nbd(crate::nbd::client::NbdDisk),
     /// A Ceph RBD image (`file` is /dev/null, never used: librbd does every access).
     #[cfg(feature = "rbd")]
     Rbd(rbd::RbdDisk),

@@ -71,7 +71,7 @@ pub struct ImageOptions {
     /// How an RBD image (`rbd:POOL/IMAGE`) is reached and cached.
     pub ceph: CephOptions,
     /// How an NBD export is reached.
-    pub nbd: super::nbd::NbdOptions,
+    pub nbd: crate::nbd::client::NbdOptions,
 }
 
 /// `--ceph-conf`, `--ceph-id`, `--ceph-keyring`, `--ceph-timeout`, `--ceph-op-timeout`,
@@ -164,7 +164,7 @@ fn open_nbd(opts: &ImageOptions) -> Option<Result<(Image, DioAlign, RawFacts), I
     Some(
         crate::nbd::NbdTarget::parse(s)
             .map_err(ImageOpenError::Option)
-            .and_then(|t| super::nbd::open(opts, t)),
+            .and_then(|t| super::remote::open_nbd(opts, t)),
     )
 }
 

@@ -1,6 +1,6 @@
 //! Ceph RBD images (`--blk-file rbd:POOL/IMAGE[@SNAPSHOT]`, cargo feature `rbd`): opened
 //! through librbd, served like raw images (the guest's byte N is the image's byte N) by the
-//! librbd engine (`io::RbdEngine`). This room connects, opens and locks, sets librbd's cache
+//! librbd engine (`rbd::RbdEngine`). This room connects, opens and locks, sets librbd's cache
 //! from `--cache`, watches the image for resizes made in the cluster, and does the
 //! synchronous parts: flush, resize, close, giving the lock up.
 

@@ -3,7 +3,38 @@
 
 use std::fs::File;
 
-use super::{Image, ImageOpenError, Kind};
+use super::{Image, ImageOpenError, ImageOptions, Kind, RawFacts};
+use crate::io::align::DioAlign;
+use crate::nbd::client::OpenError as NbdOpenError;
+use crate::nbd::NbdTarget;
+
+/// The NBD export `target` as an image (`nbd::client` connects and checks it).
+pub(super) fn open_nbd(
+    opts: &ImageOptions,
+    target: NbdTarget,
+) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
+    let name = target.to_string();
+    let disk = crate::nbd::client::open(target, opts.nbd, opts.read_only, opts.logical_block_size)
+        .map_err(|e| match e {
+            NbdOpenError::Connect(m) => {
+                ImageOpenError::Remote(format!("{m} (is the server up? --blk-file)"))
+            }
+            NbdOpenError::Option(m) => ImageOpenError::Option(m),
+        })?;
+    let facts = RawFacts {
+        is_block_device: false,
+        dev_ino: identity(&name),
+        file_size_bytes: disk.export.size,
+        // A server that takes FLUSH may hold written data in a cache until then.
+        write_cache: Some(disk.cached),
+    };
+    let (size, read_only) = (disk.export.size, disk.read_only);
+    Ok((
+        Image::remote(Kind::Nbd(disk), size, read_only, true)?,
+        DioAlign::NONE,
+        facts,
+    ))
+}
 
 /// A stable identity for the default serial of an image without a file: its name, hashed
 /// (FNV-1a).
@@ -79,7 +110,7 @@ impl Image {
     ) -> Option<(
         &crate::nbd::NbdTarget,
         &crate::nbd::Export,
-        super::nbd::NbdOptions,
+        crate::nbd::client::NbdOptions,
     )> {
         match &self.kind {
             Kind::Nbd(n) => Some((&n.target, &n.export, n.opts)),

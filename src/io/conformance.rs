@@ -7,7 +7,8 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 
 use super::bounce::AlignedBuf;
-use super::{Completion, Engine, Op, SyncEngine, UringEngine};
+use super::{Completion, Op, SyncEngine, UringEngine};
+use crate::image::Engine;
 
 struct TempFile {
     path: PathBuf,

@@ -1,10 +1,9 @@
-//! An NBD client of vublk's own (no C library): URIs (`uri`), the fixed newstyle handshake
-//! with structured replies and block-size constraints (`handshake`), and the transmission
-//! phase's messages (`wire`).
-//!
-//! The engine that runs requests on each queue's own loop is `io::NbdEngine`; the image kind
-//! (size, flags, options) is `image::nbd`.
+//! NBD, vublk's own (no C library). The protocol library: URIs (`uri`), the fixed newstyle
+//! handshake with structured replies and block-size constraints (`handshake`), and the
+//! transmission phase's messages (`wire`); and the client driver that serves an export as a
+//! disk (`client`: its options, opening, the per-queue engine, a shared connection).
 
+pub mod client;
 pub mod handshake;
 pub mod uri;
 pub mod wire;

@@ -10,7 +10,10 @@
 //! inbox on its own epoll loop, like io_uring completions. (`rbd_set_image_notification`
 //! gives one eventfd per image, which several queues would have to share and route.)
 
+mod engine;
 pub mod ffi;
+
+pub use engine::RbdEngine;
 
 use std::ffi::{CStr, CString};
 use std::io;

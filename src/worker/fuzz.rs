@@ -16,9 +16,10 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic};
 use super::QueueWorker;
 use crate::device::CacheMode;
 use crate::device::{Device, DeviceParams};
+use crate::image::Engine;
 use crate::image::Image;
 use crate::io::align::DioAlign;
-use crate::io::{Engine, SyncEngine};
+use crate::io::SyncEngine;
 use crate::zero::DetectZeroes;
 
 /// Guest memory: the first part holds the ring, the rest whatever the input says.

@@ -46,10 +46,11 @@ use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 
 use crate::device::Device;
+use crate::image::Engine;
 use crate::image::{Image, ReadPlan};
 use crate::inflight::QueueInflight;
 use crate::io::bounce::BouncePool;
-use crate::io::{Completion, Engine};
+use crate::io::Completion;
 use crate::log_limited;
 use crate::offload::Inbox;
 use crate::virtio_blk::Desc;

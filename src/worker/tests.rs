@@ -14,9 +14,10 @@ use crate::guest_memory::Mem;
 use super::QueueWorker;
 use crate::device::CacheMode;
 use crate::device::{Device, DeviceParams};
+use crate::image::Engine;
 use crate::image::Image as DiskImage;
 use crate::io::align::DioAlign;
-use crate::io::{Engine, SyncEngine, UringEngine};
+use crate::io::{SyncEngine, UringEngine};
 use crate::virtio_blk::{req_type, status};
 
 const QSIZE: u16 = 16;

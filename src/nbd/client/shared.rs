@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::{Completion, NbdEngine, Op};
+use super::NbdEngine;
+use crate::io::{Completion, Op};
 use crate::locks::Locked;
 use crate::offload::{Inbox, Mailbox};
 

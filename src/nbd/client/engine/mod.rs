@@ -25,8 +25,8 @@ mod rx;
 
 use rx::sub_iov;
 
-use super::{sys, Completion, Op};
-use crate::image::nbd::NbdOptions;
+use super::NbdOptions;
+use crate::io::{sys, Completion, Op};
 use crate::nbd::wire::*;
 use crate::nbd::{Export, NbdTarget, Stream};
 

@@ -11,9 +11,9 @@ use std::collections::{HashMap, HashSet};
 use std::io;
 use std::sync::Arc;
 
-use super::{sys, Completion, Op};
+use super::RbdImage;
+use crate::io::{sys, Completion, Op};
 use crate::offload::Mailbox;
-use crate::rbd::RbdImage;
 
 pub struct RbdEngine {
     image: Arc<RbdImage>,
