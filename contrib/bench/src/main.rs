@@ -7,6 +7,7 @@
 
 mod args;
 mod hop;
+mod procstat;
 mod seed_check;
 
 use std::fmt::Write as _;
@@ -23,6 +24,7 @@ use blkio::{Blkio, Blkioq, ReqFlags};
 use clap::Parser;
 
 use args::Opts;
+use procstat::{cpu_ns, proc_writes, rss_kib, self_cpu_ns, start_write_count, stop_write_count};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Pattern {
@@ -373,40 +375,6 @@ fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work
         startup,
         rss_idle_kib,
     }
-}
-
-/// Resident set size from /proc/PID/status.
-fn rss_kib(pid: i32) -> Option<u64> {
-    let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
-}
-
-/// user + system CPU time of a process, in nanoseconds (from /proc/PID/stat).
-fn cpu_ns(pid: i32) -> Option<u64> {
-    let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    let rest = &s[s.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let utime: u64 = f.get(11)?.parse().ok()?;
-    let stime: u64 = f.get(12)?.parse().ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Some((utime + stime) * 1_000_000_000 / hz)
-}
-
-/// This process's own CPU time (the client), in nanoseconds.
-fn self_cpu_ns() -> u64 {
-    // SAFETY: getrusage writes into the struct we pass.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: valid pointer.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 /// Make sure the image exists at the requested size with every block written (reads must hit
@@ -1373,60 +1341,6 @@ fn fill_data(kind: &str, len: usize) -> Vec<u8> {
         }
         other => panic!("--fill-data {other}: ones or mix"),
     }
-}
-
-/// write system calls and bytes of a process so far (/proc/PID/io: syscw, wchar).
-fn proc_writes(pid: i32) -> Option<(u64, u64)> {
-    let s = fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
-    let field = |k: &str| -> Option<u64> {
-        s.lines()
-            .find_map(|l| l.strip_prefix(k))?
-            .trim()
-            .parse()
-            .ok()
-    };
-    Some((field("syscw:")?, field("wchar:")?))
-}
-
-/// Count a process's positioned writes (pwrite64, pwritev, pwritev2: the image file's
-/// writes; eventfd signals are plain write(2) and not counted) with `perf stat`, threads
-/// created later included. None where perf or its syscall tracepoints are missing.
-fn start_write_count(pid: i32, out: &Path) -> Option<Child> {
-    let mut c = Command::new("perf")
-        .args(["stat", "-x", ",", "-e"])
-        .arg(
-            "syscalls:sys_enter_pwrite64,syscalls:sys_enter_pwritev,\
-             syscalls:sys_enter_pwritev2",
-        )
-        .arg("-p")
-        .arg(pid.to_string())
-        .arg("-o")
-        .arg(out)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
-    // perf attaches asynchronously: give it a moment.
-    std::thread::sleep(Duration::from_millis(300));
-    if let Ok(Some(_)) = c.try_wait() {
-        return None;
-    }
-    Some(c)
-}
-
-fn stop_write_count(mut c: Child, out: &Path) -> Option<u64> {
-    // SAFETY: signalling our own child process.
-    unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
-    c.wait().ok()?;
-    let s = fs::read_to_string(out).ok()?;
-    let mut total = 0;
-    let mut seen = false;
-    for l in s.lines().filter(|l| l.contains("syscalls:")) {
-        total += l.split(',').next()?.trim().parse::<u64>().ok()?;
-        seen = true;
-    }
-    seen.then_some(total)
 }
 
 /// Write `data` sequentially as 64 KiB requests at depth 8, then FLUSH.
