@@ -6,25 +6,29 @@
 //! arrays, latency samples) so that nothing is allocated per request.
 
 mod args;
+mod backends;
 mod hop;
+mod images;
 mod procstat;
 mod seed_check;
+mod server;
 
 use std::fmt::Write as _;
-use std::fs::{self, File, OpenOptions};
-use std::io::Write as _;
+use std::fs::{self, File};
 use std::mem::MaybeUninit;
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, ReqFlags};
 use clap::Parser;
 
 use args::Opts;
+use backends::{resolve_backends, Backend, BackendKind};
+use images::prepare_image;
 use procstat::{cpu_ns, proc_writes, rss_kib, self_cpu_ns, start_write_count, stop_write_count};
+use server::{start_server, Server};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Pattern {
@@ -100,321 +104,6 @@ fn scaling_workloads() -> Vec<Workload> {
             )
         })
         .collect()
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BackendKind {
-    File,
-    Vublk,
-    Qsd,
-}
-
-/// A backend as measured: its kind plus any extra options (variants).
-#[derive(Clone, Debug)]
-struct Backend {
-    name: String,
-    kind: BackendKind,
-    /// vublk: extra arguments; qsd: extra --blockdev options.
-    extra: Vec<String>,
-    /// Serve this image instead of --image (e.g. a qcow2 copy).
-    image: Option<PathBuf>,
-    /// vublk: run this binary instead of --vublk.
-    binary: Option<PathBuf>,
-}
-
-impl Backend {
-    fn name(&self) -> &str {
-        &self.name
-    }
-}
-
-fn resolve_backends(opts: &Opts) -> Vec<Backend> {
-    let builtin = |name: &str, kind| Backend {
-        name: name.to_owned(),
-        kind,
-        extra: Vec::new(),
-        image: None,
-        binary: None,
-    };
-    opts.backends
-        .iter()
-        .map(|b| match b.as_str() {
-            "file" => builtin("file", BackendKind::File),
-            "vublk" => Backend {
-                extra: opts
-                    .vublk_args
-                    .split_whitespace()
-                    .map(str::to_owned)
-                    .collect(),
-                ..builtin("vublk", BackendKind::Vublk)
-            },
-            "qsd" => builtin("qsd", BackendKind::Qsd),
-            other => {
-                let spec = opts
-                    .variants
-                    .iter()
-                    .find_map(|v| v.strip_prefix(other)?.strip_prefix('='))
-                    .unwrap_or_else(|| {
-                        panic!("unknown backend {other}: file, vublk, qsd or a --variant")
-                    });
-                // An RBD image (`@rbd:POOL/IMAGE`) and an NBD URI on a UNIX socket
-                // (`@nbd+unix:///EXPORT?socket=PATH`) have colons of their own: the options
-                // start at the first colon after the image.
-                let image_end = if let Some(i) = spec.find("@rbd:") {
-                    Some(i + "@rbd:".len())
-                } else {
-                    spec.find("?socket=")
-                };
-                let (kind, args) = match image_end {
-                    Some(from) => match spec[from..].find(':') {
-                        Some(j) => (&spec[..from + j], &spec[from + j + 1..]),
-                        None => (spec, ""),
-                    },
-                    None => spec.split_once(':').unwrap_or((spec, "")),
-                };
-                let (kind, image) = match kind.split_once('@') {
-                    Some((k, img)) => (k, Some(PathBuf::from(img))),
-                    None => (kind, None),
-                };
-                let (kind, binary) = match kind.split_once('+') {
-                    Some((k, bin)) => (k, Some(PathBuf::from(bin))),
-                    None => (kind, None),
-                };
-                match kind {
-                    "vublk" => Backend {
-                        name: other.to_owned(),
-                        kind: BackendKind::Vublk,
-                        extra: args.split_whitespace().map(str::to_owned).collect(),
-                        image,
-                        binary,
-                    },
-                    "qsd" if binary.is_none() => Backend {
-                        name: other.to_owned(),
-                        kind: BackendKind::Qsd,
-                        extra: vec![args.to_owned()],
-                        image,
-                        binary: None,
-                    },
-                    k => panic!("--variant {other}: kind {k} must be vublk or qsd"),
-                }
-            }
-        })
-        .collect()
-}
-
-/// A backend process serving the image on a socket (none for the file itself).
-struct Server {
-    child: Option<Child>,
-    socket: PathBuf,
-    startup: Duration,
-    rss_idle_kib: Option<u64>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(c) = &mut self.child {
-            // SAFETY: signalling our own child process.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = c.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let _ = fs::remove_file(&self.socket);
-    }
-}
-
-impl Server {
-    fn pid(&self) -> Option<i32> {
-        self.child.as_ref().map(|c| c.id() as i32)
-    }
-}
-
-fn start_server(backend: &Backend, image: &Path, opts: &Opts, vublk: &Path, work: &Path) -> Server {
-    let socket = work.join(format!("{}.sock", backend.name()));
-    let _ = fs::remove_file(&socket);
-    let log = File::create(work.join(format!("{}.log", backend.name()))).expect("backend log");
-    let mut cmd = match backend.kind {
-        BackendKind::File => {
-            return Server {
-                child: None,
-                socket,
-                startup: Duration::ZERO,
-                rss_idle_kib: None,
-            }
-        }
-        BackendKind::Vublk => {
-            let mut c = Command::new(backend.binary.as_deref().unwrap_or(vublk));
-            c.arg("--socket-path")
-                .arg(&socket)
-                .arg("--blk-file")
-                .arg(image)
-                .arg("--num-queues")
-                .arg(opts.backend_queues.to_string())
-                .args(&backend.extra);
-            c
-        }
-        BackendKind::Qsd => {
-            let mut c = Command::new(&opts.qsd);
-            let extra = backend
-                .extra
-                .iter()
-                .map(|e| format!(",{e}"))
-                .collect::<String>();
-            // "preallocate" among the options puts QEMU's preallocate filter between the
-            // qcow2 node and the file (its defaults: 128 MiB ahead, 1 MiB aligned).
-            let prealloc = backend.extra.iter().any(|e| e == "preallocate");
-            // "compress": QEMU's compress filter over the qcow2 node (compressed writes);
-            // "pagecache": cache.direct=off. Both with aio=threads, QEMU's default, so that
-            // /proc/PID/io counts its writes.
-            let opt_set: Vec<&str> = backend.extra.iter().flat_map(|e| e.split(',')).collect();
-            let compress = opt_set.contains(&"compress");
-            let parallels = opt_set.contains(&"parallels");
-            let extra = if prealloc || compress || parallels {
-                String::new()
-            } else {
-                extra
-            };
-            let rbd = image.to_str().and_then(|s| s.strip_prefix("rbd:"));
-            let nbd_unix = image
-                .to_str()
-                .and_then(|s| s.strip_prefix("nbd+unix:///"))
-                .and_then(|s| s.split_once("?socket="));
-            let blockdev = if let Some((export, path)) = nbd_unix {
-                // QEMU's NBD client on the same export.
-                format!(
-                    "driver=nbd,node-name=file0,server.type=unix,server.path={path},\
-                     export={export}{extra}"
-                )
-            } else if let Some(spec) = rbd {
-                // QEMU's rbd driver; cache.direct=on is librbd's cache off (vublk's
-                // --cache none). The conf=PATH option comes with the variant's options.
-                let (pool, img) = spec.split_once('/').expect("rbd:POOL/IMAGE");
-                format!("driver=rbd,node-name=file0,pool={pool},image={img},cache.direct=on{extra}")
-            } else if parallels {
-                format!(
-                    "driver=parallels,node-name=file0,file.driver=file,file.filename={},\
-                     file.cache.direct=on,file.aio=io_uring",
-                    image.display()
-                )
-            } else if compress {
-                format!(
-                    "driver=compress,node-name=file0,file.driver=qcow2,file.file.driver=file,\
-                     file.file.filename={},file.file.cache.direct={},file.file.aio=threads",
-                    image.display(),
-                    if opt_set.contains(&"pagecache") {
-                        "off"
-                    } else {
-                        "on"
-                    }
-                )
-            } else if image.extension().is_some_and(|e| e == "qcow2") && prealloc {
-                format!(
-                    "driver=qcow2,node-name=file0,file.driver=preallocate,\
-                     file.file.driver=file,file.file.filename={},file.file.cache.direct=on,\
-                     file.file.aio=io_uring",
-                    image.display()
-                )
-            } else if image.extension().is_some_and(|e| e == "qcow2") {
-                format!(
-                    "driver=qcow2,node-name=file0,file.driver=file,file.filename={},\
-                     file.cache.direct=on,file.aio=io_uring{extra}",
-                    image.display()
-                )
-            } else {
-                format!(
-                    "driver=file,node-name=file0,filename={},cache.direct=on,aio=io_uring{extra}",
-                    image.display()
-                )
-            };
-            c.arg("--blockdev")
-                .arg(blockdev)
-                .arg("--export")
-                .arg(format!(
-                    "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},\
-                     writable=on,num-queues={}",
-                    socket.display(),
-                    opts.backend_queues
-                ));
-            c
-        }
-    };
-    cmd.stdin(Stdio::null())
-        .stdout(log.try_clone().expect("dup"))
-        .stderr(log);
-    let t0 = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {}: {e}", backend.name()));
-    // Poll for a listening socket (a connect that succeeds), not a fixed sleep.
-    let deadline = t0 + Duration::from_secs(20);
-    loop {
-        if UnixStream::connect(&socket).is_ok() {
-            break;
-        }
-        if let Ok(Some(st)) = child.try_wait() {
-            panic!("{} exited during start-up: {st}", backend.name());
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} did not listen",
-            backend.name()
-        );
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    let startup = t0.elapsed();
-    let rss_idle_kib = rss_kib(child.id() as i32);
-    Server {
-        child: Some(child),
-        socket,
-        startup,
-        rss_idle_kib,
-    }
-}
-
-/// Make sure the image exists at the requested size with every block written (reads must hit
-/// real data, not holes).
-fn prepare_image(path: &Path, size: u64) {
-    if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir).expect("image directory");
-    }
-    if let Ok(m) = fs::metadata(path) {
-        if m.len() == size && m.blocks() * 512 >= size {
-            return;
-        }
-    }
-    eprintln!(
-        "preparing {} ({} MiB, fully written)",
-        path.display(),
-        size >> 20
-    );
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)
-        .expect("create image");
-    let mut buf = vec![0u8; 1 << 20];
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for chunk in buf.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
-    }
-    let mut left = size;
-    while left > 0 {
-        let n = left.min(buf.len() as u64) as usize;
-        f.write_all(&buf[..n]).expect("write image");
-        buf[0] = buf[0].wrapping_add(1);
-        left -= n as u64;
-    }
-    f.sync_all().expect("sync image");
 }
 
 /// One measured run.
@@ -579,23 +268,7 @@ fn connect_client(
 fn run_once(backend: &Backend, wl: &Workload, opts: &Opts, vublk: &Path, work: &Path) -> RunResult {
     let image = backend.image.as_deref().unwrap_or(&opts.image);
     if opts.fresh_qcow2 && image.extension().is_some_and(|e| e == "qcow2") {
-        // Deleting the previous run's image frees gigabytes; on a file system mounted with
-        // online discard that work lands in the next measurement. Let it finish first.
-        if fs::remove_file(image).is_ok() {
-            // SAFETY: plain system call.
-            unsafe { libc::sync() };
-            std::thread::sleep(Duration::from_secs(1));
-        }
-        let mut create = Command::new(vublk);
-        create.args(["create", "--format", "qcow2"]);
-        match &opts.fresh_backing {
-            Some(b) => create
-                .arg("--backing")
-                .arg(fs::canonicalize(b).expect("backing file")),
-            None => create.arg("--size").arg(opts.size.to_string()),
-        };
-        let st = create.arg(image).status().expect("vublk create");
-        assert!(st.success(), "vublk create {} failed", image.display());
+        images::fresh_qcow2(image, opts, vublk);
     }
     let server = start_server(backend, image, opts, vublk, work);
     let (mut b, queues) = connect_client(backend, &server, image, wl.queues);
@@ -1413,19 +1086,12 @@ fn compress_fill_run(
 ) -> CompressResult {
     let default_image = work.join("compress-fill.qcow2");
     let image = backend.image.as_deref().unwrap_or(&default_image);
-    if fs::remove_file(image).is_ok() {
-        // SAFETY: plain system call.
-        unsafe { libc::sync() };
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    let st = Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2", "-o"])
-        .arg(format!("cluster_size=64k,compression_type={ctype}"))
-        .arg(image)
-        .arg(data.len().to_string())
-        .status()
-        .expect("qemu-img create");
-    assert!(st.success(), "qemu-img create {} failed", image.display());
+    images::fresh_qemu_img(
+        image,
+        "qcow2",
+        &format!("cluster_size=64k,compression_type={ctype}"),
+        &data.len().to_string(),
+    );
     let server = start_server(backend, image, opts, vublk, work);
     let (mut b, mut queues) = connect_client(backend, &server, image, 1);
     let pid = server.pid().expect("a server process");
@@ -1561,18 +1227,7 @@ fn parallels_fill_run(
 ) -> ParallelsResult {
     let default_image = work.join("parallels-fill.img");
     let image = backend.image.as_deref().unwrap_or(&default_image);
-    if fs::remove_file(image).is_ok() {
-        // SAFETY: plain system call.
-        unsafe { libc::sync() };
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    let st = Command::new("qemu-img")
-        .args(["create", "-q", "-f", "parallels", "-o", "cluster_size=64k"])
-        .arg(image)
-        .arg("64G")
-        .status()
-        .expect("qemu-img create");
-    assert!(st.success(), "qemu-img create {} failed", image.display());
+    images::fresh_qemu_img(image, "parallels", "cluster_size=64k", "64G");
     let server = start_server(backend, image, opts, vublk, work);
     let (mut b, mut queues) = connect_client(backend, &server, image, 1);
     let t0 = Instant::now();
