@@ -5,11 +5,13 @@
 //! The client pre-allocates everything (one memory region, per-slot buffers, completion
 //! arrays, latency samples) so that nothing is allocated per request.
 
+mod alternate;
 mod args;
 mod backends;
 mod hop;
 mod images;
 mod procstat;
+mod report;
 mod seed_check;
 mod server;
 
@@ -24,10 +26,12 @@ use std::time::{Duration, Instant};
 use blkio::{Blkio, Blkioq, ReqFlags};
 use clap::Parser;
 
+use alternate::{alternate, Order};
 use args::Opts;
 use backends::{resolve_backends, Backend, BackendKind};
 use images::prepare_image;
 use procstat::{cpu_ns, proc_writes, rss_kib, self_cpu_ns, start_write_count, stop_write_count};
+use report::{median, median_by};
 use server::{start_server, Server};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -361,37 +365,6 @@ fn run_once(backend: &Backend, wl: &Workload, opts: &Opts, vublk: &Path, work: &
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
-fn machine_description() -> String {
-    let cpu = fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.strip_prefix("model name")
-                    .map(|r| r.trim_start_matches([' ', '\t', ':']).to_owned())
-            })
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let ncpu = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let kernel = fs::read_to_string("/proc/sys/kernel/osrelease")
-        .unwrap_or_default()
-        .trim()
-        .to_owned();
-    format!("{ncpu} x {cpu}, Linux {kernel}")
-}
-
 fn main() -> ExitCode {
     let mut opts = Opts::parse();
     let mut workloads = standard_workloads();
@@ -490,7 +463,7 @@ fn main() -> ExitCode {
         vec![vec![Vec::new(); backends.len()]; workloads.len()];
     for run in 0..opts.runs {
         for (wi, wl) in workloads.iter().enumerate() {
-            for bi in run_order(run, backends.len(), opts.rotate) {
+            for bi in Order::of(&opts).round(run, backends.len()) {
                 let backend = &backends[bi];
                 let r = run_once(backend, wl, &opts, &vublk, &work);
                 eprintln!(
@@ -510,152 +483,12 @@ fn main() -> ExitCode {
         }
     }
 
-    let report = render_report(&opts, &workloads, &backends, &results);
-    print!("{report}");
-    if let Some(p) = &opts.report {
-        fs::write(p, &report).expect("write report");
-    }
+    report::emit(
+        &opts,
+        &report::workloads_report(&opts, &workloads, &backends, &results),
+    );
     ExitCode::SUCCESS
 }
-
-/// The order of `n` backends in round `run`: as listed, or with `rotate` starting with the
-/// backend `run` (mod n), so that every backend takes every place in the order equally often
-/// and what one run leaves behind (a big file being freed) does not always fall on the same
-/// backend.
-fn run_order(run: usize, n: usize, rotate: bool) -> impl Iterator<Item = usize> {
-    let start = if rotate { run % n } else { 0 };
-    (0..n).map(move |k| (start + k) % n)
-}
-
-fn render_report(
-    opts: &Opts,
-    workloads: &[Workload],
-    backends: &[Backend],
-    results: &[Vec<Vec<RunResult>>],
-) -> String {
-    let mut out = String::new();
-    let _ = writeln!(out, "\nMachine: {}", machine_description());
-    let what = if opts.fresh_qcow2 {
-        "fresh qcow2 images of this size made before every run"
-    } else {
-        "fully written"
-    };
-    let _ = writeln!(
-        out,
-        "Image: {} ({} MiB, {what}), {} runs x {} s per backend and workload, \
-         backends alternating{}; medians.\n",
-        opts.image.display(),
-        opts.size >> 20,
-        opts.runs,
-        opts.seconds,
-        if opts.rotate {
-            " (their order rotated run by run)"
-        } else {
-            ""
-        }
-    );
-    let _ = writeln!(
-        out,
-        "| workload | backend | IOPS | MB/s | p50 us | p99 us | backend CPU us/IO | client CPU % |"
-    );
-    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
-    let med = |rs: &[RunResult], f: &dyn Fn(&RunResult) -> f64| median(rs.iter().map(f).collect());
-    for (wi, wl) in workloads.iter().enumerate() {
-        for (bi, kind) in backends.iter().enumerate() {
-            let rs = &results[wi][bi];
-            let cpu = med(rs, &|r| r.cpu_us_per_io().unwrap_or(f64::NAN));
-            let _ = writeln!(
-                out,
-                "| {} | {} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {:.0} |",
-                wl.name,
-                kind.name(),
-                med(rs, &|r| r.iops()),
-                med(rs, &|r| r.mbps()),
-                med(rs, &|r| r.p50_us),
-                med(rs, &|r| r.p99_us),
-                if cpu.is_nan() {
-                    "-".into()
-                } else {
-                    format!("{cpu:.2}")
-                },
-                med(rs, &|r| r.client_cpu_ns as f64 / 1e9 / r.secs * 100.0),
-            );
-        }
-    }
-    let idx = |name: &str| backends.iter().position(|b| b.name == name);
-    if let Some(v) = idx("vublk") {
-        let _ = writeln!(
-            out,
-            "\n| workload | vublk / file | vublk / QSD | QSD / file |"
-        );
-        let _ = writeln!(out, "|---|---:|---:|---:|");
-        for (wi, wl) in workloads.iter().enumerate() {
-            let iops = |bi: usize| med(&results[wi][bi], &|r| r.iops());
-            let ratio = |a: Option<usize>, b: Option<usize>| match (a, b) {
-                (Some(a), Some(b)) => format!("{:.2}", iops(a) / iops(b)),
-                _ => "-".into(),
-            };
-            let _ = writeln!(
-                out,
-                "| {} | {} | {} | {} |",
-                wl.name,
-                ratio(Some(v), idx("file")),
-                ratio(Some(v), idx("qsd")),
-                ratio(idx("qsd"), idx("file")),
-            );
-        }
-    }
-    // Variants of vublk against plain vublk (e.g. detect-zeroes on non-zero data).
-    if let Some(v) = idx("vublk") {
-        for (bi, b) in backends.iter().enumerate() {
-            if b.kind != BackendKind::Vublk || b.name == "vublk" {
-                continue;
-            }
-            let _ = writeln!(out, "\n| workload | {} / vublk (IOPS) |", b.name);
-            let _ = writeln!(out, "|---|---:|");
-            for (wi, wl) in workloads.iter().enumerate() {
-                let a = med(&results[wi][bi], &|r| r.iops());
-                let base = med(&results[wi][v], &|r| r.iops());
-                let _ = writeln!(out, "| {} | {:.3} |", wl.name, a / base);
-            }
-        }
-    }
-    // Start-up and memory of the vhost-user backends.
-    let _ = writeln!(
-        out,
-        "\n| backend | start-up to listening (ms) | RSS idle (MiB) | RSS under load, max (MiB) |"
-    );
-    let _ = writeln!(out, "|---|---:|---:|---:|");
-    for (bi, kind) in backends.iter().enumerate() {
-        if kind.kind == BackendKind::File {
-            continue;
-        }
-        let all: Vec<&RunResult> = results.iter().flat_map(|w| w[bi].iter()).collect();
-        let startup = median(
-            all.iter()
-                .map(|r| r.startup.as_secs_f64() * 1000.0)
-                .collect(),
-        );
-        let idle = median(
-            all.iter()
-                .filter_map(|r| r.rss_idle_kib)
-                .map(|k| k as f64 / 1024.0)
-                .collect(),
-        );
-        let load = all
-            .iter()
-            .filter_map(|r| r.rss_load_kib)
-            .max()
-            .map_or(f64::NAN, |k| k as f64 / 1024.0);
-        let _ = writeln!(
-            out,
-            "| {} | {startup:.1} | {idle:.1} | {load:.1} |",
-            kind.name()
-        );
-    }
-    out
-}
-
 /// The all-zero scanner on host buffers: GB/s on all-zero buffers (the whole buffer is read)
 /// and the cost of rejecting non-zero data (usually the first sampled byte).
 fn zero_scan() {
@@ -813,28 +646,30 @@ fn zero_fill_run(
     FillResult { secs, allocated }
 }
 
+/// `--zero-fill`: both images (fresh sparse, fully written), every backend, `--runs` times.
 fn zero_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
     let image = work.join("zero-fill.img");
     let mut rows = String::new();
     for full in [false, true] {
-        let mut results: Vec<Vec<FillResult>> = backends.iter().map(|_| Vec::new()).collect();
-        for run in 0..opts.runs {
-            for (bi, backend) in backends.iter().enumerate() {
-                let r = zero_fill_run(backend, &image, full, opts, vublk, work);
-                eprintln!(
-                    "run {} {} {:8} {:.3} s, {} MiB allocated",
-                    run + 1,
+        // The backends as listed in every round: this mode has never rotated them.
+        let results = alternate(
+            opts.runs,
+            Order::Listed,
+            backends,
+            |b| zero_fill_run(b, &image, full, opts, vublk, work),
+            |run, b, r| {
+                format!(
+                    "run {run} {} {:8} {:.3} s, {} MiB allocated",
                     if full { "fully-written" } else { "sparse" },
-                    backend.name(),
+                    b.name(),
                     r.secs,
                     r.allocated >> 20
-                );
-                results[bi].push(r);
-            }
-        }
-        for (bi, backend) in backends.iter().enumerate() {
-            let secs = median(results[bi].iter().map(|r| r.secs).collect());
-            let alloc = median(results[bi].iter().map(|r| r.allocated as f64).collect());
+                )
+            },
+        );
+        for (backend, rs) in backends.iter().zip(&results) {
+            let secs = median_by(rs, |r| r.secs);
+            let alloc = median_by(rs, |r| r.allocated as f64);
             let _ = writeln!(
                 rows,
                 "| {} | {} | {secs:.3} | {:.0} | {:.1} |",
@@ -850,25 +685,21 @@ fn zero_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
         }
     }
     let _ = fs::remove_file(&image);
-    let mut out = String::new();
-    let _ = writeln!(out, "\nMachine: {}", machine_description());
-    let _ = writeln!(
-        out,
+    let how = format!(
         "{} MiB of zeroes in 1 MiB writes at depth 4, then FLUSH; {} runs, medians; \
-         allocation = st_blocks after the backend exited.\n",
+         allocation = st_blocks after the backend exited.",
         opts.size >> 20,
         opts.runs
     );
-    let _ = writeln!(
-        out,
-        "| image | backend | time (s) | MB/s | allocated after (MiB) |"
+    report::emit(
+        opts,
+        &report::table(
+            &how,
+            "| image | backend | time (s) | MB/s | allocated after (MiB) |",
+            "|---|---|---:|---:|---:|",
+            &rows,
+        ),
     );
-    let _ = writeln!(out, "|---|---|---:|---:|---:|");
-    out.push_str(&rows);
-    print!("{out}");
-    if let Some(p) = &opts.report {
-        fs::write(p, &out).expect("write report");
-    }
 }
 
 /// `--fresh-file`: bytes written per run and write size (2 GiB: seconds of writing, so that
@@ -1124,37 +955,38 @@ fn compress_fill_run(
     }
 }
 
+/// `--compress-fill`: every `--fill-data` and `--compression-types`, every backend,
+/// `--runs` times.
 fn compress_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
     let size = opts.size - opts.size % (64 << 10);
     let mut rows = String::new();
     for kind in &opts.fill_data {
         let data = fill_data(kind, size as usize);
         for ctype in &opts.compression_types {
-            let mut results: Vec<Vec<CompressResult>> =
-                backends.iter().map(|_| Vec::new()).collect();
-            for run in 0..opts.runs {
-                for (bi, backend) in backends.iter().enumerate() {
-                    let r = compress_fill_run(backend, &data, ctype, opts, vublk, work);
-                    eprintln!(
-                        "run {} {kind} {ctype} {:10} {:.2} s, image {} MiB, {} write calls \
+            // The backends as listed in every round: this mode has never rotated them.
+            let results = alternate(
+                opts.runs,
+                Order::Listed,
+                backends,
+                |b| compress_fill_run(b, &data, ctype, opts, vublk, work),
+                |run, b, r| {
+                    format!(
+                        "run {run} {kind} {ctype} {:10} {:.2} s, image {} MiB, {} write calls \
                          ({} MiB), compressed writes to the file {:?}",
-                        run + 1,
-                        backend.name(),
+                        b.name(),
                         r.secs,
                         r.image_bytes >> 20,
                         r.syscw,
                         r.wchar >> 20,
                         r.cache_writes
-                    );
-                    results[bi].push(r);
-                }
-            }
-            for (bi, backend) in backends.iter().enumerate() {
-                let rs = &results[bi];
-                let secs = median(rs.iter().map(|r| r.secs).collect());
-                let img = median(rs.iter().map(|r| r.image_bytes as f64).collect());
-                let calls = median(rs.iter().map(|r| r.syscw as f64).collect());
-                let wchar = median(rs.iter().map(|r| r.wchar as f64).collect());
+                    )
+                },
+            );
+            for (backend, rs) in backends.iter().zip(&results) {
+                let secs = median_by(rs, |r| r.secs);
+                let img = median_by(rs, |r| r.image_bytes as f64);
+                let calls = median_by(rs, |r| r.syscw as f64);
+                let wchar = median_by(rs, |r| r.wchar as f64);
                 let cw = rs
                     .iter()
                     .find_map(|r| r.cache_writes)
@@ -1176,28 +1008,24 @@ fn compress_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
             }
         }
     }
-    let mut out = String::new();
-    let _ = writeln!(out, "\nMachine: {}", machine_description());
-    let _ = writeln!(
-        out,
+    let how = format!(
         "{} MiB written as 64 KiB requests at depth 8 into a fresh qcow2 (64 KiB clusters), \
          then FLUSH; time to the FLUSH's completion; {} runs, medians; write calls = the \
          backend's pwrite/pwritev calls during the run (perf stat syscall tracepoints: data \
          and metadata writes to the image), avg write = bytes written (/proc/PID/io wchar) / \
-         calls.\n",
+         calls.",
         size >> 20,
         opts.runs
     );
-    let _ = writeln!(
-        out,
-        "| data | compression | backend | time (s) | image (MiB) | write calls | avg write (KiB) | compressed writes to the file (vublk) |"
+    report::emit(
+        opts,
+        &report::table(
+            &how,
+            "| data | compression | backend | time (s) | image (MiB) | write calls | avg write (KiB) | compressed writes to the file (vublk) |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+            &rows,
+        ),
     );
-    let _ = writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|");
-    out.push_str(&rows);
-    print!("{out}");
-    if let Some(p) = &opts.report {
-        fs::write(p, &out).expect("write report");
-    }
 }
 
 /// `--parallels-fill` data: `len` bytes that are neither zero nor the same everywhere.
@@ -1245,32 +1073,34 @@ fn parallels_fill_run(
     }
 }
 
+/// `--parallels-fill`: depth 1 and depth 8, every backend, `--runs` times.
 fn parallels_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
     let size = opts.size - opts.size % (64 << 10);
     let data = parallels_data(size as usize);
     let mut rows = String::new();
     for depth in [1usize, 8] {
-        let mut results: Vec<Vec<ParallelsResult>> = backends.iter().map(|_| Vec::new()).collect();
-        for run in 0..opts.runs {
-            for (bi, backend) in backends.iter().enumerate() {
-                let r = parallels_fill_run(backend, &data, depth, opts, vublk, work);
-                eprintln!(
-                    "run {} qd{depth} {:10} {:.2} s ({:.0} MB/s), file {} MiB while running, \
+        // The backends as listed in every round: this mode has never rotated them.
+        let results = alternate(
+            opts.runs,
+            Order::Listed,
+            backends,
+            |b| parallels_fill_run(b, &data, depth, opts, vublk, work),
+            |run, b, r| {
+                format!(
+                    "run {run} qd{depth} {:10} {:.2} s ({:.0} MB/s), file {} MiB while running, \
                      {} MiB after close",
-                    run + 1,
-                    backend.name(),
+                    b.name(),
                     r.secs,
                     size as f64 / r.secs / 1e6,
                     r.running_bytes >> 20,
                     r.closed_bytes >> 20
-                );
-                results[bi].push(r);
-            }
-        }
-        let base = median(results[0].iter().map(|r| r.secs).collect());
-        for (bi, backend) in backends.iter().enumerate() {
-            let secs = median(results[bi].iter().map(|r| r.secs).collect());
-            let closed = median(results[bi].iter().map(|r| r.closed_bytes as f64).collect());
+                )
+            },
+        );
+        let base = median_by(&results[0], |r| r.secs);
+        for (backend, rs) in backends.iter().zip(&results) {
+            let secs = median_by(rs, |r| r.secs);
+            let closed = median_by(rs, |r| r.closed_bytes as f64);
             let _ = writeln!(
                 rows,
                 "| {depth} | {} | {secs:.2} | {:.0} | {:.2} | {:.0} |",
@@ -1281,23 +1111,19 @@ fn parallels_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) 
             );
         }
     }
-    let mut out = String::new();
-    let _ = writeln!(out, "\nMachine: {}", machine_description());
-    let _ = writeln!(
-        out,
+    let how = format!(
         "{} MiB as sequential 64 KiB writes into a fresh 64 GiB parallels image (64 KiB \
-         clusters), then FLUSH; {} runs, medians; speed-up against the first backend.\n",
+         clusters), then FLUSH; {} runs, medians; speed-up against the first backend.",
         size >> 20,
         opts.runs
     );
-    let _ = writeln!(
-        out,
-        "| depth | backend | time (s) | MB/s | speed-up | file after close (MiB) |"
+    report::emit(
+        opts,
+        &report::table(
+            &how,
+            "| depth | backend | time (s) | MB/s | speed-up | file after close (MiB) |",
+            "|---:|---|---:|---:|---:|---:|",
+            &rows,
+        ),
     );
-    let _ = writeln!(out, "|---:|---|---:|---:|---:|---:|");
-    out.push_str(&rows);
-    print!("{out}");
-    if let Some(p) = &opts.report {
-        fs::write(p, &out).expect("write report");
-    }
 }

@@ -17,10 +17,12 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use crate::alternate::{self, Order};
+use crate::report::{self, median};
 use crate::{
-    compress_fill_run, extra_workloads, fill_data, fresh_file_iops, machine_description, median,
-    parallels_data, parallels_fill_run, run_once, run_order, zero_fill_run, Backend, BackendKind,
-    FreshSpace, Opts, FRESH_FILE_BYTES,
+    compress_fill_run, extra_workloads, fill_data, fresh_file_iops, parallels_data,
+    parallels_fill_run, run_once, zero_fill_run, Backend, BackendKind, FreshSpace, Opts,
+    FRESH_FILE_BYTES,
 };
 
 /// Seed 000: `--prealloc on` over `--prealloc off`, IOPS (BENCHMARKS.md, "Preallocation
@@ -117,29 +119,22 @@ fn size_text(bytes: u64) -> String {
     }
 }
 
-/// Run `measure(backend)` for every backend, `opts.runs` rounds, in `run_order`; print each
-/// run's line; every backend's results in the order of `backends`.
-fn alternate<T>(
+/// Run `measure(backend)` for every backend, `opts.runs` rounds, in `--rotate`'s order; print
+/// each run's line; every backend's results in the order of `backends`.
+fn seed_runs<T>(
     opts: &Opts,
     seed: &str,
     backends: &[Backend],
-    mut measure: impl FnMut(&Backend) -> T,
+    measure: impl FnMut(&Backend) -> T,
     describe: impl Fn(&T) -> String,
 ) -> Vec<Vec<T>> {
-    let mut results: Vec<Vec<T>> = backends.iter().map(|_| Vec::new()).collect();
-    for run in 0..opts.runs {
-        for bi in run_order(run, backends.len(), opts.rotate) {
-            let r = measure(&backends[bi]);
-            eprintln!(
-                "seed {seed} run {} {:18} {}",
-                run + 1,
-                backends[bi].name(),
-                describe(&r)
-            );
-            results[bi].push(r);
-        }
-    }
-    results
+    alternate::alternate(
+        opts.runs,
+        Order::of(opts),
+        backends,
+        measure,
+        |run, b, r| format!("seed {seed} run {run} {:18} {}", b.name(), describe(r)),
+    )
 }
 
 /// Seed 000: a fresh 16 GiB qcow2 per run (`vublk create`, then the `--fresh-qcow2` sync and
@@ -161,7 +156,7 @@ fn preallocation(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
         .into_iter()
         .find(|w| w.name == "seqwrite-16k-qd64")
         .expect("the preallocation seed's workload is among the extra workloads");
-    let iops = alternate(
+    let iops = seed_runs(
         opts,
         "000",
         &backends,
@@ -172,19 +167,18 @@ fn preallocation(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
 
     // The file system's own ceiling, as `--fresh-file` measures it (16 KiB, depth 64).
     let probe = work.join("seed-fresh-file.img");
-    let spaces = [FreshSpace::Holes, FreshSpace::Fallocated];
-    let mut fs_iops = [Vec::new(), Vec::new()];
-    for run in 0..opts.runs {
-        for si in run_order(run, spaces.len(), opts.rotate) {
-            let r = fresh_file_iops(&probe, 16 << 10, spaces[si], sizes.fresh_file_bytes);
-            eprintln!(
-                "seed 000 run {} {:18} {r:.0} IOPS",
-                run + 1,
-                format!("file-{:?}", spaces[si]).to_lowercase()
-            );
-            fs_iops[si].push(r);
-        }
-    }
+    let fs_iops = alternate::alternate(
+        opts.runs,
+        Order::of(opts),
+        &[FreshSpace::Holes, FreshSpace::Fallocated],
+        |&space| fresh_file_iops(&probe, 16 << 10, space, sizes.fresh_file_bytes),
+        |run, space, r| {
+            format!(
+                "seed 000 run {run} {:18} {r:.0} IOPS",
+                format!("file-{space:?}").to_lowercase()
+            )
+        },
+    );
     let _ = fs::remove_file(&probe);
 
     let off = median(iops[0].clone());
@@ -232,7 +226,7 @@ fn detect_zeroes(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
             "--detect-zeroes unmap --discard unmap",
         ),
     ];
-    let results = alternate(
+    let results = seed_runs(
         opts,
         "002",
         &backends,
@@ -289,7 +283,7 @@ fn compressed_cache(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> [R
         ),
     ];
     let data = fill_data("ones", sizes.compress_bytes as usize);
-    let results = alternate(
+    let results = seed_runs(
         opts,
         "003",
         &backends,
@@ -348,7 +342,7 @@ fn parallels(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
         ),
     ];
     let data = parallels_data(sizes.parallels_bytes as usize);
-    let results = alternate(
+    let results = seed_runs(
         opts,
         "004",
         &backends,
@@ -388,13 +382,10 @@ pub fn seed_check(opts: &Opts, vublk: &Path, work: &Path) -> bool {
     rows.extend(compressed_cache(opts, &sizes, vublk, work));
     rows.push(parallels(opts, &sizes, vublk, work));
 
-    let mut out = String::new();
-    let _ = writeln!(out, "\nMachine: {}", machine_description());
-    let _ = writeln!(
-        out,
+    let mut out = report::preamble(&format!(
         "Seed check: vublk {}; {} runs per configuration, configurations alternating run by \
          run{}; medians. Speed-up: the seed's configuration over its baseline (IOPS, or the \
-         baseline's time over the seed's).{}\n",
+         baseline's time over the seed's).{}",
         vublk.display(),
         opts.runs,
         if opts.rotate {
@@ -407,7 +398,7 @@ pub fn seed_check(opts: &Opts, vublk: &Path, work: &Path) -> bool {
         } else {
             ""
         }
-    );
+    ));
     let _ = writeln!(
         out,
         "| seed | gain | workload | measured | target | the file system's own gain | verdict |"
@@ -440,9 +431,6 @@ pub fn seed_check(opts: &Opts, vublk: &Path, work: &Path) -> bool {
             seeds.join(", ")
         );
     }
-    print!("{out}");
-    if let Some(p) = &opts.report {
-        fs::write(p, &out).unwrap_or_else(|e| panic!("writing {}: {e}", p.display()));
-    }
+    report::emit(opts, &out);
     below == 0
 }
