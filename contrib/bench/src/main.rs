@@ -8,399 +8,40 @@
 mod alternate;
 mod args;
 mod backends;
+mod client;
 mod hop;
 mod images;
 mod procstat;
 mod report;
 mod seed_check;
 mod server;
+mod workloads;
 
 use std::fmt::Write as _;
 use std::fs::{self, File};
-use std::mem::MaybeUninit;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use blkio::{Blkio, Blkioq, ReqFlags};
 use clap::Parser;
 
 use alternate::{alternate, Order};
 use args::Opts;
 use backends::{resolve_backends, Backend, BackendKind};
+use client::connect_client;
 use images::prepare_image;
-use procstat::{cpu_ns, proc_writes, rss_kib, self_cpu_ns, start_write_count, stop_write_count};
+use procstat::{proc_writes, start_write_count, stop_write_count};
 use report::{median, median_by};
-use server::{start_server, Server};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Pattern {
-    Random,
-    Sequential,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Dir {
-    Read,
-    Write,
-}
-
-#[derive(Clone, Debug)]
-struct Workload {
-    name: String,
-    pattern: Pattern,
-    dir: Dir,
-    bs: usize,
-    depth: usize,
-    queues: usize,
-}
-
-fn wl(name: &str, pattern: Pattern, dir: Dir, bs: usize, depth: usize, queues: usize) -> Workload {
-    Workload {
-        name: name.to_owned(),
-        pattern,
-        dir,
-        bs,
-        depth,
-        queues,
-    }
-}
-
-fn standard_workloads() -> Vec<Workload> {
-    use Dir::*;
-    use Pattern::*;
-    vec![
-        wl("randread-4k-qd1", Random, Read, 4096, 1, 1),
-        wl("randread-4k-qd32", Random, Read, 4096, 32, 1),
-        wl("randwrite-4k-qd32", Random, Write, 4096, 32, 1),
-        wl("seqwrite-64k-qd8", Sequential, Write, 64 << 10, 8, 1),
-        wl("seqwrite-1m-qd4", Sequential, Write, 1 << 20, 4, 1),
-        wl("randread-4k-2q-qd16", Random, Read, 4096, 16, 2),
-    ]
-}
-
-/// Not in the default set: the preallocation seed's cases (sequential writes at depth 64),
-/// and the network-storage set (depth 16: RBD).
-fn extra_workloads() -> Vec<Workload> {
-    use Dir::*;
-    use Pattern::*;
-    vec![
-        wl("seqwrite-16k-qd64", Sequential, Write, 16 << 10, 64, 1),
-        wl("seqwrite-64k-qd64", Sequential, Write, 64 << 10, 64, 1),
-        wl("randread-4k-qd16", Random, Read, 4096, 16, 1),
-        wl("randwrite-4k-qd16", Random, Write, 4096, 16, 1),
-        wl("seqwrite-64k-qd16", Sequential, Write, 64 << 10, 16, 1),
-    ]
-}
-
-fn scaling_workloads() -> Vec<Workload> {
-    [1, 2, 4]
-        .iter()
-        .map(|&q| {
-            wl(
-                &format!("scaling-randread-4k-{q}q-qd16"),
-                Pattern::Random,
-                Dir::Read,
-                4096,
-                16,
-                q,
-            )
-        })
-        .collect()
-}
-
-/// One measured run.
-#[derive(Clone, Debug, Default)]
-struct RunResult {
-    ios: u64,
-    bytes: u64,
-    secs: f64,
-    p50_us: f64,
-    p99_us: f64,
-    backend_cpu_ns: Option<u64>,
-    client_cpu_ns: u64,
-    rss_load_kib: Option<u64>,
-    startup: Duration,
-    rss_idle_kib: Option<u64>,
-}
-
-impl RunResult {
-    fn iops(&self) -> f64 {
-        self.ios as f64 / self.secs
-    }
-    fn mbps(&self) -> f64 {
-        self.bytes as f64 / self.secs / 1e6
-    }
-    fn cpu_us_per_io(&self) -> Option<f64> {
-        self.backend_cpu_ns
-            .map(|ns| ns as f64 / 1000.0 / self.ios.max(1) as f64)
-    }
-}
-
-struct QueueRun {
-    ios: u64,
-    bytes: u64,
-    lat_ns: Vec<u32>,
-}
-
-/// Drive one queue: keep `depth` requests in flight until `end`; measure after `measure_from`.
-#[allow(clippy::too_many_arguments)]
-fn drive_queue(
-    q: &mut Blkioq,
-    wl: &Workload,
-    buf_base: usize,
-    capacity: u64,
-    seed: u64,
-    measure_from: Instant,
-    end: Instant,
-    max_samples: usize,
-    smoke_ios: Option<u64>,
-) -> QueueRun {
-    let depth = wl.depth;
-    let bs = wl.bs;
-    let blocks = capacity / bs as u64;
-    let mut rng = seed | 1;
-    let mut seq_next: u64 = (seed % blocks.max(1)) * bs as u64;
-    let mut started = vec![Instant::now(); depth];
-    let mut completions: Vec<MaybeUninit<blkio::Completion>> =
-        (0..depth).map(|_| MaybeUninit::uninit()).collect();
-    let mut lat_ns: Vec<u32> = Vec::with_capacity(max_samples);
-    let mut ios = 0u64;
-    let mut bytes = 0u64;
-    let mut issued = 0u64;
-    let mut in_flight = 0usize;
-    let mut submit = |q: &mut Blkioq, slot: usize, started: &mut [Instant], issued: &mut u64| {
-        let off = match wl.pattern {
-            Pattern::Random => {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                (rng % blocks) * bs as u64
-            }
-            Pattern::Sequential => {
-                let o = seq_next;
-                seq_next += bs as u64;
-                if seq_next + bs as u64 > capacity {
-                    seq_next = 0;
-                }
-                o
-            }
-        };
-        let buf = (buf_base + slot * bs) as *mut u8;
-        started[slot] = Instant::now();
-        match wl.dir {
-            Dir::Read => q.read(off, buf, bs, slot, ReqFlags::empty()),
-            Dir::Write => q.write(off, buf, bs, slot, ReqFlags::empty()),
-        }
-        *issued += 1;
-    };
-    for slot in 0..depth {
-        submit(q, slot, &mut started, &mut issued);
-        in_flight += 1;
-    }
-    loop {
-        let n = q
-            .do_io(&mut completions, 1, None, None)
-            .expect("do_io failed");
-        let now = Instant::now();
-        let stop = now >= end || smoke_ios.is_some_and(|s| issued >= s);
-        for c in completions.iter().take(n) {
-            // SAFETY: do_io initialised the first n entries.
-            let c = unsafe { c.assume_init_ref() };
-            assert_eq!(c.ret, 0, "request failed: errno {}", -c.ret);
-            let slot = c.user_data;
-            in_flight -= 1;
-            if now >= measure_from {
-                ios += 1;
-                bytes += bs as u64;
-                if lat_ns.len() < max_samples {
-                    let d = now.duration_since(started[slot]).as_nanos();
-                    lat_ns.push(d.min(u32::MAX as u128) as u32);
-                }
-            }
-            if !stop {
-                submit(q, slot, &mut started, &mut issued);
-                in_flight += 1;
-            }
-        }
-        if stop && in_flight == 0 {
-            break;
-        }
-    }
-    QueueRun { ios, bytes, lat_ns }
-}
-
-fn percentile(sorted: &[u32], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i] as f64 / 1000.0
-}
-
-/// Connect the libblkio client to a backend (or to the file itself).
-fn connect_client(
-    backend: &Backend,
-    server: &Server,
-    image: &Path,
-    queues: usize,
-) -> (Blkio, Vec<Blkioq>) {
-    let (driver, path) = match backend.kind {
-        BackendKind::File => ("io_uring", image.to_path_buf()),
-        _ => ("virtio-blk-vhost-user", server.socket.clone()),
-    };
-    let mut b = Blkio::new(driver).expect("libblkio driver");
-    b.set_str("path", path.to_str().expect("utf-8 path"))
-        .expect("path");
-    if backend.kind == BackendKind::File {
-        b.set_bool("direct", true).expect("direct");
-    }
-    if backend
-        .extra
-        .iter()
-        .any(|a| a == "--read-only" || a.contains("read-only=on"))
-    {
-        b.set_bool("read-only", true).expect("read-only");
-    }
-    b.connect().expect("connect");
-    b.set_i32("num-queues", queues as i32).expect("num-queues");
-    let started = b.start().expect("start");
-    (b, started.queues)
-}
-
-fn run_once(backend: &Backend, wl: &Workload, opts: &Opts, vublk: &Path, work: &Path) -> RunResult {
-    let image = backend.image.as_deref().unwrap_or(&opts.image);
-    if opts.fresh_qcow2 && image.extension().is_some_and(|e| e == "qcow2") {
-        images::fresh_qcow2(image, opts, vublk);
-    }
-    let server = start_server(backend, image, opts, vublk, work);
-    let (mut b, queues) = connect_client(backend, &server, image, wl.queues);
-    let capacity = b.get_u64("capacity").expect("capacity");
-    let region_len = wl.queues * wl.depth * wl.bs;
-    let region = b.alloc_mem_region(region_len).expect("alloc region");
-    b.map_mem_region(&region).expect("map region");
-    // SAFETY: the region is ours, region_len bytes long.
-    unsafe { std::ptr::write_bytes(region.addr as *mut u8, 0x5a, region_len) };
-
-    let warmup = Duration::from_millis(if opts.smoke { 0 } else { opts.warmup_ms });
-    let t0 = Instant::now();
-    let measure_from = t0 + warmup;
-    let end = measure_from + Duration::from_secs_f64(opts.seconds);
-    let smoke_ios = opts.smoke.then_some(300);
-    let max_samples = 4 << 20;
-    let pid = server.pid();
-
-    let mut cpu0: Option<u64> = None;
-    let mut client0 = 0;
-    let results: Vec<QueueRun> = std::thread::scope(|s| {
-        let handles: Vec<_> = queues
-            .into_iter()
-            .enumerate()
-            .map(|(i, mut q)| {
-                let wl = wl.clone();
-                let base = region.addr + i * wl.depth * wl.bs;
-                s.spawn(move || {
-                    let seed = 0x1234_5678_9abc_def1u64.wrapping_mul(i as u64 + 1);
-                    let r = drive_queue(
-                        &mut q,
-                        &wl,
-                        base,
-                        capacity,
-                        seed,
-                        measure_from,
-                        end,
-                        max_samples,
-                        smoke_ios,
-                    );
-                    drop(q);
-                    r
-                })
-            })
-            .collect();
-        // Sample CPU counters at the start and end of the measured window.
-        let now = Instant::now();
-        if measure_from > now {
-            std::thread::sleep(measure_from - now);
-        }
-        cpu0 = pid.and_then(cpu_ns);
-        client0 = self_cpu_ns();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("queue thread"))
-            .collect()
-    });
-    let secs = if opts.smoke {
-        t0.elapsed().as_secs_f64()
-    } else {
-        end.duration_since(measure_from).as_secs_f64()
-    };
-    let cpu1 = pid.and_then(cpu_ns);
-    let client_cpu_ns = self_cpu_ns().saturating_sub(client0);
-    let rss_load_kib = pid.and_then(rss_kib);
-    let mut lat: Vec<u32> = Vec::new();
-    let mut ios = 0;
-    let mut bytes = 0;
-    for r in results {
-        ios += r.ios;
-        bytes += r.bytes;
-        lat.extend_from_slice(&r.lat_ns);
-    }
-    lat.sort_unstable();
-    drop(b);
-    RunResult {
-        ios,
-        bytes,
-        secs,
-        p50_us: percentile(&lat, 0.50),
-        p99_us: percentile(&lat, 0.99),
-        backend_cpu_ns: match (cpu0, cpu1) {
-            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
-            _ => None,
-        },
-        client_cpu_ns,
-        rss_load_kib,
-        startup: server.startup,
-        rss_idle_kib: server.rss_idle_kib,
-    }
-}
+use server::start_server;
 
 fn main() -> ExitCode {
     let mut opts = Opts::parse();
-    let mut workloads = standard_workloads();
     if opts.list {
-        for w in standard_workloads()
-            .iter()
-            .chain(scaling_workloads().iter())
-            .chain(extra_workloads().iter())
-        {
-            println!(
-                "{:28} {:?} {:?} bs={} depth={} queues={}",
-                w.name, w.pattern, w.dir, w.bs, w.depth, w.queues
-            );
-        }
+        workloads::print_list();
         return ExitCode::SUCCESS;
     }
-    if opts.scaling {
-        workloads.extend(scaling_workloads());
-    }
-    if !opts.workloads.is_empty() {
-        let all: Vec<Workload> = standard_workloads()
-            .into_iter()
-            .chain(scaling_workloads())
-            .chain(extra_workloads())
-            .collect();
-        workloads = opts
-            .workloads
-            .iter()
-            .map(|n| {
-                all.iter()
-                    .find(|w| &w.name == n)
-                    .unwrap_or_else(|| panic!("unknown workload {n} (see --list)"))
-                    .clone()
-            })
-            .collect();
-    }
+    let workloads = workloads::selected(&opts);
     if opts.smoke {
         opts.runs = 1;
     }
@@ -447,46 +88,7 @@ fn main() -> ExitCode {
         parallels_fill(&opts, &backends, &vublk, &work);
         return ExitCode::SUCCESS;
     }
-    // Only fresh qcow2 images: the raw benchmark image is not needed (and may be large).
-    let only_fresh = opts.fresh_qcow2
-        && backends.iter().all(|b| {
-            b.image
-                .as_ref()
-                .is_some_and(|i| i.extension().is_some_and(|e| e == "qcow2"))
-        });
-    if !only_fresh {
-        prepare_image(&opts.image, opts.size);
-    }
-
-    // results[workload][backend] = runs
-    let mut results: Vec<Vec<Vec<RunResult>>> =
-        vec![vec![Vec::new(); backends.len()]; workloads.len()];
-    for run in 0..opts.runs {
-        for (wi, wl) in workloads.iter().enumerate() {
-            for bi in Order::of(&opts).round(run, backends.len()) {
-                let backend = &backends[bi];
-                let r = run_once(backend, wl, &opts, &vublk, &work);
-                eprintln!(
-                    "run {} {:28} {:6} {:>10.0} IOPS {:>8.1} MB/s p50 {:>7.1} us p99 {:>7.1} us{}",
-                    run + 1,
-                    wl.name,
-                    backend.name(),
-                    r.iops(),
-                    r.mbps(),
-                    r.p50_us,
-                    r.p99_us,
-                    r.cpu_us_per_io()
-                        .map_or(String::new(), |c| format!(" cpu {c:.2} us/IO"))
-                );
-                results[wi][bi].push(r);
-            }
-        }
-    }
-
-    report::emit(
-        &opts,
-        &report::workloads_report(&opts, &workloads, &backends, &results),
-    );
+    workloads::run(&opts, &workloads, &backends, &vublk, &work);
     ExitCode::SUCCESS
 }
 /// The all-zero scanner on host buffers: GB/s on all-zero buffers (the whole buffer is read)
@@ -557,57 +159,6 @@ struct FillResult {
     allocated: u64,
 }
 
-/// Write `size` bytes of zeroes at depth 4 in 1 MiB requests, then flush.
-fn write_zeroes_through(b: &mut Blkio, q: &mut Blkioq, size: u64) {
-    const BS: usize = 1 << 20;
-    const DEPTH: usize = 4;
-    let region = b.alloc_mem_region(BS * DEPTH).expect("alloc region");
-    b.map_mem_region(&region).expect("map region");
-    // SAFETY: the region is ours, BS * DEPTH bytes long.
-    unsafe { std::ptr::write_bytes(region.addr as *mut u8, 0, BS * DEPTH) };
-    let mut completions: Vec<MaybeUninit<blkio::Completion>> =
-        (0..DEPTH).map(|_| MaybeUninit::uninit()).collect();
-    let mut next = 0u64;
-    let mut in_flight = 0;
-    for slot in 0..DEPTH {
-        if next < size {
-            q.write(
-                next,
-                (region.addr + slot * BS) as *const u8,
-                BS,
-                slot,
-                ReqFlags::empty(),
-            );
-            next += BS as u64;
-            in_flight += 1;
-        }
-    }
-    while in_flight > 0 {
-        let n = q.do_io(&mut completions, 1, None, None).expect("do_io");
-        for c in completions.iter().take(n) {
-            // SAFETY: do_io initialised the first n entries.
-            let c = unsafe { c.assume_init_ref() };
-            assert_eq!(c.ret, 0, "zero write failed: errno {}", -c.ret);
-            in_flight -= 1;
-            if next < size {
-                let slot = c.user_data;
-                q.write(
-                    next,
-                    (region.addr + slot * BS) as *const u8,
-                    BS,
-                    slot,
-                    ReqFlags::empty(),
-                );
-                next += BS as u64;
-                in_flight += 1;
-            }
-        }
-    }
-    q.flush(0, ReqFlags::empty());
-    let n = q.do_io(&mut completions, 1, None, None).expect("flush");
-    assert_eq!(n, 1);
-}
-
 /// One `--zero-fill` run: `opts.size` bytes of zeroes through `backend` into `image`, made
 /// afresh (sparse, or fully written when `full`); the time to the FLUSH and the space the
 /// image holds once the backend has exited. Panics if the image does not read back as zeroes.
@@ -630,7 +181,7 @@ fn zero_fill_run(
     let server = start_server(backend, image, opts, vublk, work);
     let (mut b, mut queues) = connect_client(backend, &server, image, 1);
     let t0 = Instant::now();
-    write_zeroes_through(&mut b, &mut queues[0], opts.size);
+    client::write_zeroes(&mut b, &mut queues[0], opts.size);
     let secs = t0.elapsed().as_secs_f64();
     drop(queues);
     drop(b);
@@ -847,54 +398,6 @@ fn fill_data(kind: &str, len: usize) -> Vec<u8> {
     }
 }
 
-/// Write `data` sequentially as 64 KiB requests at depth 8, then FLUSH.
-fn write_data_through(b: &mut Blkio, q: &mut Blkioq, data: &[u8]) {
-    write_data_at_depth(b, q, data, 8)
-}
-
-/// Write `data` sequentially as 64 KiB requests at `depth`, then FLUSH.
-fn write_data_at_depth(b: &mut Blkio, q: &mut Blkioq, data: &[u8], depth: usize) {
-    const BS: usize = 64 << 10;
-    let region = b.alloc_mem_region(BS * depth).expect("alloc region");
-    b.map_mem_region(&region).expect("map region");
-    let mut completions: Vec<MaybeUninit<blkio::Completion>> =
-        (0..depth).map(|_| MaybeUninit::uninit()).collect();
-    let mut next = 0usize;
-    let mut in_flight = 0;
-    let submit = |q: &mut Blkioq, slot: usize, next: &mut usize| {
-        let buf = (region.addr + slot * BS) as *mut u8;
-        // SAFETY: the slot's buffer is ours and not in flight.
-        unsafe { std::ptr::copy_nonoverlapping(data[*next..].as_ptr(), buf, BS) };
-        q.write(*next as u64, buf as *const u8, BS, slot, ReqFlags::empty());
-        *next += BS;
-    };
-    for slot in 0..depth {
-        if next + BS <= data.len() {
-            submit(q, slot, &mut next);
-            in_flight += 1;
-        }
-    }
-    while in_flight > 0 {
-        let n = q.do_io(&mut completions, 1, None, None).expect("do_io");
-        for c in completions.iter().take(n) {
-            // SAFETY: do_io initialised the first n entries.
-            let c = unsafe { c.assume_init_ref() };
-            assert_eq!(c.ret, 0, "write failed: errno {}", -c.ret);
-            in_flight -= 1;
-            if next + BS <= data.len() {
-                submit(q, c.user_data, &mut next);
-                in_flight += 1;
-            }
-        }
-    }
-    q.flush(0, ReqFlags::empty());
-    let n = q.do_io(&mut completions, 1, None, None).expect("flush");
-    assert_eq!(n, 1);
-    // SAFETY: the first completion was initialised by do_io.
-    let flushed = unsafe { completions[0].assume_init_ref() }.ret;
-    assert_eq!(flushed, 0, "FLUSH failed");
-}
-
 struct CompressResult {
     secs: f64,
     image_bytes: u64,
@@ -930,7 +433,7 @@ fn compress_fill_run(
     let perf = start_write_count(pid, &perf_out);
     let w0 = proc_writes(pid).unwrap_or_default();
     let t0 = Instant::now();
-    write_data_through(&mut b, &mut queues[0], data);
+    client::write_data(&mut b, &mut queues[0], data, 8);
     let secs = t0.elapsed().as_secs_f64();
     let w1 = proc_writes(pid).unwrap_or_default();
     let pwrites = perf.and_then(|p| stop_write_count(p, &perf_out));
@@ -1059,7 +562,7 @@ fn parallels_fill_run(
     let server = start_server(backend, image, opts, vublk, work);
     let (mut b, mut queues) = connect_client(backend, &server, image, 1);
     let t0 = Instant::now();
-    write_data_at_depth(&mut b, &mut queues[0], data, depth);
+    client::write_data(&mut b, &mut queues[0], data, depth);
     let secs = t0.elapsed().as_secs_f64();
     let running_bytes = fs::metadata(image).expect("image").len();
     drop(queues);

@@ -8,7 +8,8 @@ use std::fs;
 
 use crate::args::Opts;
 use crate::backends::{Backend, BackendKind};
-use crate::{RunResult, Workload};
+use crate::client::RunResult;
+use crate::workloads::Workload;
 
 /// The median of `v`; NaN when it is empty (a cell with no value).
 pub fn median(mut v: Vec<f64>) -> f64 {

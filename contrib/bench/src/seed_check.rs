@@ -18,11 +18,12 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::alternate::{self, Order};
+use crate::client::run_once;
 use crate::report::{self, median};
+use crate::workloads::extra_workloads;
 use crate::{
-    compress_fill_run, extra_workloads, fill_data, fresh_file_iops, parallels_data,
-    parallels_fill_run, run_once, zero_fill_run, Backend, BackendKind, FreshSpace, Opts,
-    FRESH_FILE_BYTES,
+    compress_fill_run, fill_data, fresh_file_iops, parallels_data, parallels_fill_run,
+    zero_fill_run, Backend, BackendKind, FreshSpace, Opts, FRESH_FILE_BYTES,
 };
 
 /// Seed 000: `--prealloc on` over `--prealloc off`, IOPS (BENCHMARKS.md, "Preallocation
