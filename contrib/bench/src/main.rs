@@ -9,11 +9,10 @@ mod alternate;
 mod args;
 mod backends;
 mod client;
-mod hop;
 mod images;
+mod modes;
 mod procstat;
 mod report;
-mod seed_check;
 mod server;
 mod workloads;
 
@@ -57,7 +56,7 @@ fn main() -> ExitCode {
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."));
     if opts.seed_check {
-        return if seed_check::seed_check(&opts, &vublk, &work) {
+        return if modes::seed_check::run(&opts, &vublk, &work) {
             ExitCode::SUCCESS
         } else {
             // A row below its target (a panic, when the check could not run, exits with 101).
@@ -69,7 +68,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if opts.hop {
-        hop::hop();
+        modes::hop::run();
         return ExitCode::SUCCESS;
     }
     if opts.fresh_file {

@@ -372,7 +372,7 @@ fn parallels(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
 
 /// Measure the seed rows, print the table (and write it to `--report`); true when every row
 /// meets its target.
-pub fn seed_check(opts: &Opts, vublk: &Path, work: &Path) -> bool {
+pub fn run(opts: &Opts, vublk: &Path, work: &Path) -> bool {
     fs::create_dir_all(work)
         .unwrap_or_else(|e| panic!("creating the work directory {}: {e}", work.display()));
     let sizes = Sizes::new(opts.smoke);

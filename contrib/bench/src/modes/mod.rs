@@ -1,0 +1,5 @@
+//! The modes that measure something other than the workloads, one a module: each has its
+//! option (`--hop`, `--seed-check`, ...) and prints a report of its own.
+
+pub mod hop;
+pub mod seed_check;
