@@ -17,21 +17,19 @@ mod server;
 mod workloads;
 
 use std::fmt::Write as _;
-use std::fs::{self, File};
-use std::os::unix::fs::MetadataExt;
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::Parser;
 
 use alternate::{alternate, Order};
 use args::Opts;
-use backends::{resolve_backends, Backend, BackendKind};
+use backends::{resolve_backends, Backend};
 use client::connect_client;
-use images::prepare_image;
 use procstat::{proc_writes, start_write_count, stop_write_count};
-use report::{median, median_by};
+use report::median_by;
 use server::start_server;
 
 fn main() -> ExitCode {
@@ -64,7 +62,7 @@ fn main() -> ExitCode {
         };
     }
     if opts.zero_scan {
-        zero_scan();
+        modes::zero_scan::run();
         return ExitCode::SUCCESS;
     }
     if opts.hop {
@@ -72,11 +70,11 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if opts.fresh_file {
-        fresh_file(&opts, &work);
+        modes::fresh_file::run(&opts, &work);
         return ExitCode::SUCCESS;
     }
     if opts.zero_fill {
-        zero_fill(&opts, &backends, &vublk, &work);
+        modes::zero_fill::run(&opts, &backends, &vublk, &work);
         return ExitCode::SUCCESS;
     }
     if opts.compress_fill {
@@ -90,274 +88,6 @@ fn main() -> ExitCode {
     workloads::run(&opts, &workloads, &backends, &vublk, &work);
     ExitCode::SUCCESS
 }
-/// The all-zero scanner on host buffers: GB/s on all-zero buffers (the whole buffer is read)
-/// and the cost of rejecting non-zero data (usually the first sampled byte).
-fn zero_scan() {
-    use vublk::zero::{is_zero, scanner_name};
-    println!("\nScanner: {}\n", scanner_name());
-    println!("| buffer | all-zero GB/s | random data ns/call | one non-zero byte at 3/4 GB/s |");
-    println!("|---:|---:|---:|---:|");
-    for size in [4096usize, 64 << 10, 1 << 20] {
-        let zero = vec![0u8; size];
-        let mut data = vec![0u8; size];
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        for b in data.iter_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = (x as u8) | 1;
-        }
-        // Past the three sampled bytes (first, middle, last): forces a scan of 3/4.
-        let mut last = vec![0u8; size];
-        last[size * 3 / 4] = 1;
-        let rate = |buf: &[u8], expect: bool| -> (f64, f64) {
-            let t0 = Instant::now();
-            let mut n = 0u64;
-            while t0.elapsed() < Duration::from_millis(300) {
-                for _ in 0..64 {
-                    assert_eq!(is_zero(std::hint::black_box(buf)), expect);
-                }
-                n += 64;
-            }
-            let s = t0.elapsed().as_secs_f64();
-            (n as f64 * buf.len() as f64 / s / 1e9, s * 1e9 / n as f64)
-        };
-        let (gbs, _) = rate(&zero, true);
-        let (_, ns) = rate(&data, false);
-        let (gbs_last, _) = rate(&last, false);
-        println!(
-            "| {} KiB | {gbs:.1} | {ns:.1} | {:.1} |",
-            size >> 10,
-            gbs_last * 0.75
-        );
-    }
-    // Cache-cold: 64 KiB pieces of a 512 MiB zero buffer, as a guest write usually is.
-    let big = vec![0u8; 512 << 20];
-    // Touch it so pages exist (zero pages would all map one shared page).
-    let mut big = big;
-    for p in big.chunks_mut(4096) {
-        p[0] = 1;
-        p[0] = 0;
-    }
-    let t0 = Instant::now();
-    let mut bytes = 0u64;
-    while t0.elapsed() < Duration::from_millis(500) {
-        for c in big.chunks(64 << 10) {
-            assert!(is_zero(std::hint::black_box(c)));
-            bytes += c.len() as u64;
-        }
-    }
-    println!(
-        "| 64 KiB pieces of 512 MiB (cache-cold) | {:.1} | | |",
-        bytes as f64 / t0.elapsed().as_secs_f64() / 1e9
-    );
-}
-
-struct FillResult {
-    secs: f64,
-    allocated: u64,
-}
-
-/// One `--zero-fill` run: `opts.size` bytes of zeroes through `backend` into `image`, made
-/// afresh (sparse, or fully written when `full`); the time to the FLUSH and the space the
-/// image holds once the backend has exited. Panics if the image does not read back as zeroes.
-fn zero_fill_run(
-    backend: &Backend,
-    image: &Path,
-    full: bool,
-    opts: &Opts,
-    vublk: &Path,
-    work: &Path,
-) -> FillResult {
-    let _ = fs::remove_file(image);
-    if full {
-        prepare_image(image, opts.size);
-    } else {
-        File::create(image)
-            .and_then(|f| f.set_len(opts.size))
-            .expect("sparse image");
-    }
-    let server = start_server(backend, image, opts, vublk, work);
-    let (mut b, mut queues) = connect_client(backend, &server, image, 1);
-    let t0 = Instant::now();
-    client::write_zeroes(&mut b, &mut queues[0], opts.size);
-    let secs = t0.elapsed().as_secs_f64();
-    drop(queues);
-    drop(b);
-    drop(server);
-    let allocated = fs::metadata(image).expect("image").blocks() * 512;
-    // Everything reads back as zero, whatever the backend did with the space.
-    let data = fs::read(image).expect("read image");
-    assert!(
-        data.iter().all(|&x| x == 0),
-        "{}: image not all zero after the zero writes",
-        backend.name()
-    );
-    FillResult { secs, allocated }
-}
-
-/// `--zero-fill`: both images (fresh sparse, fully written), every backend, `--runs` times.
-fn zero_fill(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
-    let image = work.join("zero-fill.img");
-    let mut rows = String::new();
-    for full in [false, true] {
-        // The backends as listed in every round: this mode has never rotated them.
-        let results = alternate(
-            opts.runs,
-            Order::Listed,
-            backends,
-            |b| zero_fill_run(b, &image, full, opts, vublk, work),
-            |run, b, r| {
-                format!(
-                    "run {run} {} {:8} {:.3} s, {} MiB allocated",
-                    if full { "fully-written" } else { "sparse" },
-                    b.name(),
-                    r.secs,
-                    r.allocated >> 20
-                )
-            },
-        );
-        for (backend, rs) in backends.iter().zip(&results) {
-            let secs = median_by(rs, |r| r.secs);
-            let alloc = median_by(rs, |r| r.allocated as f64);
-            let _ = writeln!(
-                rows,
-                "| {} | {} | {secs:.3} | {:.0} | {:.1} |",
-                if full {
-                    "fully written"
-                } else {
-                    "fresh sparse"
-                },
-                backend.name(),
-                opts.size as f64 / secs / 1e6,
-                alloc / (1 << 20) as f64
-            );
-        }
-    }
-    let _ = fs::remove_file(&image);
-    let how = format!(
-        "{} MiB of zeroes in 1 MiB writes at depth 4, then FLUSH; {} runs, medians; \
-         allocation = st_blocks after the backend exited.",
-        opts.size >> 20,
-        opts.runs
-    );
-    report::emit(
-        opts,
-        &report::table(
-            &how,
-            "| image | backend | time (s) | MB/s | allocated after (MiB) |",
-            "|---|---|---:|---:|---:|",
-            &rows,
-        ),
-    );
-}
-
-/// `--fresh-file`: bytes written per run and write size (2 GiB: seconds of writing, so that
-/// the file system's allocation work, not the set-up, is what is measured).
-const FRESH_FILE_BYTES: u64 = 2 << 30;
-
-/// How `--fresh-file` prepares the new file before writing into it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum FreshSpace {
-    /// Sized with `ftruncate`: every write fills a hole.
-    Holes,
-    /// Allocated with `fallocate`: every write lands in allocated (unwritten) space.
-    Fallocated,
-    /// Left empty: every write extends the file.
-    Extending,
-}
-
-/// Sequential O_DIRECT writes at depth 64 through io_uring into a fresh file, three ways.
-fn fresh_file(opts: &Opts, work: &Path) {
-    let path = work.join("fresh-file.img");
-    println!("\n| write size | into holes (IOPS) | into fallocated space | extending the file |");
-    println!("|---|---:|---:|---:|");
-    for bs in [16usize << 10, 64 << 10] {
-        let mut row = Vec::new();
-        for space in [
-            FreshSpace::Holes,
-            FreshSpace::Fallocated,
-            FreshSpace::Extending,
-        ] {
-            let iops = (0..opts.runs)
-                .map(|_| fresh_file_iops(&path, bs, space, FRESH_FILE_BYTES))
-                .collect();
-            row.push(median(iops));
-        }
-        println!(
-            "| {} KiB | {:.0} | {:.0} | {:.0} |",
-            bs >> 10,
-            row[0],
-            row[1],
-            row[2]
-        );
-    }
-    let _ = fs::remove_file(&path);
-}
-
-/// One `--fresh-file` run: `total_bytes` as sequential O_DIRECT writes of `bs` bytes at depth
-/// 64 through io_uring into a new file at `path`, prepared as `space` says; IOPS.
-fn fresh_file_iops(path: &Path, bs: usize, space: FreshSpace, total_bytes: u64) -> f64 {
-    use io_uring::{opcode, types, IoUring};
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
-    const DEPTH: usize = 64;
-    let _ = fs::remove_file(path);
-    // SAFETY: plain system call.
-    unsafe { libc::sync() };
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .expect("create the probe file");
-    match space {
-        FreshSpace::Holes => f.set_len(total_bytes).expect("size"),
-        FreshSpace::Fallocated => {
-            // SAFETY: plain system call on our fd.
-            let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, total_bytes as i64) };
-            assert_eq!(r, 0, "fallocate");
-        }
-        FreshSpace::Extending => {}
-    }
-    let mut ring = IoUring::new(256).expect("io_uring");
-    let layout = std::alloc::Layout::from_size_align(bs * DEPTH, 4096).expect("layout");
-    // SAFETY: non-zero size; freed below.
-    let buf = unsafe { std::alloc::alloc(layout) };
-    assert!(!buf.is_null());
-    // SAFETY: buf is bs * DEPTH bytes.
-    unsafe { std::ptr::write_bytes(buf, 0x5a, bs * DEPTH) };
-    let n = total_bytes / bs as u64;
-    let (mut next, mut done, mut inflight) = (0u64, 0u64, 0usize);
-    let t = Instant::now();
-    while done < n {
-        while inflight < DEPTH && next < n {
-            let slot = (next as usize) % DEPTH;
-            // SAFETY: inside buf.
-            let p = unsafe { buf.add(slot * bs) };
-            let e = opcode::Write::new(types::Fd(f.as_raw_fd()), p, bs as u32)
-                .offset(next * bs as u64)
-                .build()
-                .user_data(next);
-            // SAFETY: the buffer outlives the operation (we reap all of them).
-            unsafe { ring.submission().push(&e).expect("sq") };
-            next += 1;
-            inflight += 1;
-        }
-        ring.submit_and_wait(1).expect("submit");
-        for c in ring.completion() {
-            assert_eq!(c.result(), bs as i32, "short or failed write");
-            done += 1;
-            inflight -= 1;
-        }
-    }
-    let iops = n as f64 / t.elapsed().as_secs_f64();
-    // SAFETY: allocated above with this layout; no operation is in flight.
-    unsafe { std::alloc::dealloc(buf, layout) };
-    iops
-}
-
 /// `--compress-fill` data: `len` bytes of a constant byte, or of the files under /usr.
 fn fill_data(kind: &str, len: usize) -> Vec<u8> {
     match kind {

@@ -1,5 +1,8 @@
 //! The modes that measure something other than the workloads, one a module: each has its
 //! option (`--hop`, `--seed-check`, ...) and prints a report of its own.
 
+pub mod fresh_file;
 pub mod hop;
 pub mod seed_check;
+pub mod zero_fill;
+pub mod zero_scan;

@@ -18,13 +18,14 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::alternate::{self, Order};
+use crate::args::Opts;
+use crate::backends::{Backend, BackendKind};
 use crate::client::run_once;
+use crate::modes::fresh_file::{self, FreshSpace, FRESH_FILE_BYTES};
+use crate::modes::zero_fill;
 use crate::report::{self, median};
 use crate::workloads::extra_workloads;
-use crate::{
-    compress_fill_run, fill_data, fresh_file_iops, parallels_data, parallels_fill_run,
-    zero_fill_run, Backend, BackendKind, FreshSpace, Opts, FRESH_FILE_BYTES,
-};
+use crate::{compress_fill_run, fill_data, parallels_data, parallels_fill_run};
 
 /// Seed 000: `--prealloc on` over `--prealloc off`, IOPS (BENCHMARKS.md, "Preallocation
 /// (issue 6, seed 000)": the seed measured +36% for QEMU's filter, vublk's target is 1.4x).
@@ -172,7 +173,7 @@ fn preallocation(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
         opts.runs,
         Order::of(opts),
         &[FreshSpace::Holes, FreshSpace::Fallocated],
-        |&space| fresh_file_iops(&probe, 16 << 10, space, sizes.fresh_file_bytes),
+        |&space| fresh_file::iops(&probe, 16 << 10, space, sizes.fresh_file_bytes),
         |run, space, r| {
             format!(
                 "seed 000 run {run} {:18} {r:.0} IOPS",
@@ -231,7 +232,7 @@ fn detect_zeroes(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
         opts,
         "002",
         &backends,
-        |b| zero_fill_run(b, &image, false, &row_opts, vublk, work),
+        |b| zero_fill::measure(b, &image, false, &row_opts, vublk, work),
         |r| format!("{:.3} s, {} MiB allocated", r.secs, r.allocated >> 20),
     );
     let _ = fs::remove_file(&image);
