@@ -22,10 +22,9 @@ use crate::args::Opts;
 use crate::backends::{Backend, BackendKind};
 use crate::client::run_once;
 use crate::modes::fresh_file::{self, FreshSpace, FRESH_FILE_BYTES};
-use crate::modes::zero_fill;
+use crate::modes::{compress_fill, parallels_fill, zero_fill};
 use crate::report::{self, median};
 use crate::workloads::extra_workloads;
-use crate::{compress_fill_run, fill_data, parallels_data, parallels_fill_run};
 
 /// Seed 000: `--prealloc on` over `--prealloc off`, IOPS (BENCHMARKS.md, "Preallocation
 /// (issue 6, seed 000)": the seed measured +36% for QEMU's filter, vublk's target is 1.4x).
@@ -284,12 +283,12 @@ fn compressed_cache(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> [R
             "--compress-writes on --compressed-cache off",
         ),
     ];
-    let data = fill_data("ones", sizes.compress_bytes as usize);
+    let data = compress_fill::fill_data("ones", sizes.compress_bytes as usize);
     let results = seed_runs(
         opts,
         "003",
         &backends,
-        |b| compress_fill_run(b, &data, "zlib", &row_opts, vublk, work),
+        |b| compress_fill::measure(b, &data, "zlib", &row_opts, vublk, work),
         |r| format!("{:.2} s, image {} MiB", r.secs, r.image_bytes >> 20),
     );
     let _ = fs::remove_file(&image);
@@ -343,12 +342,12 @@ fn parallels(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
             "--prealloc on --prealloc-mode falloc",
         ),
     ];
-    let data = parallels_data(sizes.parallels_bytes as usize);
+    let data = parallels_fill::data(sizes.parallels_bytes as usize);
     let results = seed_runs(
         opts,
         "004",
         &backends,
-        |b| parallels_fill_run(b, &data, 1, &row_opts, vublk, work),
+        |b| parallels_fill::measure(b, &data, 1, &row_opts, vublk, work),
         |r| format!("{:.2} s", r.secs),
     );
     let _ = fs::remove_file(&image);
