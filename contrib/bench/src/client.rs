@@ -292,7 +292,8 @@ pub fn run_once(
     }
 }
 
-/// Write `size` bytes of zeroes at depth 4 in 1 MiB requests, then flush.
+/// Write `size` bytes of zeroes at depth 4 in 1 MiB requests, then flush. The buffers are
+/// zeroed once, not copied into per request as `write_data` does.
 pub fn write_zeroes(b: &mut Blkio, q: &mut Blkioq, size: u64) {
     const BS: usize = 1 << 20;
     const DEPTH: usize = 4;
