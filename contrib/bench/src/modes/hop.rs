@@ -80,7 +80,8 @@ fn ping_pong(cpus: (usize, usize), responder_spins: bool, caller_spins: bool) ->
     rtt
 }
 
-pub fn hop() {
+/// `--hop`: print the table (exits with status 2 where fewer than two CPUs are allowed).
+pub fn run() {
     let cpus = allowed();
     if cpus.len() < 2 {
         eprintln!("--hop needs two CPUs (this process may use {cpus:?})");

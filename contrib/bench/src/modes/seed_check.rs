@@ -17,11 +17,14 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use crate::{
-    compress_fill_run, extra_workloads, fill_data, fresh_file_iops, machine_description, median,
-    parallels_data, parallels_fill_run, run_once, run_order, zero_fill_run, Backend, BackendKind,
-    FreshSpace, Opts, FRESH_FILE_BYTES,
-};
+use crate::alternate::{self, Order};
+use crate::args::Opts;
+use crate::backends::{Backend, BackendKind};
+use crate::client::run_once;
+use crate::modes::fresh_file::{self, FreshSpace, FRESH_FILE_BYTES};
+use crate::modes::{compress_fill, parallels_fill, zero_fill};
+use crate::report::{self, median};
+use crate::workloads::extra_workloads;
 
 /// Seed 000: `--prealloc on` over `--prealloc off`, IOPS (BENCHMARKS.md, "Preallocation
 /// (issue 6, seed 000)": the seed measured +36% for QEMU's filter, vublk's target is 1.4x).
@@ -117,29 +120,22 @@ fn size_text(bytes: u64) -> String {
     }
 }
 
-/// Run `measure(backend)` for every backend, `opts.runs` rounds, in `run_order`; print each
-/// run's line; every backend's results in the order of `backends`.
-fn alternate<T>(
+/// Run `measure(backend)` for every backend, `opts.runs` rounds, in `--rotate`'s order; print
+/// each run's line; every backend's results in the order of `backends`.
+fn seed_runs<T>(
     opts: &Opts,
     seed: &str,
     backends: &[Backend],
-    mut measure: impl FnMut(&Backend) -> T,
+    measure: impl FnMut(&Backend) -> T,
     describe: impl Fn(&T) -> String,
 ) -> Vec<Vec<T>> {
-    let mut results: Vec<Vec<T>> = backends.iter().map(|_| Vec::new()).collect();
-    for run in 0..opts.runs {
-        for bi in run_order(run, backends.len(), opts.rotate) {
-            let r = measure(&backends[bi]);
-            eprintln!(
-                "seed {seed} run {} {:18} {}",
-                run + 1,
-                backends[bi].name(),
-                describe(&r)
-            );
-            results[bi].push(r);
-        }
-    }
-    results
+    alternate::alternate(
+        opts.runs,
+        Order::of(opts),
+        backends,
+        measure,
+        |run, b, r| format!("seed {seed} run {run} {:18} {}", b.name(), describe(r)),
+    )
 }
 
 /// Seed 000: a fresh 16 GiB qcow2 per run (`vublk create`, then the `--fresh-qcow2` sync and
@@ -161,7 +157,7 @@ fn preallocation(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
         .into_iter()
         .find(|w| w.name == "seqwrite-16k-qd64")
         .expect("the preallocation seed's workload is among the extra workloads");
-    let iops = alternate(
+    let iops = seed_runs(
         opts,
         "000",
         &backends,
@@ -172,19 +168,18 @@ fn preallocation(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
 
     // The file system's own ceiling, as `--fresh-file` measures it (16 KiB, depth 64).
     let probe = work.join("seed-fresh-file.img");
-    let spaces = [FreshSpace::Holes, FreshSpace::Fallocated];
-    let mut fs_iops = [Vec::new(), Vec::new()];
-    for run in 0..opts.runs {
-        for si in run_order(run, spaces.len(), opts.rotate) {
-            let r = fresh_file_iops(&probe, 16 << 10, spaces[si], sizes.fresh_file_bytes);
-            eprintln!(
-                "seed 000 run {} {:18} {r:.0} IOPS",
-                run + 1,
-                format!("file-{:?}", spaces[si]).to_lowercase()
-            );
-            fs_iops[si].push(r);
-        }
-    }
+    let fs_iops = alternate::alternate(
+        opts.runs,
+        Order::of(opts),
+        &[FreshSpace::Holes, FreshSpace::Fallocated],
+        |&space| fresh_file::iops(&probe, 16 << 10, space, sizes.fresh_file_bytes),
+        |run, space, r| {
+            format!(
+                "seed 000 run {run} {:18} {r:.0} IOPS",
+                format!("file-{space:?}").to_lowercase()
+            )
+        },
+    );
     let _ = fs::remove_file(&probe);
 
     let off = median(iops[0].clone());
@@ -232,11 +227,11 @@ fn detect_zeroes(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
             "--detect-zeroes unmap --discard unmap",
         ),
     ];
-    let results = alternate(
+    let results = seed_runs(
         opts,
         "002",
         &backends,
-        |b| zero_fill_run(b, &image, false, &row_opts, vublk, work),
+        |b| zero_fill::measure(b, &image, false, &row_opts, vublk, work),
         |r| format!("{:.3} s, {} MiB allocated", r.secs, r.allocated >> 20),
     );
     let _ = fs::remove_file(&image);
@@ -288,12 +283,12 @@ fn compressed_cache(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> [R
             "--compress-writes on --compressed-cache off",
         ),
     ];
-    let data = fill_data("ones", sizes.compress_bytes as usize);
-    let results = alternate(
+    let data = compress_fill::fill_data("ones", sizes.compress_bytes as usize);
+    let results = seed_runs(
         opts,
         "003",
         &backends,
-        |b| compress_fill_run(b, &data, "zlib", &row_opts, vublk, work),
+        |b| compress_fill::measure(b, &data, "zlib", &row_opts, vublk, work),
         |r| format!("{:.2} s, image {} MiB", r.secs, r.image_bytes >> 20),
     );
     let _ = fs::remove_file(&image);
@@ -347,12 +342,12 @@ fn parallels(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
             "--prealloc on --prealloc-mode falloc",
         ),
     ];
-    let data = parallels_data(sizes.parallels_bytes as usize);
-    let results = alternate(
+    let data = parallels_fill::data(sizes.parallels_bytes as usize);
+    let results = seed_runs(
         opts,
         "004",
         &backends,
-        |b| parallels_fill_run(b, &data, 1, &row_opts, vublk, work),
+        |b| parallels_fill::measure(b, &data, 1, &row_opts, vublk, work),
         |r| format!("{:.2} s", r.secs),
     );
     let _ = fs::remove_file(&image);
@@ -377,7 +372,7 @@ fn parallels(opts: &Opts, sizes: &Sizes, vublk: &Path, work: &Path) -> Row {
 
 /// Measure the seed rows, print the table (and write it to `--report`); true when every row
 /// meets its target.
-pub fn seed_check(opts: &Opts, vublk: &Path, work: &Path) -> bool {
+pub fn run(opts: &Opts, vublk: &Path, work: &Path) -> bool {
     fs::create_dir_all(work)
         .unwrap_or_else(|e| panic!("creating the work directory {}: {e}", work.display()));
     let sizes = Sizes::new(opts.smoke);
@@ -388,13 +383,10 @@ pub fn seed_check(opts: &Opts, vublk: &Path, work: &Path) -> bool {
     rows.extend(compressed_cache(opts, &sizes, vublk, work));
     rows.push(parallels(opts, &sizes, vublk, work));
 
-    let mut out = String::new();
-    let _ = writeln!(out, "\nMachine: {}", machine_description());
-    let _ = writeln!(
-        out,
+    let mut out = report::preamble(&format!(
         "Seed check: vublk {}; {} runs per configuration, configurations alternating run by \
          run{}; medians. Speed-up: the seed's configuration over its baseline (IOPS, or the \
-         baseline's time over the seed's).{}\n",
+         baseline's time over the seed's).{}",
         vublk.display(),
         opts.runs,
         if opts.rotate {
@@ -407,7 +399,7 @@ pub fn seed_check(opts: &Opts, vublk: &Path, work: &Path) -> bool {
         } else {
             ""
         }
-    );
+    ));
     let _ = writeln!(
         out,
         "| seed | gain | workload | measured | target | the file system's own gain | verdict |"
@@ -440,9 +432,6 @@ pub fn seed_check(opts: &Opts, vublk: &Path, work: &Path) -> bool {
             seeds.join(", ")
         );
     }
-    print!("{out}");
-    if let Some(p) = &opts.report {
-        fs::write(p, &out).unwrap_or_else(|e| panic!("writing {}: {e}", p.display()));
-    }
+    report::emit(opts, &out);
     below == 0
 }
