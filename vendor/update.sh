@@ -132,12 +132,13 @@ for name in "${selected[@]}"; do
 		echo "vendor/$name: rebuilt from ${version[$name]}, patches applied: $(find "$vendor/patches/$name" -name '*.patch' 2>/dev/null | wc -l)"
 		;;
 	check)
-		if diff -rq "$vendor/$name" "$tmp/$name" >"$tmp/summary" 2>&1; then
+		# target/: a build inside vendor/NAME (ignored by git, so never committed).
+		if diff -rq -x target "$vendor/$name" "$tmp/$name" >"$tmp/summary" 2>&1; then
 			echo "vendor/$name: the crates.io release of ${version[$name]} with its patches"
 		else
 			echo "vendor/$name differs from ${version[$name]} with vendor/patches/$name (update.sh --check):" >&2
 			sed -e "s|$tmp/$name|rebuilt|g" -e "s|$vendor/|vendor/|g" -e 's/^/  /' "$tmp/summary" >&2
-			diff -ru "$vendor/$name" "$tmp/$name" | sed -e "s|$tmp/$name|rebuilt|g" -e "s|$vendor/|vendor/|g" |
+			diff -ru -x target "$vendor/$name" "$tmp/$name" | sed -e "s|$tmp/$name|rebuilt|g" -e "s|$vendor/|vendor/|g" |
 				head -n 60 | sed 's/^/  | /' >&2 || true
 			echo "  Turn a change of vendor/$name into a patch, or run bash vendor/update.sh $name" >&2
 			failed=1
