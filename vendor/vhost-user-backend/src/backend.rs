@@ -85,26 +85,32 @@ pub trait VhostUserBackend: Send + Sync {
         Ok(())
     }
 
-    /// Check a new guest memory table before it is installed (vublk patch). An error
-    /// refuses the SET_MEM_TABLE or ADD_MEM_REG message and keeps the table in use, so the
-    /// vrings never see memory the backend would refuse (e.g. a region larger than its file,
-    /// whose first access raises SIGBUS). The default accepts every table.
+    /// Check a new guest memory table before it is installed.
+    ///
+    /// This is called for `SET_MEM_TABLE` and `ADD_MEM_REG` before the new table replaces the
+    /// one in use, so before any vring can see it. An error refuses the message and keeps the
+    /// table in use: a backend can refuse memory it cannot use, e.g. a region larger than its
+    /// file, whose first access would raise SIGBUS in a vring thread. The default accepts every
+    /// table.
     fn check_memory(&self, _mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
         Ok(())
     }
 
     /// Allocate the inflight I/O tracking region (`GET_INFLIGHT_FD`) for `inflight.num_queues`
-    /// queues of `inflight.queue_size` entries: returns its description (`mmap_size`,
-    /// `mmap_offset`) and the file the frontend keeps and hands back with `SET_INFLIGHT_FD`
-    /// (after a back-end restart too). Only called when the back-end offers
-    /// `VhostUserProtocolFeatures::INFLIGHT_SHMFD`; the default refuses.
+    /// queues of `inflight.queue_size` entries.
+    ///
+    /// Returns the region's description (`mmap_size`, `mmap_offset`) and the file that holds
+    /// it, which the frontend keeps and hands back with `SET_INFLIGHT_FD`, also to a restarted
+    /// backend. Only called when the backend offers `VhostUserProtocolFeatures::INFLIGHT_SHMFD`;
+    /// the default refuses.
     fn get_inflight_fd(&self, _inflight: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
         Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
     }
 
     /// Use `file` (`SET_INFLIGHT_FD`) as the inflight I/O tracking region described by
-    /// `inflight`: a region from this back-end's `get_inflight_fd`, or one a previous back-end
-    /// process filled in, whose in-flight requests are to be resubmitted. The default refuses.
+    /// `inflight`: a region from this backend's `get_inflight_fd`, or one that a previous backend
+    /// process filled in, whose requests in flight are to be resubmitted. Only called when the
+    /// backend offers `VhostUserProtocolFeatures::INFLIGHT_SHMFD`; the default refuses.
     fn set_inflight_fd(&self, _inflight: &VhostUserInflight, _file: File) -> Result<()> {
         Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
     }
@@ -162,9 +168,13 @@ pub trait VhostUserBackend: Send + Sync {
         None
     }
 
-    /// The frontend set queue `queue_index`'s addresses with `VHOST_VRING_F_LOG`
-    /// (`log_guest_addr`: Some, the guest physical address at which writes to the used ring
-    /// are to be logged while `VHOST_F_LOG_ALL` is on) or without it (None) (vublk patch).
+    /// Set where the writes to the used ring of queue `queue_index` are logged
+    /// (`SET_VRING_ADDR`).
+    ///
+    /// `log_guest_addr` is `Some` when the frontend set `VHOST_VRING_F_LOG`: the guest physical
+    /// address of the used ring, whose pages are to be marked in the dirty page log while
+    /// `VHOST_F_LOG_ALL` is on; `None` without it. A backend that writes the used ring through
+    /// its own mapping logs these writes at this address. The default ignores it.
     fn set_vring_log(&self, _queue_index: u32, _log_guest_addr: Option<u64>) -> Result<()> {
         Ok(())
     }
@@ -172,9 +182,9 @@ pub trait VhostUserBackend: Send + Sync {
     /// Stop processing requests from the specified vring.
     ///
     /// This is called for `GET_VRING_BASE` after the vring is marked not ready and
-    /// unregistered, and for `SET_VRING_ENABLE` 0 after it is marked disabled. Asynchronous
-    /// backends should block until previously accepted requests have completed. Wrapper
-    /// implementations may hold their backend lock during this call.
+    /// unregistered, and for `SET_VRING_ENABLE` 0 after it is marked disabled and unregistered.
+    /// Asynchronous backends should block until previously accepted requests have completed.
+    /// Wrapper implementations may hold their backend lock during this call.
     fn stop_vring(&self, _queue_index: u32) -> Result<()> {
         Ok(())
     }
@@ -276,19 +286,24 @@ pub trait VhostUserBackendMut: Send + Sync {
         Ok(())
     }
 
-    /// Check a new guest memory table before it is installed (vublk patch). An error
-    /// refuses the SET_MEM_TABLE or ADD_MEM_REG message and keeps the table in use, so the
-    /// vrings never see memory the backend would refuse (e.g. a region larger than its file,
-    /// whose first access raises SIGBUS). The default accepts every table.
+    /// Check a new guest memory table before it is installed.
+    ///
+    /// This is called for `SET_MEM_TABLE` and `ADD_MEM_REG` before the new table replaces the
+    /// one in use, so before any vring can see it. An error refuses the message and keeps the
+    /// table in use: a backend can refuse memory it cannot use, e.g. a region larger than its
+    /// file, whose first access would raise SIGBUS in a vring thread. The default accepts every
+    /// table.
     fn check_memory(&self, _mem: &GuestMemoryMmap<Self::Bitmap>) -> Result<()> {
         Ok(())
     }
 
     /// Allocate the inflight I/O tracking region (`GET_INFLIGHT_FD`) for `inflight.num_queues`
-    /// queues of `inflight.queue_size` entries: returns its description (`mmap_size`,
-    /// `mmap_offset`) and the file the frontend keeps and hands back with `SET_INFLIGHT_FD`
-    /// (after a back-end restart too). Only called when the back-end offers
-    /// `VhostUserProtocolFeatures::INFLIGHT_SHMFD`; the default refuses.
+    /// queues of `inflight.queue_size` entries.
+    ///
+    /// Returns the region's description (`mmap_size`, `mmap_offset`) and the file that holds
+    /// it, which the frontend keeps and hands back with `SET_INFLIGHT_FD`, also to a restarted
+    /// backend. Only called when the backend offers `VhostUserProtocolFeatures::INFLIGHT_SHMFD`;
+    /// the default refuses.
     fn get_inflight_fd(
         &mut self,
         _inflight: &VhostUserInflight,
@@ -297,8 +312,9 @@ pub trait VhostUserBackendMut: Send + Sync {
     }
 
     /// Use `file` (`SET_INFLIGHT_FD`) as the inflight I/O tracking region described by
-    /// `inflight`: a region from this back-end's `get_inflight_fd`, or one a previous back-end
-    /// process filled in, whose in-flight requests are to be resubmitted. The default refuses.
+    /// `inflight`: a region from this backend's `get_inflight_fd`, or one that a previous backend
+    /// process filled in, whose requests in flight are to be resubmitted. Only called when the
+    /// backend offers `VhostUserProtocolFeatures::INFLIGHT_SHMFD`; the default refuses.
     fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> Result<()> {
         Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
     }
@@ -357,9 +373,13 @@ pub trait VhostUserBackendMut: Send + Sync {
         None
     }
 
-    /// The frontend set queue `queue_index`'s addresses with `VHOST_VRING_F_LOG`
-    /// (`log_guest_addr`: Some, the guest physical address at which writes to the used ring
-    /// are to be logged while `VHOST_F_LOG_ALL` is on) or without it (None) (vublk patch).
+    /// Set where the writes to the used ring of queue `queue_index` are logged
+    /// (`SET_VRING_ADDR`).
+    ///
+    /// `log_guest_addr` is `Some` when the frontend set `VHOST_VRING_F_LOG`: the guest physical
+    /// address of the used ring, whose pages are to be marked in the dirty page log while
+    /// `VHOST_F_LOG_ALL` is on; `None` without it. A backend that writes the used ring through
+    /// its own mapping logs these writes at this address. The default ignores it.
     fn set_vring_log(&mut self, _queue_index: u32, _log_guest_addr: Option<u64>) -> Result<()> {
         Ok(())
     }
@@ -367,8 +387,9 @@ pub trait VhostUserBackendMut: Send + Sync {
     /// Stop processing requests from the specified vring.
     ///
     /// This is called for `GET_VRING_BASE` after the vring is marked not ready and
-    /// unregistered. Asynchronous backends should block until previously accepted requests
-    /// have completed. Wrapper implementations may hold their backend lock during this call.
+    /// unregistered, and for `SET_VRING_ENABLE` 0 after it is marked disabled and unregistered.
+    /// Asynchronous backends should block until previously accepted requests have completed.
+    /// Wrapper implementations may hold their backend lock during this call.
     fn stop_vring(&mut self, _queue_index: u32) -> Result<()> {
         Ok(())
     }
@@ -617,7 +638,9 @@ impl<T: VhostUserBackendMut> VhostUserBackend for Mutex<T> {
     }
 
     fn set_vring_log(&self, queue_index: u32, log_guest_addr: Option<u64>) -> Result<()> {
-        self.lock().unwrap().set_vring_log(queue_index, log_guest_addr)
+        self.lock()
+            .unwrap()
+            .set_vring_log(queue_index, log_guest_addr)
     }
 
     fn handle_event(
@@ -733,7 +756,9 @@ impl<T: VhostUserBackendMut> VhostUserBackend for RwLock<T> {
     }
 
     fn set_vring_log(&self, queue_index: u32, log_guest_addr: Option<u64>) -> Result<()> {
-        self.write().unwrap().set_vring_log(queue_index, log_guest_addr)
+        self.write()
+            .unwrap()
+            .set_vring_log(queue_index, log_guest_addr)
     }
 
     fn handle_event(
@@ -772,27 +797,43 @@ impl<T: VhostUserBackendMut> VhostUserBackend for RwLock<T> {
 pub mod tests {
     use super::*;
     use crate::VringRwLock;
+    use std::marker::PhantomData;
     use std::sync::Mutex;
     use uuid::Uuid;
     use vm_memory::{GuestAddress, GuestMemoryAtomic};
     use vmm_sys_util::event::{new_event_consumer_and_notifier, EventFlag};
 
-    pub struct MockVhostBackend {
+    /// A backend for the tests, whose guest memory has bitmaps of type `B`.
+    pub struct MockVhostBackend<B = ()> {
         events: u64,
         event_idx: bool,
         acked_features: u64,
         exit_event_fds: Vec<(EventConsumer, EventNotifier)>,
         stop_calls: usize,
+        refuse_memory: bool,
+        inflight: Option<VhostUserInflight>,
+        vring_logs: Vec<(u32, Option<u64>)>,
+        _bitmap: PhantomData<fn() -> B>,
     }
 
     impl MockVhostBackend {
         pub fn new() -> Self {
+            Self::with_bitmap()
+        }
+    }
+
+    impl<B: Bitmap + 'static> MockVhostBackend<B> {
+        pub fn with_bitmap() -> Self {
             let mut backend = MockVhostBackend {
                 events: 0,
                 event_idx: false,
                 acked_features: 0,
                 exit_event_fds: vec![],
                 stop_calls: 0,
+                refuse_memory: false,
+                inflight: None,
+                vring_logs: Vec::new(),
+                _bitmap: PhantomData,
             };
 
             // Create a event_fd for each thread. We make it NONBLOCKing in
@@ -815,11 +856,36 @@ pub mod tests {
         pub fn stop_calls(&self) -> usize {
             self.stop_calls
         }
+
+        /// The description of the last `set_inflight_fd` call's region.
+        pub fn inflight(&self) -> Option<VhostUserInflight> {
+            self.inflight
+        }
+
+        /// The arguments of every `set_vring_log` call.
+        pub fn vring_logs(&self) -> &[(u32, Option<u64>)] {
+            &self.vring_logs
+        }
+
+        /// Make `check_memory` refuse every memory table.
+        pub fn refuse_memory(&mut self) {
+            self.refuse_memory = true;
+        }
+
+        /// Replace the exit event of worker thread `thread_index`.
+        pub fn set_exit_event(
+            &mut self,
+            thread_index: usize,
+            consumer: EventConsumer,
+            notifier: EventNotifier,
+        ) {
+            self.exit_event_fds[thread_index] = (consumer, notifier);
+        }
     }
 
-    impl VhostUserBackendMut for MockVhostBackend {
-        type Bitmap = ();
-        type Vring = VringRwLock;
+    impl<B: Bitmap + 'static> VhostUserBackendMut for MockVhostBackend<B> {
+        type Bitmap = B;
+        type Vring = VringRwLock<GuestMemoryAtomic<GuestMemoryMmap<B>>>;
 
         fn num_queues(&self) -> usize {
             2
@@ -866,7 +932,37 @@ pub mod tests {
             Ok(())
         }
 
-        fn update_memory(&mut self, _atomic_mem: GuestMemoryAtomic<GuestMemoryMmap>) -> Result<()> {
+        fn check_memory(&self, _mem: &GuestMemoryMmap<B>) -> Result<()> {
+            if self.refuse_memory {
+                return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+            }
+            Ok(())
+        }
+
+        fn get_inflight_fd(
+            &mut self,
+            inflight: &VhostUserInflight,
+        ) -> Result<(VhostUserInflight, File)> {
+            let size = u64::from(inflight.num_queues) * u64::from(inflight.queue_size) * 16;
+            let file = tempfile::tempfile().unwrap();
+            file.set_len(size).unwrap();
+            let region = VhostUserInflight {
+                mmap_size: size,
+                mmap_offset: 0,
+                ..*inflight
+            };
+            Ok((region, file))
+        }
+
+        fn set_inflight_fd(&mut self, inflight: &VhostUserInflight, _file: File) -> Result<()> {
+            self.inflight = Some(*inflight);
+            Ok(())
+        }
+
+        fn update_memory(
+            &mut self,
+            _atomic_mem: GuestMemoryAtomic<GuestMemoryMmap<B>>,
+        ) -> Result<()> {
             Ok(())
         }
 
@@ -890,6 +986,11 @@ pub mod tests {
             })
         }
 
+        fn set_vring_log(&mut self, queue_index: u32, log_guest_addr: Option<u64>) -> Result<()> {
+            self.vring_logs.push((queue_index, log_guest_addr));
+            Ok(())
+        }
+
         fn stop_vring(&mut self, _queue_index: u32) -> Result<()> {
             self.stop_calls += 1;
             Ok(())
@@ -899,7 +1000,7 @@ pub mod tests {
             &mut self,
             _device_event: u16,
             _evset: EventSet,
-            _vrings: &[VringRwLock],
+            _vrings: &[Self::Vring],
             _thread_id: usize,
         ) -> Result<()> {
             self.events += 1;

@@ -24,8 +24,7 @@ pub trait BitmapReplace: Bitmap {
     /// Replace the internal `Bitmap`
     fn replace(&self, bitmap: Self::InnerBitmap);
 
-    /// Stop logging: drop the internal `Bitmap`, if any (vublk patch). The default does
-    /// nothing.
+    /// Drop the internal `Bitmap`, if any: stop logging. The default does nothing.
     fn clear(&self) {}
 }
 
@@ -71,9 +70,8 @@ pub struct BitmapMmapRegion {
     // TODO: To avoid both reader and writer starvation we can replace the `std::sync::RwLock` with
     // `parking_lot::RwLock`.
     inner: Arc<RwLock<Option<AtomicBitmapMmap>>>,
-    // An inner bitmap is set (vublk patch): checked first, so that a write while nothing is
-    // logged (almost always) costs a load of a rarely written flag, not a lock on a line
-    // every thread writes.
+    // An inner bitmap is set: checked first, so that a write while nothing is logged (almost
+    // always) costs a load of a rarely written flag, not a lock on a line every thread writes.
     on: Arc<AtomicBool>,
     base_address: usize, // The slice's base address
 }
@@ -98,8 +96,8 @@ impl Bitmap for BitmapMmapRegion {
             .is_some_and(|bitmap| bitmap.dirty_at(self.base_address.saturating_add(offset)))
     }
 
-    // A borrowed slice (vublk patch): vm-memory makes one for every access, and an owned
-    // one cloned two `Arc`s each time, atomic increments on lines all threads share.
+    // A borrowed slice: vm-memory makes one for every access, and an owned one would clone the
+    // two `Arc`s each time, atomic increments on lines that all threads share.
     fn slice_at(&self, offset: usize) -> <Self as WithBitmapSlice<'_>>::S {
         RefSlice::new(self, offset)
     }
@@ -252,10 +250,16 @@ impl MmapLogReg {
             return Err(io::Error::from(io::ErrorKind::InvalidData));
         }
 
-        // A log beyond the end of its file would raise SIGBUS at the first page marked
-        // dirty there (vublk patch): refuse it, and an empty one.
-        let file_len = std::fs::File::from(fd.try_clone_to_owned()?).metadata()?.len();
-        if len == 0 || (offset as u64).checked_add(len as u64).is_none_or(|end| end > file_len) {
+        // A log beyond the end of its file would raise SIGBUS at the first page marked dirty
+        // there: refuse it, and an empty one.
+        let file_len = std::fs::File::from(fd.try_clone_to_owned()?)
+            .metadata()?
+            .len();
+        if len == 0
+            || (offset as u64)
+                .checked_add(len as u64)
+                .is_none_or(|end| end > file_len)
+        {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
 
@@ -601,6 +605,23 @@ mod tests {
 
     #[test]
     #[cfg(not(miri))] // Miri cannot mmap files
+    fn test_log_beyond_its_file_is_refused() {
+        let f = tmp_file(8);
+
+        let refused = |offset, len| {
+            MmapLogReg::from_file(f.as_fd(), offset, len)
+                .map(|_| ())
+                .unwrap_err()
+                .kind()
+        };
+        assert_eq!(refused(0, 16), io::ErrorKind::InvalidInput);
+        assert_eq!(refused(4, 8), io::ErrorKind::InvalidInput);
+        assert_eq!(refused(0, 0), io::ErrorKind::InvalidInput);
+        MmapLogReg::from_file(f.as_fd(), 0, 8).unwrap();
+    }
+
+    #[test]
+    #[cfg(not(miri))] // Miri cannot mmap files
     fn test_bitmap_region_slice() {
         // A log memory area able to track 32 pages
         let mmap_offset: u64 = 0;
@@ -649,5 +670,28 @@ mod tests {
             range_is_dirty(&bitmap, slice_len, region_len - slice_len),
             "The last half of the bitmap should be dirty"
         );
+    }
+
+    #[test]
+    #[cfg(not(miri))] // Miri cannot mmap files
+    fn test_bitmap_slice_borrows_region_bitmap() {
+        let f = tmp_file(4);
+        let region: GuestRegionMmap<()> =
+            GuestRegionMmap::from_range(GuestAddress(0), LOG_PAGE_SIZE * 32, None).unwrap();
+        let logmem = Arc::new(MmapLogReg::from_file(f.as_fd(), 0, 4).unwrap());
+        let bitmap = BitmapMmapRegion::default();
+        bitmap.replace(AtomicBitmapMmap::new(&region, logmem).unwrap());
+
+        // A slice is made for every guest memory access: it must not touch the reference
+        // counts that every thread shares.
+        let slice = bitmap.slice_at(LOG_PAGE_SIZE);
+        assert_eq!(Arc::strong_count(&bitmap.inner), 1);
+        slice.mark_dirty(0, 1);
+        assert!(bitmap.dirty_at(LOG_PAGE_SIZE));
+
+        // Nothing is marked once the inner bitmap is cleared.
+        bitmap.clear();
+        slice.mark_dirty(LOG_PAGE_SIZE, 1);
+        assert!(!bitmap.dirty_at(2 * LOG_PAGE_SIZE));
     }
 }

@@ -87,9 +87,8 @@ pub struct VringEpollHandler<T: VhostUserBackend> {
     vrings: Vec<T::Vring>,
     thread_id: usize,
     exit_event_fd: Option<EventNotifier>,
-    /// The consumer end of the exit event, registered in `epoll`: kept, so that it is closed
-    /// with the handler (vublk patch: it used to be leaked through `into_raw_fd`, one
-    /// descriptor per handler, i.e. per queue thread and connection).
+    /// The consumer end of the exit event, registered in `epoll`: owned by the handler, so
+    /// that it is closed when the handler is dropped.
     _exit_event_consumer: Option<EventConsumer>,
     vring_enabled_event_fd: (EventConsumer, EventNotifier),
     vrings_with_pending_events: Mutex<HashSet<u16>>,
@@ -119,20 +118,20 @@ where
         let num_backend_queues = backend.num_queues();
         let exit_event_fd = backend.exit_event(thread_id);
 
-        let (exit_event_fd, exit_event_consumer) =
-            if let Some((consumer, notifier)) = exit_event_fd {
-                let id = num_backend_queues;
-                epoll
-                    .ctl(
-                        ControlOperation::Add,
-                        consumer.as_raw_fd(),
-                        EpollEvent::new(EventSet::IN, id as u64),
-                    )
-                    .map_err(VringEpollError::RegisterExitEvent)?;
-                (Some(notifier), Some(consumer))
-            } else {
-                (None, None)
-            };
+        let (exit_event_fd, exit_event_consumer) = if let Some((consumer, notifier)) = exit_event_fd
+        {
+            let id = num_backend_queues;
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    consumer.as_raw_fd(),
+                    EpollEvent::new(EventSet::IN, id as u64),
+                )
+                .map_err(VringEpollError::RegisterExitEvent)?;
+            (Some(notifier), Some(consumer))
+        } else {
+            (None, None)
+        };
 
         let vring_enabled_event_fd =
             new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC)
@@ -323,6 +322,9 @@ mod tests {
     use super::super::backend::tests::MockVhostBackend;
     use super::super::vring::VringRwLock;
     use super::*;
+    use std::io::Read;
+    use std::os::unix::io::{FromRawFd, IntoRawFd};
+    use std::os::unix::net::UnixStream;
     use std::sync::{mpsc, Arc, Mutex};
     use std::time::Duration;
     use vm_memory::{GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
@@ -354,6 +356,34 @@ mod tests {
         result
             .expect("registering a vring must not wait for the backend lock")
             .unwrap();
+    }
+
+    #[test]
+    fn test_exit_event_consumer_closed_with_handler() {
+        let mem = GuestMemoryAtomic::new(
+            GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0x100000), 0x10000)]).unwrap(),
+        );
+        let vring = VringRwLock::new(mem, 0x1000).unwrap();
+        // The exit event's consumer is one end of a socket pair, so that the other end reads
+        // end-of-file once every copy of it is closed.
+        let (consumer_end, peer) = UnixStream::pair().unwrap();
+        peer.set_nonblocking(true).unwrap();
+        // SAFETY: `consumer_end` gives up its descriptor, which nothing else owns.
+        let consumer = unsafe { EventConsumer::from_raw_fd(consumer_end.into_raw_fd()) };
+        let (_, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).unwrap();
+        let mut backend = MockVhostBackend::new();
+        backend.set_exit_event(0, consumer, notifier);
+        let backend = Arc::new(Mutex::new(backend));
+
+        let handler = VringEpollHandler::new(backend, vec![vring], 0).unwrap();
+        // The handler holds the last reference to the backend, and with it the backend's copy.
+        drop(handler);
+
+        let mut buf = [0u8; 1];
+        assert!(
+            matches!((&peer).read(&mut buf), Ok(0)),
+            "the exit event's consumer must be closed with the handler"
+        );
     }
 
     #[test]

@@ -110,8 +110,8 @@ pub struct VhostUserHandler<T: VhostUserBackend> {
     #[cfg(feature = "postcopy")]
     pending_mem: Option<GuestMemoryMmap<T::Bitmap>>,
     worker_threads: Vec<thread::JoinHandle<VringEpollResult<()>>>,
-    // The dirty-page log of SET_LOG_BASE while it is in use (vublk patch): regions of a
-    // memory table set later log into it too.
+    // The dirty page log of `SET_LOG_BASE` while it is in use: the regions of a memory table
+    // set later log into it too.
     log: Option<Arc<MmapLogReg>>,
 }
 
@@ -294,12 +294,9 @@ where
         Ok(())
     }
 
-    /// Bitmaps over `logmem` for every region of `mem`, all made before any is installed
-    /// (vublk patch: shared by SET_LOG_BASE and memory tables set while logging).
-    fn attach_log(
-        mem: &GuestMemoryMmap<T::Bitmap>,
-        logmem: &Arc<MmapLogReg>,
-    ) -> VhostUserResult<()>
+    /// Make every region of `mem` log its dirty pages into `logmem`. All the bitmaps are made
+    /// before any replaces the old one, in case one of them fails.
+    fn attach_log(mem: &GuestMemoryMmap<T::Bitmap>, logmem: &Arc<MmapLogReg>) -> VhostUserResult<()>
     where
         T::Bitmap: BitmapReplace,
     {
@@ -374,8 +371,8 @@ where
         self.acked_features = features;
         self.features_acked = true;
 
-        // Logging switched off (migration done or cancelled): stop marking pages and let the
-        // log go (vublk patch; the frontend sends SET_LOG_BASE again for the next one).
+        // Logging switched off (the migration is done or was cancelled): stop marking pages and
+        // let the log go; the frontend sends `SET_LOG_BASE` again for the next migration.
         if features & VhostUserVirtioFeatures::LOG_ALL.bits() == 0 && self.log.take().is_some() {
             for region in self.atomic_mem.memory().iter() {
                 region.bitmap().clear();
@@ -449,22 +446,21 @@ where
         let mem = GuestMemoryMmap::from_regions(regions)
             .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
 
+        // Let the backend refuse the table before any vring can see it.
+        self.backend
+            .check_memory(&mem)
+            .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
+        // While logging, the new regions log too.
+        if let Some(log) = &self.log {
+            Self::attach_log(&mem, log)?;
+        }
+
         #[cfg(feature = "postcopy")]
         if postcopy_listening == Some(true) {
             let bases = mappings.iter().map(|mapping| mapping.local_addr).collect();
             self.pending_mem = Some(mem);
             self.mappings = mappings;
             return Ok(Some(bases));
-        }
-
-        // The backend refuses tables it cannot use before any vring can see them (vublk
-        // patch).
-        self.backend
-            .check_memory(&mem)
-            .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
-        // While logging, the new regions log too (vublk patch).
-        if let Some(log) = &self.log {
-            Self::attach_log(&mem, log)?;
         }
 
         // Updating the inner GuestMemory object here will cause all our vrings to
@@ -485,9 +481,9 @@ where
             .get(index as usize)
             .ok_or(VhostUserError::InvalidParam)?;
 
-        // A split ring's size is a power of two (virtio 1.2, 2.7); virtio-queue ignores any
+        // A split ring's size is a power of two (virtio 1.2, 2.7). virtio-queue ignores any
         // other size and keeps the old one, so the frontend would believe in a size the
-        // device does not use (vublk patch: refused instead).
+        // device does not use.
         if num == 0 || num as usize > self.max_queue_size || !num.is_power_of_two() {
             log::error!(
                 "vring {index} requested queue size {num}: not a power of two in 1-{}",
@@ -542,7 +538,7 @@ where
                 .map_err(|_| VhostUserError::BackendInternalError)?;
             vring.set_queue_next_used(idx);
 
-            // Where used-ring writes are logged (vublk patch).
+            // Where the backend logs its writes to the used ring.
             let log = flags
                 .contains(VhostUserVringAddrFlags::VHOST_VRING_F_LOG)
                 .then_some(log);
@@ -786,6 +782,9 @@ where
                 None => self.atomic_mem.memory().insert_region(guest_region),
             }
             .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
+            self.backend
+                .check_memory(&mem)
+                .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
             let base = addr_mapping.local_addr;
             self.pending_mem = Some(mem);
             self.mappings.push(addr_mapping);
@@ -798,7 +797,8 @@ where
             .insert_region(guest_region)
             .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
 
-        // As in set_mem_table (vublk patch).
+        // As in `set_mem_table`: the backend may refuse the new table, and while logging the
+        // new region logs too.
         self.backend
             .check_memory(&mem)
             .map_err(|e| VhostUserError::ReqHandlerError(io::Error::other(e)))?;
@@ -962,7 +962,7 @@ where
     // the size and offset of shared memory area are provided in the `VhostUserLog` message.
     //
     // See https://qemu-project.gitlab.io/qemu/interop/vhost-user.html#migration.
-    // A `SET_FEATURES` without the `LOG_ALL` flag stops the logging again (vublk patch).
+    // A `SET_FEATURES` without the `LOG_ALL` flag stops the logging again.
     fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> VhostUserResult<()> {
         let mem = self.atomic_mem.memory();
 
@@ -971,9 +971,8 @@ where
                 .map_err(VhostUserError::ReqHandlerError)?,
         );
 
-        // All bitmaps are made before any replaces the old one, in case one fails.
         Self::attach_log(&mem, &logmem)?;
-        // Kept for memory tables set while logging (vublk patch).
+        // Kept for the memory tables set while logging.
         self.log = Some(logmem);
 
         Ok(())
@@ -997,13 +996,16 @@ impl<T: VhostUserBackend> Drop for VhostUserHandler<T> {
 mod tests {
     use super::*;
     use crate::backend::tests::MockVhostBackend;
+    use crate::bitmap::BitmapMmapRegion;
     use std::os::fd::IntoRawFd;
+    use std::os::unix::fs::FileExt;
     use std::os::unix::io::FromRawFd;
     use std::sync::Mutex;
     use std::thread;
     use std::time::Duration;
-    use vhost::vhost_user::message::VhostUserVirtioFeatures;
-    use vm_memory::{GuestAddress, GuestMemoryAtomic, GuestMemoryMmap};
+    use vhost::vhost_user::message::{VhostUserInflight, VhostUserVirtioFeatures};
+    use vm_memory::Bytes;
+    use vm_memory::{GuestAddress, GuestMemoryAtomic, GuestMemoryMmap, GuestMemoryRegion};
     use vmm_sys_util::event::{new_event_consumer_and_notifier, EventFlag};
 
     #[test]
@@ -1025,6 +1027,213 @@ mod tests {
         assert_eq!(index, 0);
         assert_eq!(num, 0);
         assert_eq!(backend.lock().unwrap().stop_calls(), 1);
+    }
+
+    fn guest_memory_file(size: u64) -> File {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(size).unwrap();
+        file
+    }
+
+    #[test]
+    fn test_refused_memory_table_is_not_installed() {
+        let mem = GuestMemoryAtomic::new(
+            GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0x100000), 0x10000)]).unwrap(),
+        );
+        let mut backend = MockVhostBackend::new();
+        backend.refuse_memory();
+        let mut handler = VhostUserHandler::new(Arc::new(Mutex::new(backend)), mem).unwrap();
+
+        let table = [
+            VhostUserMemoryRegion::new(0x100000, 0x10000, 0x7000_0000, 0),
+            VhostUserMemoryRegion::new(0x200000, 0x10000, 0x7100_0000, 0),
+        ];
+        let files = vec![guest_memory_file(0x10000), guest_memory_file(0x10000)];
+        handler.set_mem_table(&table, files, None).unwrap_err();
+        let region = VhostUserSingleMemoryRegion::new(0x300000, 0x10000, 0x7200_0000, 0);
+        handler
+            .add_mem_region(&region, guest_memory_file(0x10000), None)
+            .unwrap_err();
+
+        // The vrings still see the table the handler was created with.
+        let mem = handler.atomic_mem.memory();
+        assert_eq!(mem.num_regions(), 1);
+        assert_eq!(
+            mem.iter().next().unwrap().start_addr(),
+            GuestAddress(0x100000)
+        );
+    }
+
+    #[test]
+    fn test_set_vring_num_refuses_size_not_power_of_two() {
+        let mem = GuestMemoryAtomic::new(
+            GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0x100000), 0x10000)]).unwrap(),
+        );
+        let backend = Arc::new(Mutex::new(MockVhostBackend::new()));
+        let mut handler = VhostUserHandler::new(backend, mem).unwrap();
+
+        handler.set_vring_num(0, 64).unwrap();
+        handler.set_vring_num(0, 48).unwrap_err();
+        handler.set_vring_num(0, 255).unwrap_err();
+        handler.set_vring_num(0, 0).unwrap_err();
+        // Still the size the frontend was told.
+        assert_eq!(handler.vrings[0].get_ref().get_queue().size(), 64);
+        handler.set_vring_num(0, 256).unwrap();
+    }
+
+    #[test]
+    fn test_inflight_fd_messages_reach_backend() {
+        let mem = GuestMemoryAtomic::new(
+            GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0x100000), 0x10000)]).unwrap(),
+        );
+        let backend = Arc::new(Mutex::new(MockVhostBackend::new()));
+        let mut handler = VhostUserHandler::new(backend.clone(), mem).unwrap();
+        let request = VhostUserInflight {
+            mmap_size: 0,
+            mmap_offset: 0,
+            num_queues: 2,
+            queue_size: 256,
+        };
+
+        // The mock's region: 16 bytes per descriptor.
+        let (region, file) = handler.get_inflight_fd(&request).unwrap();
+        let mmap_size = region.mmap_size;
+        assert_eq!(mmap_size, 2 * 256 * 16);
+        assert_eq!(file.metadata().unwrap().len(), 2 * 256 * 16);
+
+        handler.set_inflight_fd(&region, file).unwrap();
+        let given = backend.lock().unwrap().inflight().unwrap();
+        let (num_queues, queue_size) = (given.num_queues, given.queue_size);
+        assert_eq!((num_queues, queue_size), (2, 256));
+    }
+
+    #[test]
+    fn test_set_vring_enable_0_stops_vring() {
+        let mem = GuestMemoryAtomic::new(
+            GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0x100000), 0x10000)]).unwrap(),
+        );
+        let backend = Arc::new(Mutex::new(MockVhostBackend::new()));
+        let mut handler = VhostUserHandler::new(backend.clone(), mem).unwrap();
+        handler
+            .set_features(VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
+            .unwrap();
+
+        handler.set_vring_enable(0, true).unwrap();
+        assert_eq!(backend.lock().unwrap().stop_calls(), 0);
+        handler.set_vring_enable(0, false).unwrap();
+        assert_eq!(backend.lock().unwrap().stop_calls(), 1);
+    }
+
+    type LoggingBackend = Arc<Mutex<MockVhostBackend<BitmapMmapRegion>>>;
+
+    /// A handler whose guest memory logs dirty pages, with one region of 16 pages at 0.
+    fn logging_handler() -> VhostUserHandler<LoggingBackend> {
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<BitmapMmapRegion>::new());
+        let backend = Arc::new(Mutex::new(MockVhostBackend::with_bitmap()));
+        let mut handler = VhostUserHandler::new(backend, mem).unwrap();
+        let table = [VhostUserMemoryRegion::new(0, 0x10000, 0x7000_0000, 0)];
+        handler
+            .set_mem_table(&table, vec![guest_memory_file(0x10000)], None)
+            .unwrap();
+        handler
+    }
+
+    /// Hand `handler` a dirty page log (one page: 32768 guest pages), returning its file.
+    fn set_log(handler: &mut VhostUserHandler<LoggingBackend>) -> File {
+        let log = tempfile::tempfile().unwrap();
+        log.set_len(0x1000).unwrap();
+        let message = VhostUserLog::new(0x1000, 0);
+        handler
+            .set_log_base(&message, log.try_clone().unwrap())
+            .unwrap();
+        log
+    }
+
+    /// Write a byte to guest page `page`, and tell whether `log` has it dirty.
+    fn write_and_check_log(
+        handler: &VhostUserHandler<LoggingBackend>,
+        log: &File,
+        page: u64,
+    ) -> bool {
+        handler
+            .atomic_mem
+            .memory()
+            .write_obj(0xa5u8, GuestAddress(page * 0x1000))
+            .unwrap();
+        let mut byte = [0u8];
+        log.read_exact_at(&mut byte, page / 8).unwrap();
+        byte[0] & (1 << (page % 8)) != 0
+    }
+
+    #[test]
+    fn test_memory_table_set_while_logging_logs() {
+        let mut handler = logging_handler();
+        let log = set_log(&mut handler);
+        assert!(write_and_check_log(&handler, &log, 1));
+
+        // A region added while logging (pages 16-31).
+        let region = VhostUserSingleMemoryRegion::new(0x10000, 0x10000, 0x7100_0000, 0);
+        handler
+            .add_mem_region(&region, guest_memory_file(0x10000), None)
+            .unwrap();
+        assert!(write_and_check_log(&handler, &log, 17));
+
+        // A new table set while logging (pages 32-47).
+        let table = [VhostUserMemoryRegion::new(0x20000, 0x10000, 0x7200_0000, 0)];
+        handler
+            .set_mem_table(&table, vec![guest_memory_file(0x10000)], None)
+            .unwrap();
+        assert!(write_and_check_log(&handler, &log, 33));
+    }
+
+    #[test]
+    fn test_logging_stops_without_log_all() {
+        let mut handler = logging_handler();
+        let protocol = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
+        handler.set_features(protocol | log_all).unwrap();
+        let log = set_log(&mut handler);
+        assert!(write_and_check_log(&handler, &log, 1));
+
+        // The migration is over.
+        handler.set_features(protocol).unwrap();
+        assert!(!write_and_check_log(&handler, &log, 2));
+        // Nor does a table set afterwards log.
+        let table = [VhostUserMemoryRegion::new(0x20000, 0x10000, 0x7200_0000, 0)];
+        handler
+            .set_mem_table(&table, vec![guest_memory_file(0x10000)], None)
+            .unwrap();
+        assert!(!write_and_check_log(&handler, &log, 33));
+    }
+
+    #[test]
+    fn test_set_vring_addr_passes_log_address_to_backend() {
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
+        let backend = Arc::new(Mutex::new(MockVhostBackend::new()));
+        let mut handler = VhostUserHandler::new(backend.clone(), mem).unwrap();
+        // Guest memory at 0x100000, at 0x7000_0000 in the frontend.
+        let table = [VhostUserMemoryRegion::new(
+            0x100000,
+            0x10000,
+            0x7000_0000,
+            0,
+        )];
+        handler
+            .set_mem_table(&table, vec![guest_memory_file(0x10000)], None)
+            .unwrap();
+        let (desc, avail, used) = (0x7000_0000, 0x7000_1000, 0x7000_2000);
+
+        let flags = VhostUserVringAddrFlags::VHOST_VRING_F_LOG;
+        handler
+            .set_vring_addr(0, flags, desc, used, avail, 0x102000)
+            .unwrap();
+        let flags = VhostUserVringAddrFlags::empty();
+        handler
+            .set_vring_addr(1, flags, desc, used, avail, 0x102000)
+            .unwrap();
+
+        let backend = backend.lock().unwrap();
+        assert_eq!(backend.vring_logs(), [(0, Some(0x102000)), (1, None)]);
     }
 
     #[test]

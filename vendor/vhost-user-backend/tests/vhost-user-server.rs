@@ -295,7 +295,7 @@ fn test_vhost_user_enable() {
 fn vhost_user_set_inflight(path: &Path, barrier: Arc<Barrier>) {
     let mut frontend = setup_frontend(path, barrier);
     let eventfd = EventFd::new(0).unwrap();
-    // No implementation for inflight_fd yet.
+    // The backend does not offer inflight I/O tracking: the default implementation refuses.
     let inflight = VhostUserInflight {
         mmap_size: 0x100000,
         mmap_offset: 0,
@@ -314,7 +314,7 @@ fn test_vhost_user_set_inflight() {
 
 fn vhost_user_get_inflight(path: &Path, barrier: Arc<Barrier>) {
     let mut frontend = setup_frontend(path, barrier);
-    // No implementation for inflight_fd yet.
+    // The backend does not offer inflight I/O tracking: the default implementation refuses.
     let inflight = VhostUserInflight {
         mmap_size: 0x100000,
         mmap_offset: 0,

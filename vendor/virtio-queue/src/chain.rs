@@ -67,10 +67,33 @@ where
     /// * `head_index` - the descriptor index of the chain head.
     ///
     /// Most devices get their chains from the available ring ([`crate::QueueOwnedT::iter`]).
-    /// A device that learns a head index some other way (a vhost-user back-end resubmitting
-    /// the requests that the vhost-user inflight region records as in flight, after a
-    /// restart) walks the chain with this. The chain is checked as it is walked, as for
-    /// chains from the available ring: a head index outside the queue yields nothing.
+    /// A device that learns a head index some other way walks the chain with this: e.g. a
+    /// vhost-user back-end that resubmits, after a restart, the requests that the inflight
+    /// region (`VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD`) records as in flight. The chain is
+    /// checked as it is walked, as a chain from the available ring is: a head index outside the
+    /// queue yields nothing.
+    ///
+    /// # Example
+    ///
+    /// ```rust
+    /// use virtio_queue::desc::split::Descriptor;
+    /// use virtio_queue::DescriptorChain;
+    /// use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
+    ///
+    /// let m = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
+    /// // A descriptor table of 16 entries at 0x1000, whose entry 3 is a 512-byte buffer.
+    /// let desc_table = GuestAddress(0x1000);
+    /// let desc = Descriptor::new(0x4000, 512, 0, 0);
+    /// m.write_obj(desc, desc_table.unchecked_add(3 * 16)).unwrap();
+    ///
+    /// let mut chain = DescriptorChain::new(&m, desc_table, 16, 3);
+    /// let desc = chain.next().unwrap();
+    /// assert_eq!((desc.addr(), desc.len()), (GuestAddress(0x4000), 512));
+    /// assert!(chain.next().is_none());
+    ///
+    /// // A head index outside the queue yields nothing.
+    /// assert!(DescriptorChain::new(&m, desc_table, 16, 16).next().is_none());
+    /// ```
     pub fn new(mem: M, desc_table: GuestAddress, queue_size: u16, head_index: u16) -> Self {
         Self::with_ttl(mem, desc_table, queue_size, queue_size, head_index)
     }

@@ -61,14 +61,15 @@ impl BackendInternal {
         self.wait_for_ack(&hdr)
     }
 
-    /// A request without a payload (vublk patch).
     fn send_header(&mut self, request: BackendReq) -> Result<u64> {
         self.check_state()?;
+
         let mut hdr = VhostUserMsgHeader::new(request, 0, 0);
         if self.reply_ack_negotiated {
             hdr.set_need_reply(true);
         }
         self.sock.send_header(&hdr, None)?;
+
         self.wait_for_ack(&hdr)
     }
 
@@ -155,19 +156,22 @@ impl Backend {
         self.inner.lock().unwrap().error = Some(error);
     }
 
-    /// Bound how long a request may block the caller (vublk patch): sending it (a frontend
-    /// that does not read the channel fills the socket's buffer) and, with
-    /// `VHOST_USER_PROTOCOL_F_REPLY_ACK`, waiting for the frontend's answer. `None` waits
-    /// for ever (the default). A request that times out fails; the channel should then be
-    /// treated as broken (`set_failed`): a late answer would be taken for the next one's.
+    /// Bound how long a request may block the caller: sending it (a frontend that does not read
+    /// the channel fills the socket's buffer) and, with `VHOST_USER_PROTOCOL_F_REPLY_ACK`,
+    /// waiting for the frontend's answer. `None` waits for ever (the default).
+    ///
+    /// A request that times out fails with `Error::SocketError` of kind `TimedOut`; the channel
+    /// should then be treated as broken (`set_failed`), since a late answer would be taken for
+    /// the next request's.
     pub fn set_timeout(&self, timeout: Option<std::time::Duration>) -> io::Result<()> {
         self.inner.lock().unwrap().sock.set_timeout(timeout)
     }
 
     /// Tell the frontend that the device's configuration space changed
-    /// (`VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`, no payload; e.g. a block device's capacity
-    /// after an online resize). With `VHOST_USER_PROTOCOL_F_REPLY_ACK` negotiated, waits for
-    /// the frontend's answer. (vublk patch.)
+    /// (`VHOST_USER_BACKEND_CONFIG_CHANGE_MSG`, a message without payload), e.g. a block
+    /// device's capacity after an online resize.
+    ///
+    /// With `VHOST_USER_PROTOCOL_F_REPLY_ACK` negotiated, waits for the frontend's answer.
     pub fn config_change(&self) -> Result<u64> {
         self.inner
             .lock()
@@ -234,6 +238,7 @@ impl VhostUserFrontendReqHandler for Backend {
 #[cfg(test)]
 mod tests {
     use std::os::unix::io::AsRawFd;
+    use std::time::Duration;
 
     use super::*;
 
@@ -265,6 +270,82 @@ mod tests {
             .shared_object_remove(&VhostUserSharedMsg::default())
             .unwrap_err();
         backend.inner.lock().unwrap().error = None;
+    }
+
+    #[test]
+    fn test_backend_req_config_change() {
+        let (mut frontend, backend) = frontend_backend_pair();
+
+        backend.config_change().unwrap();
+        let (hdr, fds) = frontend.recv_header().unwrap();
+        assert_eq!(hdr.get_code().unwrap(), BackendReq::CONFIG_CHANGE_MSG);
+        assert_eq!(hdr.get_size(), 0);
+        assert!(!hdr.is_need_reply());
+        assert!(fds.is_none());
+
+        // With REPLY_ACK, the frontend's answer (sent ahead here) is waited for.
+        backend.set_reply_ack_flag(true);
+        let reply = VhostUserMsgHeader::new(
+            BackendReq::CONFIG_CHANGE_MSG,
+            VhostUserHeaderFlag::REPLY.bits(),
+            mem::size_of::<VhostUserU64>() as u32,
+        );
+        frontend
+            .send_message(&reply, &VhostUserU64::new(0), None)
+            .unwrap();
+        backend.config_change().unwrap();
+        let (hdr, _) = frontend.recv_header().unwrap();
+        assert_eq!(hdr.get_code().unwrap(), BackendReq::CONFIG_CHANGE_MSG);
+        assert!(hdr.is_need_reply());
+
+        // A frontend that fails the request fails the call.
+        frontend
+            .send_message(&reply, &VhostUserU64::new(1), None)
+            .unwrap();
+        backend.config_change().unwrap_err();
+    }
+
+    /// Run `f` in a thread, and fail if it takes more than 10 seconds: a call that should time
+    /// out must not block for ever.
+    fn within_10_seconds<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || done_tx.send(f()).unwrap());
+        done_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the request blocked despite its timeout")
+    }
+
+    fn is_timeout(e: &Error) -> bool {
+        matches!(e, Error::SocketError(e) if e.kind() == io::ErrorKind::TimedOut)
+    }
+
+    #[test]
+    fn test_backend_req_timeout_waiting_for_reply() {
+        let (_frontend, backend) = frontend_backend_pair();
+        backend.set_reply_ack_flag(true);
+        backend
+            .set_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+
+        // The frontend never answers.
+        let result = within_10_seconds(move || backend.config_change());
+        assert!(is_timeout(&result.unwrap_err()));
+    }
+
+    #[test]
+    fn test_backend_req_timeout_sending() {
+        let (_frontend, backend) = frontend_backend_pair();
+        backend
+            .set_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+
+        // The frontend never reads: the socket's buffer fills up, and then a request times out.
+        let result = within_10_seconds(move || loop {
+            if let Err(e) = backend.config_change() {
+                return e;
+            }
+        });
+        assert!(is_timeout(&result));
     }
 
     #[test]

@@ -107,8 +107,8 @@ impl Drop for Listener {
 /// Unix domain socket endpoint for vhost-user connection.
 pub(super) struct Endpoint<H: MsgHeader> {
     sock: UnixStream,
-    /// A send and receive timeout is set (`set_timeout`): EAGAIN means it ran out, not a
-    /// transient error to retry (vublk patch).
+    // A send and receive timeout is set (`set_timeout`): EAGAIN means that it ran out, not a
+    // transient error to retry.
     timed: bool,
     _h: PhantomData<H>,
 }
@@ -138,8 +138,8 @@ impl<H: MsgHeader> Endpoint<H> {
     }
 
     /// Bound how long a send or a receive on this endpoint may block (`None`: for ever, the
-    /// default); a call that times out fails with `SocketError` (`TimedOut`), also in the
-    /// `_all` variants, which otherwise retry EAGAIN (vublk patch).
+    /// default). A call that times out fails with `SocketError` of kind `TimedOut`, also in the
+    /// `_all` variants, which otherwise retry EAGAIN.
     pub fn set_timeout(&mut self, timeout: Option<std::time::Duration>) -> std::io::Result<()> {
         self.sock.set_read_timeout(timeout)?;
         self.sock.set_write_timeout(timeout)?;
@@ -147,13 +147,11 @@ impl<H: MsgHeader> Endpoint<H> {
         Ok(())
     }
 
-    /// In the `_all` loops: is `e` to be retried? With a timeout set, EAGAIN is the
-    /// timeout running out (vublk patch).
+    /// In the `_all` loops: is `e` to be retried? With a timeout set, EAGAIN is the timeout
+    /// running out.
     fn retry_or_timeout(&self, e: Error) -> Result<()> {
         match e {
-            Error::SocketRetry(io)
-                if self.timed && io.kind() == std::io::ErrorKind::WouldBlock =>
-            {
+            Error::SocketRetry(io) if self.timed && io.kind() == std::io::ErrorKind::WouldBlock => {
                 Err(Error::SocketError(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "the peer did not take or send the message in time",
