@@ -81,7 +81,7 @@ pub struct Config {
     /// `--pidfile`.
     pub pidfile: Option<PathBuf>,
     /// `--ceph-*` (librbd's cache comes from `cache`).
-    pub ceph: crate::image::CephOptions,
+    pub ceph: crate::rbd::CephOptions,
     /// `--nbd-*`.
     pub nbd: crate::nbd::client::NbdOptions,
 }
@@ -397,7 +397,7 @@ impl Config {
                     args.nbd_reconnect_timeout,
                 )),
             },
-            ceph: crate::image::CephOptions {
+            ceph: crate::rbd::CephOptions {
                 conf: args.ceph_conf.clone(),
                 id: args.ceph_id.clone(),
                 keyring: args.ceph_keyring.clone(),
@@ -405,9 +405,9 @@ impl Config {
                 op_timeout: std::time::Duration::from_secs(u64::from(args.ceph_op_timeout)),
                 lock_wait: std::time::Duration::from_secs(u64::from(args.ceph_lock_wait)),
                 cache: match args.cache {
-                    CacheMode::None => crate::image::RbdCache::Off,
-                    CacheMode::Writeback => crate::image::RbdCache::Writeback,
-                    CacheMode::Writethrough => crate::image::RbdCache::Writethrough,
+                    CacheMode::None => crate::rbd::RbdCache::Off,
+                    CacheMode::Writeback => crate::rbd::RbdCache::Writeback,
+                    CacheMode::Writethrough => crate::rbd::RbdCache::Writethrough,
                 },
             },
         })

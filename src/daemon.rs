@@ -17,10 +17,7 @@ use vmm_sys_util::epoll::EventSet;
 use crate::backend::{completion_event_id, VhostUserBlkBackend};
 use crate::config::{Config, Socket};
 use crate::device::{Device, DeviceParams};
-use crate::image::Engine;
-use crate::image::{Image, ImageOpenError};
-use crate::io::AioMode;
-use crate::io::{SyncEngine, UringEngine};
+use crate::image::{EngineChoice, Image, ImageOpenError};
 use crate::locks::Locked;
 use crate::worker::QueueWorker;
 
@@ -146,40 +143,44 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         info!("I/O limits: {:?} (0: unlimited)", cfg.throttle);
         dev.throttle.set(cfg.throttle);
     }
-    #[cfg(feature = "rbd")]
-    watch_rbd_resizes(&dev)?;
+    watch_resizes(&dev)?;
     Ok(dev)
 }
 
-/// An RBD image resized in the cluster (`rbd resize`) grows the disk as `vublk ctl resize`
-/// does: librbd's update watch wakes a thread that reads the new size and tells the
+/// A disk resized elsewhere (an RBD image by `rbd resize` in the cluster) grows as `vublk
+/// ctl resize` does: the driver's watch wakes a thread that reads the new size and tells the
 /// frontend. Shrinking is refused (logged): the guest keeps its size.
-#[cfg(feature = "rbd")]
-fn watch_rbd_resizes(dev: &Arc<Device>) -> Result<(), DaemonError> {
-    let image = dev.image.get();
-    if !image.is_rbd() || dev.params.read_only {
+fn watch_resizes(dev: &Arc<Device>) -> Result<(), DaemonError> {
+    if dev.params.read_only {
         return Ok(());
     }
     let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let watched = dev
+        .image
+        .get()
+        .watch_resizes(Arc::new(move || {
+            let _ = tx.send(());
+        }))
+        .map_err(|e| DaemonError::Image(ImageOpenError::Remote(e)))?;
+    if !watched {
+        return Ok(());
+    }
+    // Updates that come first wait in the channel.
     let weak = Arc::downgrade(dev);
     std::thread::Builder::new()
-        .name("vublk-rbd-watch".into())
+        .name("vublk-resize-watch".into())
         .spawn(move || {
             while rx.recv().is_ok() {
                 // One look for a burst of updates.
                 while rx.try_recv().is_ok() {}
                 let Some(dev) = weak.upgrade() else { return };
                 if let Err(e) = dev.resize(None) {
-                    warn!("the RBD image changed in the cluster: {e}");
+                    warn!("the disk changed size elsewhere: {e}");
                 }
             }
         })
         .map_err(DaemonError::Spawn)?;
-    image
-        .watch_rbd_updates(Arc::new(move || {
-            let _ = tx.send(());
-        }))
-        .map_err(|e| DaemonError::Image(ImageOpenError::Remote(e)))
+    Ok(())
 }
 
 /// Serial derived from the file's identity: stable across restarts, distinct per file.
@@ -187,49 +188,6 @@ fn default_serial((dev, ino): (u64, u64)) -> Vec<u8> {
     let mut s = format!("vublk{:x}{:x}", dev, ino).into_bytes();
     s.truncate(crate::config::SERIAL_MAX_BYTES);
     s
-}
-
-/// Pick the engine: NBD or librbd for remote images; for files io_uring, falling back to threads
-/// (once, with one warning line).
-pub fn make_engine(
-    aio: AioMode,
-    entries: u32,
-    image: &Image,
-    nbd_shared: Option<&crate::nbd::client::NbdConnection>,
-    warned: &mut bool,
-) -> Result<Engine, DaemonError> {
-    if let Some(conn) = nbd_shared {
-        return Ok(Engine::NbdShared(
-            conn.queue().map_err(DaemonError::Engine)?,
-        ));
-    }
-    if let Some((target, export, nbd)) = image.nbd() {
-        return Ok(Engine::Nbd(
-            crate::nbd::client::NbdEngine::connect(target.clone(), *export, nbd)
-                .map_err(DaemonError::Engine)?,
-        ));
-    }
-    #[cfg(feature = "rbd")]
-    if let Some((img, cached)) = image.rbd() {
-        return Ok(Engine::Rbd(
-            crate::rbd::RbdEngine::new(img, cached).map_err(DaemonError::Engine)?,
-        ));
-    }
-    let _ = image;
-    if aio == AioMode::Threads {
-        return Ok(Engine::Sync(SyncEngine::new()));
-    }
-    match UringEngine::new(entries) {
-        Ok(e) => Ok(Engine::Uring(e)),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::ENOSYS)) => {
-            if !*warned {
-                warn!("io_uring is not available ({e}); falling back to --aio threads");
-                *warned = true;
-            }
-            Ok(Engine::Sync(SyncEngine::new()))
-        }
-        Err(e) => Err(DaemonError::Engine(e)),
-    }
 }
 
 /// Check the socket path: refuse a live socket or a non-socket; remove a stale socket.
@@ -404,33 +362,20 @@ fn serve_loop(
     listener: &mut Listener,
     phase: &Mutex<Phase>,
 ) -> Result<(), DaemonError> {
-    let mut warned = false;
     let mut first = true;
+    let choice = EngineChoice {
+        aio: cfg.aio,
+        entries: u32::from(cfg.queue_size) * 2,
+    };
     loop {
         let mem = GuestMemoryAtomic::new(crate::guest_memory::Mem::new());
         let mut workers = Vec::with_capacity(usize::from(cfg.num_queues));
-        // A server that allows one connection only: all queues share it (its thread).
-        let nbd_shared = match dev.image.get().nbd() {
-            Some((target, export, opts))
-                if cfg.num_queues > 1 && !export.has(crate::nbd::wire::FLAG_CAN_MULTI_CONN) =>
-            {
-                let engine = crate::nbd::client::NbdEngine::connect(target.clone(), *export, opts)
-                    .map_err(DaemonError::Engine)?;
-                Some(
-                    crate::nbd::client::NbdConnection::start(engine)
-                        .map_err(DaemonError::Engine)?,
-                )
-            }
-            _ => None,
-        };
-        for q in 0..cfg.num_queues {
-            let engine = make_engine(
-                cfg.aio,
-                u32::from(cfg.queue_size) * 2,
-                &dev.image.get(),
-                nbd_shared.as_ref(),
-                &mut warned,
-            )?;
+        let engines = dev
+            .image
+            .get()
+            .queue_engines(cfg.num_queues, choice)
+            .map_err(DaemonError::Engine)?;
+        for (q, engine) in (0..cfg.num_queues).zip(engines) {
             if q == 0 && first {
                 info!("I/O engine: {}", engine.name());
             }

@@ -38,7 +38,6 @@ pub mod logging;
 pub mod metrics;
 pub mod nbd;
 pub mod offload;
-#[cfg(feature = "rbd")]
 pub mod rbd;
 pub mod service;
 pub mod stats;

@@ -394,7 +394,7 @@ fn engine_model_check(target: &str) -> Option<(Vec<u8>, Vec<bool>)> {
             };
             // SAFETY: `bufs` (buffers and iovec arrays) lives until every completion of the
             // round has been reaped below.
-            unsafe { eng.push(-1, &op, *ud).unwrap() };
+            unsafe { eng.push(0, &op, *ud).unwrap() };
         }
         eng.submit().unwrap();
         let mut done: Vec<Completion> = Vec::new();

@@ -71,7 +71,7 @@ pub fn open_chain(
         let file = o
             .open(&path)
             .map_err(|e| ChainError::Open(path.clone(), e))?;
-        let lock = super::open::lock_file(&file, &path, super::lock::Perms::BACKING, locking)?;
+        let lock = super::lock::lock_file(&file, &path, super::lock::Perms::BACKING, locking)?;
         let (q, size_bytes) = if super::probe(&file) == Some(super::Format::Qcow2) {
             let q = Qcow2Image::open_read_only(&file)
                 .map_err(|e| ChainError::Qcow2(path.clone(), e))?;

@@ -1,47 +1,97 @@
 //! The engine a queue runs its requests on: io_uring or blocking system calls for local
 //! images (`io`), an NBD connection (`nbd::client`), librbd (`rbd`, cargo feature). All take
 //! the same [`Op`]s and report through the same [`Completion`]s, so the worker has one
-//! completion path.
+//! completion path. The image makes each queue's engine and binds it to its own storage
+//! ([`super::Image::queue_engines`], [`super::Image::bind`]): an operation names a file of the
+//! disk by index (0: the image; n: its nth backing file), never a descriptor.
 
 use std::io;
 use std::os::fd::RawFd;
 
-use crate::io::{Completion, Op, SyncEngine, UringEngine};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::io::{AioMode, Completion, Op, SyncEngine, UringEngine};
 use crate::nbd::client::{NbdEngine, NbdQueue};
 #[cfg(feature = "rbd")]
 use crate::rbd::RbdEngine;
+
+/// How a local image's engines are made (`--aio`, the ring's size).
+#[derive(Clone, Copy, Debug)]
+pub struct EngineChoice {
+    pub aio: AioMode,
+    /// Submission slots of an io_uring ring.
+    pub entries: u32,
+}
+
+/// A local image's engine: io_uring, falling back to threads where io_uring is not allowed
+/// (said once per process, in one warning line).
+pub(super) fn local(choice: EngineChoice) -> io::Result<Engine> {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if choice.aio == AioMode::Threads {
+        return Ok(Engine::Sync(SyncEngine::new()));
+    }
+    match UringEngine::new(choice.entries) {
+        Ok(e) => Ok(Engine::Uring(e)),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::ENOSYS)) => {
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                log::warn!("io_uring is not available ({e}); falling back to --aio threads");
+            }
+            Ok(Engine::Sync(SyncEngine::new()))
+        }
+        Err(e) => Err(e),
+    }
+}
 
 /// Which engine a queue uses. One per queue, never moved on the hot path: size is no issue.
 #[allow(clippy::large_enum_variant)]
 pub enum Engine {
     Uring(UringEngine),
     Sync(SyncEngine),
-    /// An NBD connection (the `fd` of an operation is not used).
+    /// An NBD connection (one file: the export).
     Nbd(NbdEngine),
-    /// A queue's share of one NBD connection (the `fd` of an operation is not used).
+    /// A queue's share of one NBD connection (one file: the export).
     NbdShared(NbdQueue),
-    /// librbd's asynchronous calls (the `fd` of an operation is not used).
+    /// librbd's asynchronous calls (one file: the image).
     #[cfg(feature = "rbd")]
     Rbd(RbdEngine),
 }
 
 impl Engine {
+    /// Start `op` on file `file` of the disk (0: the image; n: its nth backing file; a
+    /// remote disk has only 0).
+    ///
     /// # Safety
     /// Every pointer in `op` must stay valid, and the buffers it describes must not be
     /// touched by anything else, until the completion with `user_data` has been reaped.
-    pub unsafe fn push(&mut self, fd: RawFd, op: &Op, user_data: u64) -> io::Result<()> {
+    pub unsafe fn push(&mut self, file: usize, op: &Op, user_data: u64) -> io::Result<()> {
+        let remote_file = |file: usize| {
+            if file == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::from_raw_os_error(libc::EBADF))
+            }
+        };
         match self {
             // SAFETY: forwarded contract.
-            Engine::Uring(e) => unsafe { e.push(fd, op, user_data) },
+            Engine::Uring(e) => unsafe { e.push(file, op, user_data) },
             // SAFETY: forwarded contract.
-            Engine::Sync(e) => unsafe { e.push(fd, op, user_data) },
-            // SAFETY: forwarded contract.
-            Engine::Nbd(e) => unsafe { e.push(op, user_data) },
-            // SAFETY: forwarded contract.
-            Engine::NbdShared(e) => unsafe { e.push(op, user_data) },
-            // SAFETY: forwarded contract.
+            Engine::Sync(e) => unsafe { e.push(file, op, user_data) },
+            Engine::Nbd(e) => {
+                remote_file(file)?;
+                // SAFETY: forwarded contract.
+                unsafe { e.push(op, user_data) }
+            }
+            Engine::NbdShared(e) => {
+                remote_file(file)?;
+                // SAFETY: forwarded contract.
+                unsafe { e.push(op, user_data) }
+            }
             #[cfg(feature = "rbd")]
-            Engine::Rbd(e) => unsafe { e.push(op, user_data) },
+            Engine::Rbd(e) => {
+                remote_file(file)?;
+                // SAFETY: forwarded contract.
+                unsafe { e.push(op, user_data) }
+            }
         }
     }
 
@@ -96,10 +146,13 @@ impl Engine {
         }
     }
 
-    /// Use a registered (fixed) file slot for `fd` where the engine supports it.
-    pub fn register_file(&mut self, fd: RawFd) {
-        if let Engine::Uring(e) = self {
-            e.register_file(fd);
+    /// Serve the local files `files` (by index; see [`Self::push`]). Remote engines reach
+    /// their disk themselves and ignore this.
+    pub(crate) fn bind_files(&mut self, files: &[RawFd]) {
+        match self {
+            Engine::Uring(e) => e.bind_files(files),
+            Engine::Sync(e) => e.bind_files(files),
+            _ => {}
         }
     }
 

@@ -4,7 +4,9 @@
 use std::io;
 use std::sync::atomic::Ordering;
 
-use super::{Image, ImageError, Kind};
+use std::os::fd::AsRawFd;
+
+use super::{Disk, Image, ImageError, Kind, Local};
 
 /// Why an online resize was refused.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +41,17 @@ pub enum GrowError {
     Nbd,
 }
 
+/// A new size must not shrink the disk and must be whole sectors.
+fn check(old: u64, new: u64) -> Result<(), GrowError> {
+    if new < old {
+        return Err(GrowError::Shrink { old, new });
+    }
+    if new % 512 != 0 {
+        return Err(GrowError::Unaligned(new));
+    }
+    Ok(())
+}
+
 impl Image {
     /// Grow the disk online to `new` bytes (a block device: to the device's size, which
     /// `new`, if given, must equal); returns the new size. Shrinking is refused. Raw files
@@ -52,11 +65,20 @@ impl Image {
             return Err(GrowError::ReadOnly);
         }
         let old = self.size_bytes();
-        let new = match (&self.kind, self.block_device) {
+        let (file, kind) = match &self.disk {
+            Disk::Local(Local { file, kind }) => (file, kind),
+            Disk::Remote(r) => {
+                // Resized by the driver (or refused) before the checks.
+                let new = r.grow(new)?;
+                check(old, new)?;
+                self.size_bytes.store(new, Ordering::Release);
+                return Ok(new);
+            }
+        };
+        let new = match (kind, self.block_device) {
             (Kind::Raw, true) => {
-                use std::os::fd::AsRawFd;
-                let dev = crate::io::sys::block_device_size(self.file.as_raw_fd())
-                    .map_err(GrowError::Io)?;
+                let dev =
+                    crate::io::sys::block_device_size(file.as_raw_fd()).map_err(GrowError::Io)?;
                 if let Some(n) = new.filter(|&n| n != dev) {
                     return Err(GrowError::BlockDevice {
                         asked: n,
@@ -65,38 +87,26 @@ impl Image {
                 }
                 dev
             }
-            #[cfg(feature = "rbd")]
-            (Kind::Rbd(r), _) => r.grow(new).map_err(GrowError::Rbd)?,
             _ => new.ok_or(GrowError::NoSize)?,
         };
-        if new < old {
-            return Err(GrowError::Shrink { old, new });
-        }
-        if new % 512 != 0 {
-            return Err(GrowError::Unaligned(new));
-        }
+        check(old, new)?;
         if new == old {
             return Ok(old);
         }
-        match &self.kind {
+        match kind {
             Kind::Raw if self.block_device => {}
             Kind::Raw => {
-                use std::os::fd::AsRawFd;
-                let fd = self.file.as_raw_fd();
+                let fd = file.as_raw_fd();
                 let allocated =
                     self.prealloc_raw && crate::io::sys::fallocate(fd, 0, old, new - old).is_ok();
                 if !allocated {
-                    self.file.set_len(new).map_err(GrowError::Io)?;
+                    file.set_len(new).map_err(GrowError::Io)?;
                 }
                 // The new size must survive a crash before the guest is told.
-                self.file.sync_all().map_err(GrowError::Io)?;
+                file.sync_all().map_err(GrowError::Io)?;
             }
-            Kind::Qcow2(d) => d.q.resize(&self.file, new).map_err(GrowError::Image)?,
+            Kind::Qcow2(d) => d.q.resize(file, new).map_err(GrowError::Image)?,
             Kind::Parallels(_) => return Err(GrowError::Parallels),
-            // Resized in the cluster above.
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => {}
-            Kind::Nbd(_) => return Err(GrowError::Nbd),
         }
         self.size_bytes.store(new, Ordering::Release);
         Ok(new)

@@ -101,7 +101,7 @@ impl ImageSlot {
             "took the image over: locked and its metadata read after {} ms; serving it",
             t0.elapsed().as_millis()
         );
-        image.inherit_rbd_watch(&cur);
+        image.inherit_watch(&cur);
         *cur = Arc::new(image);
         self.handed_over.store(false, Ordering::Release);
         Ok(cur.clone())

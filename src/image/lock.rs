@@ -314,6 +314,31 @@ fn check(fd: i32, path: &std::path::Path, perms: Perms) -> Result<(), LockError>
     Ok(())
 }
 
+/// Lock an image or backing file as `mode` says; where the file system has no OFD locks
+/// (`auto`) say so once and go on unlocked.
+pub(super) fn lock_file(
+    file: &std::fs::File,
+    path: &std::path::Path,
+    perms: Perms,
+    mode: Locking,
+) -> Result<ImageLock, LockError> {
+    let (lock, done) = ImageLock::take(file, path, perms, mode)?;
+    match done {
+        Locked::Yes => {}
+        Locked::Off => log::warn!(
+            "image locking is off (--locking off) for {}: nothing stops another process from \
+             writing it while it is served",
+            path.display()
+        ),
+        Locked::Unsupported => log::warn!(
+            "the file system of {} has no OFD locks: serving it unlocked (--locking auto; \
+             --locking on refuses instead)",
+            path.display()
+        ),
+    }
+    Ok(lock)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,12 +5,19 @@
 //! extents and allocate, and do the writes that must be ordered with their metadata
 //! themselves (through [`Storage`]).
 //!
-//! Rooms: `open` (options, probing by magic, opening a format), `raw`, `qcow2/`,
-//! `parallels/`, `chain` (backing files), `prealloc` (the preallocation planner, executor
-//! and background thread), `durable` (metadata written back later, releases after it is
-//! durable), `handover` (giving the image to another process during a live migration and
-//! taking it back), `grow` (online resize), `report` (counters for stats and logs), `create` (`vublk create`), `fuzz` (fuzzing entry points), `rbd` (Ceph RBD images through librbd) and `nbd` (NBD exports), served like raw
-//! images by their engines, with what they share in `remote`.
+//! An image is a [`Disk`]: a local file in a format, or a remote disk (an NBD export, an RBD
+//! image) that its driver (`nbd::client`, `rbd`) serves like a raw one. The image makes each
+//! queue's engine and binds it to its storage ([`Image::queue_engines`], [`Image::bind`]):
+//! the data plane never asks what kind of disk it serves.
+//!
+//! Rooms: `options` (what opening is told, and why it fails), `probe` (formats by magic),
+//! `open` (opening a local image in its format), `raw`, `qcow2/`, `parallels/`, `chain`
+//! (backing files), `prealloc` (the preallocation planner, executor and background thread),
+//! `durable` (metadata written back later, releases after it is durable), `handover` (giving
+//! the image to another process during a live migration and taking it back), `grow` (online
+//! resize), `report` (counters for stats and logs), `create` (`vublk create`), `engine` (the
+//! per-queue engines), `remote` (remote disks: opening them through their drivers, and what
+//! they do instead of a file), `lock` (QEMU's image locks), `fuzz` (fuzzing entry points).
 
 pub mod chain;
 pub mod create;
@@ -22,12 +29,12 @@ mod grow;
 pub mod handover;
 pub mod lock;
 mod open;
+mod options;
 pub mod parallels;
 pub mod prealloc;
+mod probe;
 pub mod qcow2;
 mod raw;
-#[cfg(feature = "rbd")]
-mod rbd;
 mod remote;
 mod report;
 
@@ -36,12 +43,10 @@ use std::io;
 use std::sync::atomic::Ordering;
 
 pub use chain::Piece;
-pub use engine::Engine;
+pub use engine::{Engine, EngineChoice};
 pub use grow::GrowError;
-pub use open::{
-    probe, probe_bytes, CephOptions, CompressChoice, Format, ImageOpenError, ImageOptions,
-    PreallocChoice, RawFacts, RbdCache,
-};
+pub use options::{CompressChoice, Format, ImageOpenError, ImageOptions, PreallocChoice, RawFacts};
+pub use probe::{probe, probe_bytes};
 pub use qcow2::FillGate;
 pub use raw::{open_raw, OpenError, RawImage};
 
@@ -149,18 +154,30 @@ pub struct ReadPlan {
     scratch: Vec<qcow2::Extent>,
 }
 
-/// The format of an open image, with its state. One per image, never moved on the data
+/// Where an image's data lives. One per image, never moved on the data path: its size is
+/// no issue.
+#[allow(clippy::large_enum_variant)]
+enum Disk {
+    /// A file on this host, in a format.
+    Local(Local),
+    /// Elsewhere (an NBD export, an RBD image): its driver's engines serve it like a raw
+    /// image; there is no file here.
+    Remote(remote::Remote),
+}
+
+/// A local image: its file and its format.
+struct Local {
+    file: File,
+    kind: Kind,
+}
+
+/// The format of a local image, with its state. One per image, never moved on the data
 /// path: its size is no issue.
 #[allow(clippy::large_enum_variant)]
 enum Kind {
     Raw,
     Qcow2(Qcow2Disk),
     Parallels(ParallelsImage),
-    /// An NBD export (`file` is /dev/null, never used: the NBD engine does every access).
-    Nbd(crate::nbd::client::NbdDisk),
-    /// A Ceph RBD image (`file` is /dev/null, never used: librbd does every access).
-    #[cfg(feature = "rbd")]
-    Rbd(rbd::RbdDisk),
 }
 
 /// A qcow2 image with its backing chain and the pools its writes through the format use.
@@ -176,8 +193,7 @@ struct Qcow2Disk {
 
 /// An open disk image.
 pub struct Image {
-    file: File,
-    kind: Kind,
+    disk: Disk,
     /// The guest-visible size (grows with [`Image::grow`]).
     size_bytes: std::sync::atomic::AtomicU64,
     read_only: bool,
@@ -188,7 +204,7 @@ pub struct Image {
     /// The format was probed as raw: refuse guest writes that would make the image probe as
     /// another format next time (a guest planting a qcow2 header naming a host file).
     guard_header: bool,
-    /// The image's locks, held while `file` is open (or until `release_locks`).
+    /// The local file's locks, held while it is open (or until `release_locks`).
     lock: std::sync::Mutex<lock::ImageLock>,
     /// False for an image handed over to another process, or not yet taken over from one
     /// (`handover`): nothing is read, planned or written through it, not even on drop.
@@ -210,8 +226,10 @@ impl Image {
     /// A raw image over `file` (tests and tools; the daemon uses [`Image::open`]).
     pub fn raw(file: File, size_bytes: u64, read_only: bool) -> Self {
         Image {
-            file,
-            kind: Kind::Raw,
+            disk: Disk::Local(Local {
+                file,
+                kind: Kind::Raw,
+            }),
             size_bytes: std::sync::atomic::AtomicU64::new(size_bytes),
             read_only,
             block_device: false,
@@ -248,20 +266,39 @@ impl Image {
     }
 
     pub fn format(&self) -> Format {
-        match self.kind {
-            Kind::Raw => Format::Raw,
-            Kind::Qcow2(_) => Format::Qcow2,
-            Kind::Parallels(_) => Format::Parallels,
-            // Raw data, in the cluster, or on the server.
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => Format::Raw,
-            Kind::Nbd(_) => Format::Raw,
+        match self.local_kind() {
+            // Remote disks hold raw data, in the cluster or on the server.
+            None | Some(Kind::Raw) => Format::Raw,
+            Some(Kind::Qcow2(_)) => Format::Qcow2,
+            Some(Kind::Parallels(_)) => Format::Parallels,
         }
     }
 
-    /// The image file (layer 0).
-    pub fn file(&self) -> &File {
-        &self.file
+    /// The local format, None for a remote disk.
+    fn local_kind(&self) -> Option<&Kind> {
+        match &self.disk {
+            Disk::Local(l) => Some(&l.kind),
+            Disk::Remote(_) => None,
+        }
+    }
+
+    /// A local qcow2 image: its file and state.
+    fn qcow2(&self) -> Option<(&File, &Qcow2Disk)> {
+        match &self.disk {
+            Disk::Local(Local {
+                file,
+                kind: Kind::Qcow2(d),
+            }) => Some((file, d)),
+            _ => None,
+        }
+    }
+
+    /// The image file, if the image is a local one.
+    pub fn file(&self) -> Option<&File> {
+        match &self.disk {
+            Disk::Local(l) => Some(&l.file),
+            Disk::Remote(_) => None,
+        }
     }
 
     /// The guest-visible size in bytes.
@@ -272,34 +309,79 @@ impl Image {
     /// Host I/O must stay below this offset (raw: the file is the disk); None where the
     /// file may end anywhere (formats: reads past its end are zeroes).
     pub fn host_limit(&self) -> Option<u64> {
-        if matches!(self.kind, Kind::Raw) || self.is_remote() {
-            Some(self.size_bytes())
-        } else {
-            None
+        match self.local_kind() {
+            None | Some(Kind::Raw) => Some(self.size_bytes()),
+            Some(_) => None,
         }
     }
 
     /// A short read of the image file is its end (a qcow2 file may end inside its last
     /// cluster): the rest reads as zeroes.
     pub fn short_reads_are_zeroes(&self) -> bool {
-        matches!(self.kind, Kind::Qcow2(_))
+        self.qcow2().is_some()
     }
 
     /// The file of chain layer `layer` (0: the image itself).
-    pub fn layer_file(&self, layer: usize) -> Option<&File> {
-        match (&self.kind, layer) {
-            (_, 0) => Some(&self.file),
-            (Kind::Qcow2(d), n) => d.backing.get(n - 1).map(|l| &l.file),
-            _ => None,
+    fn layer_file(&self, layer: usize) -> Option<&File> {
+        match (&self.disk, layer) {
+            (Disk::Local(l), 0) => Some(&l.file),
+            (Disk::Local(l), n) => match &l.kind {
+                Kind::Qcow2(d) => d.backing.get(n - 1).map(|l| &l.file),
+                _ => None,
+            },
+            (Disk::Remote(_), _) => None,
+        }
+    }
+
+    /// How many files the disk has (its layers: the image and its backing files), which
+    /// [`Engine::push`] names by index.
+    pub fn layers(&self) -> usize {
+        match &self.disk {
+            Disk::Local(Local {
+                kind: Kind::Qcow2(d),
+                ..
+            }) => 1 + d.backing.len(),
+            _ => 1,
         }
     }
 
     /// The qcow2 mapping of chain layer `layer`, if it is a qcow2 image.
     fn layer_qcow2(&self, layer: usize) -> Option<&Qcow2Image> {
-        match (&self.kind, layer) {
-            (Kind::Qcow2(d), 0) => Some(&d.q),
-            (Kind::Qcow2(d), n) => d.backing.get(n - 1).and_then(|l| l.qcow2.as_ref()),
+        match (self.qcow2(), layer) {
+            (Some((_, d)), 0) => Some(&d.q),
+            (Some((_, d)), n) => d.backing.get(n - 1).and_then(|l| l.qcow2.as_ref()),
             _ => None,
+        }
+    }
+
+    /// Engines for `queues` queues, each bound to this image ([`Self::bind`]): io_uring or
+    /// threads (as `choice` says) for a local image, the driver's for a remote one.
+    pub fn queue_engines(&self, queues: u16, choice: EngineChoice) -> io::Result<Vec<Engine>> {
+        let mut engines = match &self.disk {
+            Disk::Remote(r) => r.queue_engines(queues)?,
+            Disk::Local(_) => (0..queues)
+                .map(|_| engine::local(choice))
+                .collect::<io::Result<_>>()?,
+        };
+        for e in &mut engines {
+            self.bind(e);
+        }
+        Ok(engines)
+    }
+
+    /// Point `engine` at this image (a queue's engine after the image was replaced: a
+    /// live migration's take-over): its files by layer, or its remote handle.
+    pub fn bind(&self, engine: &mut Engine) {
+        use std::os::fd::AsRawFd;
+        match &self.disk {
+            Disk::Local(l) => {
+                let mut fds = vec![l.file.as_raw_fd()];
+                if let Kind::Qcow2(d) = &l.kind {
+                    fds.extend(d.backing.iter().map(|b| b.file.as_raw_fd()));
+                }
+                engine.bind_files(&fds);
+            }
+            Disk::Remote(r) => r.bind(engine),
         }
     }
 
@@ -314,15 +396,15 @@ impl Image {
     ) -> Result<Option<u64>, ImageError> {
         plan.pieces.clear();
         self.check_active()?;
-        match &self.kind {
+        let Disk::Local(l) = &self.disk else {
+            return Ok(Some(offset));
+        };
+        match &l.kind {
             Kind::Raw => return Ok(Some(offset)),
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => return Ok(Some(offset)),
-            Kind::Nbd(_) => return Ok(Some(offset)),
             Kind::Parallels(p) => p.map(offset, len, &mut plan.pieces),
             Kind::Qcow2(d) => chain::resolve_read(
                 &d.q,
-                &self.file,
+                &l.file,
                 &d.backing,
                 offset,
                 len,
@@ -392,18 +474,18 @@ impl Image {
                 overwrite,
             })
         };
-        match &self.kind {
+        let Disk::Local(Local { file, kind }) = &self.disk else {
+            return Ok(engine(offset, false));
+        };
+        match kind {
             Kind::Raw => Ok(engine(offset, false)),
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => Ok(engine(offset, false)),
-            Kind::Nbd(_) => Ok(engine(offset, false)),
             Kind::Parallels(p) => {
                 // Allocated and contiguous: in place. Else allocate here (new clusters read
                 // as zeroes, so no fill is needed); write-through and scattered clusters
                 // take the format's path, which also makes a new allocation durable.
                 let host = match p.owned_extent(offset, len) {
                     Some(host) => Some(host),
-                    None if writeback => p.allocate(&self.file, offset, len)?,
+                    None if writeback => p.allocate(file, offset, len)?,
                     None => None,
                 };
                 Ok(host.map_or(WritePlan::Format(Offload::Inline), |h| engine(h, false)))
@@ -415,13 +497,13 @@ impl Image {
                     return Ok(WritePlan::Format(Offload::Compress));
                 }
                 // Owned alone and contiguous: in place, like raw.
-                if let Some(host) = q.owned_extent(&self.file, offset, len)? {
+                if let Some(host) = q.owned_extent(file, offset, len)? {
                     return Ok(engine(host, true));
                 }
                 // Fresh clusters whose old contents are zeroes (or whole clusters over the
                 // backing file): allocated here, written through the engine.
                 let fresh = if writeback {
-                    q.plan_fresh_write(&self.file, offset, len, !d.backing.is_empty())?
+                    q.plan_fresh_write(file, offset, len, !d.backing.is_empty())?
                 } else {
                     None
                 };
@@ -445,29 +527,25 @@ impl Image {
 
     /// A planned engine write cannot go through the engine after all (it is smaller than
     /// the file's direct-I/O block): where it goes instead. None: the caller
-    /// read-modify-writes it (raw).
+    /// read-modify-writes it (raw; remote disks take any alignment their block size
+    /// allows, so never get here).
     pub fn sub_block_fallback(&self) -> Option<Offload> {
-        match self.kind {
-            Kind::Raw => None,
-            Kind::Qcow2(_) => Some(Offload::Cow),
-            Kind::Parallels(_) => Some(Offload::Inline),
-            // librbd takes any alignment: never smaller than a block.
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => None,
-            // The engine splits and the device's block size is at least the server's.
-            Kind::Nbd(_) => None,
+        match self.local_kind() {
+            None | Some(Kind::Raw) => None,
+            Some(Kind::Qcow2(_)) => Some(Offload::Cow),
+            Some(Kind::Parallels(_)) => Some(Offload::Inline),
         }
     }
 
     /// An asynchronous write holding `ticket` completed (`ok`) or failed: install its
     /// clusters (or give them back) and release what it held.
     pub fn end_write(&self, ticket: WriteTicket, ok: bool) -> Result<(), ImageError> {
-        let Kind::Qcow2(d) = &self.kind else {
+        let Some((file, d)) = self.qcow2() else {
             return Ok(());
         };
         match ticket.0 {
             Ticket::Fill(key) => d.q.end_fill(key),
-            Ticket::Install(install) => return d.q.finish_cow(&self.file, install, ok),
+            Ticket::Install(install) => return d.q.finish_cow(file, install, ok),
             Ticket::Overwrite(key) => d.q.release_overwrite(key),
         }
         Ok(())
@@ -477,45 +555,35 @@ impl Image {
     /// dropped; the caller then waits for those in flight ([`FillGate::wait_drained`])
     /// before writing through the format. None: this format has no fills.
     pub fn raise_fill_gate(&self) -> Option<FillGate> {
-        match &self.kind {
-            Kind::Qcow2(d) => Some(d.q.raise_fill_gate()),
-            _ => None,
-        }
+        self.qcow2().map(|(_, d)| d.q.raise_fill_gate())
     }
 
     /// Is any fill in flight?
     pub fn fills_in_flight(&self) -> bool {
-        match &self.kind {
-            Kind::Qcow2(d) => d.q.fills_in_flight(),
-            _ => false,
-        }
+        self.qcow2().is_some_and(|(_, d)| d.q.fills_in_flight())
     }
 
     /// Hold [start, end) of the file for an overwrite while fills are in flight; None while
     /// a fill of it is in flight (complete this queue's own work, [`Self::wait_fill_change`],
     /// try again).
     pub fn try_hold_overwrite(&self, start: u64, end: u64) -> Option<WriteTicket> {
-        match &self.kind {
-            Kind::Qcow2(d) => {
-                d.q.try_hold_overwrite(start, end)
-                    .map(|k| WriteTicket(Ticket::Overwrite(k)))
-            }
-            _ => None,
-        }
+        let (_, d) = self.qcow2()?;
+        d.q.try_hold_overwrite(start, end)
+            .map(|k| WriteTicket(Ticket::Overwrite(k)))
     }
 
     /// Wait at most `timeout` for a fill to end.
     pub fn wait_fill_change(&self, timeout: std::time::Duration) {
-        if let Kind::Qcow2(d) = &self.kind {
+        if let Some((_, d)) = self.qcow2() {
             d.q.wait_fill_change(timeout);
         }
     }
 
     /// The pool for writes through the format of this kind, if there is one.
     pub fn pool(&self, offload: Offload) -> Option<&Pool> {
-        match (&self.kind, offload) {
-            (Kind::Qcow2(d), Offload::Compress) => d.compress_pool.as_ref(),
-            (Kind::Qcow2(d), Offload::Cow) => d.cow_pool.as_ref(),
+        match (self.qcow2(), offload) {
+            (Some((_, d)), Offload::Compress) => d.compress_pool.as_ref(),
+            (Some((_, d)), Offload::Cow) => d.cow_pool.as_ref(),
             _ => None,
         }
     }
@@ -524,12 +592,13 @@ impl Image {
     /// published in batches (`--compress-writes on`: each publish makes the unfinished
     /// compressed run, its refcounts and L2 entries durable in order)?
     pub fn publishes_in_batches(&self) -> bool {
-        matches!(&self.kind, Kind::Qcow2(d) if d.q.compress_writes())
+        self.qcow2().is_some_and(|(_, d)| d.q.compress_writes())
     }
 
     /// Are there pools at all (a queue then needs an inbox for their results)?
     pub fn has_pools(&self) -> bool {
-        matches!(&self.kind, Kind::Qcow2(d) if d.cow_pool.is_some() || d.compress_pool.is_some())
+        self.qcow2()
+            .is_some_and(|(_, d)| d.cow_pool.is_some() || d.compress_pool.is_some())
     }
 
     /// Write `data` at guest `offset` through the format (allocating, copying on write,
@@ -542,23 +611,17 @@ impl Image {
         durable: bool,
     ) -> Result<(), ImageError> {
         self.check_active()?;
-        match &self.kind {
-            Kind::Raw => crate::io::aligned::write_all_aligned(&self.file, offset, data)?,
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => {
-                return Err(ImageError::Unsupported(
-                    "RBD images are written by the librbd engine".into(),
-                ))
-            }
-            Kind::Nbd(_) => {
-                return Err(ImageError::Unsupported(
-                    "NBD exports are written by the NBD engine".into(),
-                ))
-            }
-            Kind::Parallels(p) => p.write(&self.file, offset, data)?,
+        let Disk::Local(Local { file, kind }) = &self.disk else {
+            return Err(ImageError::Unsupported(
+                "a remote disk is written by its engine".into(),
+            ));
+        };
+        match kind {
+            Kind::Raw => crate::io::aligned::write_all_aligned(file, offset, data)?,
+            Kind::Parallels(p) => p.write(file, offset, data)?,
             Kind::Qcow2(d) => {
                 let mut fill_old = |cl: u64, buf: &mut [u8]| self.read_guest_cluster(d, cl, buf);
-                d.q.write(&self.file, offset, data, &mut fill_old)?;
+                d.q.write(file, offset, data, &mut fill_old)?;
             }
         }
         if durable {
@@ -575,13 +638,14 @@ impl Image {
         cl_start: u64,
         buf: &mut [u8],
     ) -> Result<(), ImageError> {
+        let file = self.layer_file(0).ok_or(ImageError::Corrupt("bad layer"))?;
         // The last cluster may extend past the virtual size: only map what exists.
         let len = (buf.len() as u64).min(d.q.size_bytes().saturating_sub(cl_start));
         buf.fill(0);
         let mut plan = ReadPlan::default();
         chain::resolve_read(
             &d.q,
-            &self.file,
+            file,
             &d.backing,
             cl_start,
             len,
@@ -614,24 +678,26 @@ impl Image {
     }
 
     /// DISCARD / WRITE_ZEROES go through the format ([`Self::zero_range`]) rather than the
-    /// engine's fallocate (raw).
+    /// engine's fallocate (raw, remote disks).
     pub fn zeroes_through_format(&self) -> bool {
-        !matches!(self.kind, Kind::Raw) && !self.is_remote()
+        matches!(self.local_kind(), Some(Kind::Qcow2(_) | Kind::Parallels(_)))
     }
 
     /// Zero or discard [offset, offset + len) through the format, synchronously.
     pub fn zero_range(&self, offset: u64, len: u64, mode: ZeroMode) -> Result<(), ImageError> {
         self.check_active()?;
-        match &self.kind {
+        let Disk::Local(Local { file, kind }) = &self.disk else {
+            return Err(ImageError::Corrupt(
+                "remote disks are zeroed by their engine",
+            ));
+        };
+        match kind {
             Kind::Raw => Err(ImageError::Corrupt("raw images are zeroed by the engine")),
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => Err(ImageError::Corrupt("RBD images are zeroed by the engine")),
-            Kind::Nbd(_) => Err(ImageError::Corrupt("NBD exports are zeroed by the engine")),
-            Kind::Parallels(p) => p.zero_range(&self.file, offset, len, mode),
+            Kind::Parallels(p) => p.zero_range(file, offset, len, mode),
             Kind::Qcow2(d) => {
                 let mut fill_old = |cl: u64, buf: &mut [u8]| self.read_guest_cluster(d, cl, buf);
                 d.q.zero_range(
-                    &self.file,
+                    file,
                     offset,
                     len,
                     mode,
@@ -642,18 +708,65 @@ impl Image {
         }
     }
 
+    /// Discard [offset, offset + len) of a block device (BLKDISCARD), synchronously: the
+    /// result as an engine reports it (0, or a negative errno).
+    pub fn discard_block_device(&self, offset: u64, len: u64) -> i32 {
+        use std::os::fd::AsRawFd;
+        match &self.disk {
+            Disk::Local(l) => crate::io::sys::blk_discard(l.file.as_raw_fd(), offset, len),
+            Disk::Remote(_) => -libc::EOPNOTSUPP,
+        }
+    }
+
+    /// Zero [offset, offset + len) of the image file by writing zeroes (through `bounce`),
+    /// where the file system cannot zero a range: the result as an engine reports it.
+    pub fn write_zeroes_by_hand(
+        &self,
+        offset: u64,
+        len: u64,
+        bounce: &mut crate::io::bounce::BouncePool,
+    ) -> i32 {
+        use std::os::fd::AsRawFd;
+        match &self.disk {
+            Disk::Local(l) => {
+                crate::io::sys::zero_fallback(l.file.as_raw_fd(), offset, len, bounce)
+            }
+            Disk::Remote(_) => -libc::EOPNOTSUPP,
+        }
+    }
+
+    /// Write `data` at `offset` of a raw image file whose direct-I/O block (`block`) it does
+    /// not fill: read, modify and write the blocks around it, synchronously; `durable`:
+    /// synced before it returns.
+    pub fn write_sub_block(
+        &self,
+        offset: u64,
+        data: &[u8],
+        block: u64,
+        durable: bool,
+    ) -> io::Result<()> {
+        let Disk::Local(l) = &self.disk else {
+            return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+        };
+        crate::io::aligned::write_unaligned(&l.file, offset, data, block)?;
+        if durable {
+            l.file.sync_data()?;
+        }
+        Ok(())
+    }
+
     /// Write back format metadata (without syncing: FLUSH syncs after it).
     pub fn write_back(&self) -> Result<(), ImageError> {
         if !self.is_active() {
             return Ok(());
         }
-        match &self.kind {
+        let Disk::Local(Local { file, kind }) = &self.disk else {
+            return Ok(());
+        };
+        match kind {
             Kind::Raw => Ok(()),
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => Ok(()),
-            Kind::Nbd(_) => Ok(()),
-            Kind::Parallels(p) => p.flush(&self.file),
-            Kind::Qcow2(d) => d.q.flush(&self.file),
+            Kind::Parallels(p) => p.flush(file),
+            Kind::Qcow2(d) => d.q.flush(file),
         }
     }
 
@@ -664,13 +777,13 @@ impl Image {
         if !self.is_active() {
             return Ok(());
         }
-        match &self.kind {
+        let Disk::Local(Local { file, kind }) = &self.disk else {
+            return Ok(());
+        };
+        match kind {
             Kind::Raw => Ok(()),
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => Ok(()),
-            Kind::Nbd(_) => Ok(()),
-            Kind::Parallels(p) => p.publish(&self.file),
-            Kind::Qcow2(d) => d.q.publish(&self.file),
+            Kind::Parallels(p) => p.publish(file),
+            Kind::Qcow2(d) => d.q.publish(file),
         }
     }
 
@@ -679,21 +792,13 @@ impl Image {
         if !self.is_active() {
             return Ok(());
         }
-        #[cfg(feature = "rbd")]
-        if let Kind::Rbd(r) = &self.kind {
-            return r.sync();
+        match &self.disk {
+            Disk::Remote(r) => r.sync(),
+            Disk::Local(l) => {
+                self.write_back()?;
+                Ok(l.file.sync_data()?)
+            }
         }
-        if let Kind::Nbd(_) = &self.kind {
-            // The image holds no connection: each queue's flushes its own, on the guest's
-            // FLUSH and when the queue stops.
-            return Err(ImageError::Unsupported(
-                "an NBD export is flushed by the guest's FLUSH and when its queues stop, not \
-                 from here"
-                    .into(),
-            ));
-        }
-        self.write_back()?;
-        Ok(self.file.sync_data()?)
     }
 
     /// Clean shutdown: metadata written back, the file trimmed to its data (formats keep
@@ -702,16 +807,17 @@ impl Image {
         if !self.is_active() {
             return Ok(());
         }
-        match &self.kind {
-            Kind::Raw => {}
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(r) => return r.sync(),
-            // Each queue's connection was flushed when the queue stopped.
-            Kind::Nbd(_) => return Ok(()),
-            Kind::Parallels(p) => p.close(&self.file)?,
-            Kind::Qcow2(d) => d.q.close(&self.file)?,
+        match &self.disk {
+            Disk::Remote(r) => r.close(),
+            Disk::Local(Local { file, kind }) => {
+                match kind {
+                    Kind::Raw => {}
+                    Kind::Parallels(p) => p.close(file)?,
+                    Kind::Qcow2(d) => d.q.close(file)?,
+                }
+                Ok(file.sync_data()?)
+            }
         }
-        Ok(self.file.sync_data()?)
     }
 
     /// A clean exit, after `close` and `release_locks`: let go of what the image holds
@@ -719,24 +825,22 @@ impl Image {
     /// handle and cluster connection: its watch on the image, which `rbd status` lists, and
     /// its session). Nothing is served through the image afterwards.
     pub fn disconnect(&self) {
-        #[cfg(feature = "rbd")]
-        if let Kind::Rbd(r) = &self.kind {
+        if let Disk::Remote(r) = &self.disk {
             r.disconnect();
         }
     }
 
     /// Give up the image's and its backing files' locks (a clean exit, after `close`).
     pub fn release_locks(&self) {
-        let mut l = self.lock.locked();
-        l.release(&self.file);
-        #[cfg(feature = "rbd")]
-        if let Kind::Rbd(r) = &self.kind {
-            r.release_lock();
-        }
-        if let Kind::Qcow2(d) = &self.kind {
-            for layer in &d.backing {
-                let mut l = layer.lock.locked();
-                l.release(&layer.file);
+        match &self.disk {
+            Disk::Remote(r) => r.release_lock(),
+            Disk::Local(l) => {
+                self.lock.locked().release(&l.file);
+                if let Kind::Qcow2(d) = &l.kind {
+                    for layer in &d.backing {
+                        layer.lock.locked().release(&layer.file);
+                    }
+                }
             }
         }
     }
@@ -749,8 +853,8 @@ impl Drop for Image {
         if !self.is_active() {
             return;
         }
-        if let Kind::Qcow2(d) = &self.kind {
-            if let Err(e) = d.q.close(&self.file) {
+        if let Some((file, d)) = self.qcow2() {
+            if let Err(e) = d.q.close(file) {
                 log::error!(
                     "writing back image metadata: {}",
                     crate::logging::error_chain(&e)

@@ -1,226 +1,28 @@
-//! Opening an image: the file (O_DIRECT for `--cache none`), its direct-I/O alignment, the
-//! format (given, or probed by magic), and the format's own state, with every option
-//! passed once in [`ImageOptions`].
+//! Opening an image: a remote disk through its driver (`remote`); a local one's file
+//! (O_DIRECT for `--cache none`), its direct-I/O alignment, its locks, the format (given, or
+//! probed by magic), and the format's own state, with every option passed once in
+//! [`ImageOptions`].
 
 use std::fs::Metadata;
-use std::path::PathBuf;
 
 use log::{info, warn};
 
-use super::chain::{open_chain, ChainError};
-use super::lock::{ImageLock, LockError, Locked, Locking, Perms};
-use super::parallels::{self, ParallelsError, ParallelsImage, ParallelsOptions, PreallocMode};
+use super::chain::open_chain;
+use super::lock::{lock_file, ImageLock, Perms};
+use super::parallels::{ParallelsImage, ParallelsOptions};
 use super::prealloc::PreallocParams;
-use super::qcow2::{self, CompressOptions, Qcow2Error, Qcow2Image, Qcow2Options};
-use super::{open_raw, Image, Kind, OpenError, Qcow2Disk};
+use super::qcow2::{self, CompressOptions, Qcow2Image, Qcow2Options};
+use super::{
+    open_raw, probe, remote, Disk, Format, Image, ImageOpenError, ImageOptions, Kind, Local,
+    OpenError, PreallocChoice, Qcow2Disk, RawFacts,
+};
 use crate::io::align::{self, DioAlign, ProbeSource};
-use crate::io::Storage;
 use crate::offload::Pool;
-
-/// Image formats (`--format`, `vublk create --format`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Format {
-    /// Raw image: guest sector N is byte N*512 of the file.
-    Raw,
-    /// qcow2 (versions 2 and 3).
-    Qcow2,
-    /// Parallels (Virtuozzo) images, both magics.
-    Parallels,
-}
-
-/// `--prealloc`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum PreallocChoice {
-    On,
-    Off,
-    /// On when the file system's block device says it is not rotational, or is a virtual
-    /// disk (virtio-blk, Xen) that cannot know.
-    Auto,
-}
-
-/// Everything about how an image is opened and served, decided once.
-#[derive(Clone, Debug)]
-pub struct ImageOptions {
-    pub path: PathBuf,
-    /// None: probe by magic (then guest writes that would plant a format header are refused).
-    pub format: Option<Format>,
-    pub read_only: bool,
-    /// O_DIRECT (`--cache none`).
-    pub direct: bool,
-    /// The guest's block size: a raw image must hold at least one.
-    pub logical_block_size: u32,
-    /// Follow qcow2 backing files (else refuse images that have one).
-    pub follow_backing: bool,
-    /// `--locking`: QEMU's image locks on the image and its backing files.
-    pub locking: Locking,
-    /// With `read_only`: share everything (`--force-share`).
-    pub force_share: bool,
-    /// qcow2 L2 cache bytes (None: the image's default).
-    pub l2_cache_bytes: Option<u64>,
-    /// Clusters freed by discards are punched (`--discard unmap`).
-    pub discard_unmap: bool,
-    pub prealloc: PreallocChoice,
-    pub prealloc_size: u64,
-    pub prealloc_align: u64,
-    /// Parallels growth mode.
-    pub prealloc_mode: PreallocMode,
-    /// `--compress-writes on` (qcow2).
-    pub compress: Option<CompressChoice>,
-    /// `--cow-threads`.
-    pub cow_threads: usize,
-    /// How an RBD image (`rbd:POOL/IMAGE`) is reached and cached.
-    pub ceph: CephOptions,
-    /// How an NBD export is reached.
-    pub nbd: crate::nbd::client::NbdOptions,
-}
-
-/// `--ceph-conf`, `--ceph-id`, `--ceph-keyring`, `--ceph-timeout`, `--ceph-op-timeout`,
-/// `--ceph-lock-wait`, and
-/// librbd's cache as `--cache` sets it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CephOptions {
-    pub conf: PathBuf,
-    /// The client name without `client.`.
-    pub id: String,
-    pub keyring: Option<PathBuf>,
-    /// Connecting gives up after this long.
-    pub timeout: std::time::Duration,
-    /// A data-path operation the cluster does not answer fails after this long (zero: it
-    /// waits for ever).
-    pub op_timeout: std::time::Duration,
-    /// How long opening waits for another client to give up the exclusive lock.
-    pub lock_wait: std::time::Duration,
-    pub cache: RbdCache,
-}
-
-impl Default for CephOptions {
-    fn default() -> Self {
-        CephOptions {
-            conf: "/etc/ceph/ceph.conf".into(),
-            id: "admin".into(),
-            keyring: None,
-            timeout: std::time::Duration::from_secs(10),
-            op_timeout: std::time::Duration::from_secs(30),
-            lock_wait: std::time::Duration::from_secs(45),
-            cache: RbdCache::Off,
-        }
-    }
-}
-
-/// librbd's cache (`rbd_cache`), from `--cache`: none = off, writeback, writethrough (reads
-/// cached, writes not).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RbdCache {
-    Off,
-    Writeback,
-    Writethrough,
-}
-
-/// `--compressed-cache`, `--compressed-cache-size` and `--compress-threads`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CompressChoice {
-    pub cache: bool,
-    /// None: [`qcow2::DEFAULT_COMPRESSED_CACHE_CLUSTERS`].
-    pub cache_bytes: Option<u64>,
-    pub threads: usize,
-}
-
-/// Why an image cannot be served.
-#[derive(Debug, thiserror::Error)]
-pub enum ImageOpenError {
-    #[error(transparent)]
-    File(#[from] OpenError),
-    #[error(transparent)]
-    Chain(#[from] ChainError),
-    #[error(transparent)]
-    Lock(#[from] LockError),
-    #[error("image {}", .path.display())]
-    Qcow2 {
-        path: PathBuf,
-        #[source]
-        source: Qcow2Error,
-    },
-    #[error("image {}", .path.display())]
-    Parallels {
-        path: PathBuf,
-        #[source]
-        source: ParallelsError,
-    },
-    /// An option that does not fit this image (like other bad options: exit status 2).
-    #[error("{0}")]
-    Option(String),
-    /// A Ceph cluster, RBD image or NBD server that cannot be served: the reason, what to
-    /// check.
-    #[error("{0}")]
-    Remote(String),
-}
-
-/// The NBD export `opts.path` names, if it is an NBD URI: Some(open result).
-fn open_nbd(opts: &ImageOptions) -> Option<Result<(Image, DioAlign, RawFacts), ImageOpenError>> {
-    let s = opts.path.to_str()?;
-    if !crate::nbd::is_nbd_uri(s) {
-        return None;
-    }
-    Some(
-        crate::nbd::NbdTarget::parse(s)
-            .map_err(ImageOpenError::Option)
-            .and_then(|t| super::remote::open_nbd(opts, t)),
-    )
-}
-
-/// The RBD image `opts.path` names, if it names one: Some(open result).
-fn open_rbd(
-    opts: &ImageOptions,
-    incoming: bool,
-) -> Option<Result<(Image, DioAlign, RawFacts), ImageOpenError>> {
-    if !opts.path.to_str()?.starts_with("rbd:") {
-        return None;
-    }
-    #[cfg(feature = "rbd")]
-    {
-        Some(super::rbd::spec_of(opts)?.and_then(|spec| super::rbd::open(opts, spec, incoming)))
-    }
-    #[cfg(not(feature = "rbd"))]
-    {
-        let _ = incoming;
-        Some(Err(ImageOpenError::Option(format!(
-            "{}: this vublk was built without Ceph RBD support (cargo build --features rbd, \
-             with Debian's librbd-dev)",
-            opts.path.display()
-        ))))
-    }
-}
-
-/// The format whose magic `first_bytes` (the start of an image) carry, if any.
-pub fn probe_bytes(first_bytes: &[u8]) -> Option<Format> {
-    if first_bytes.starts_with(&qcow2::MAGIC) {
-        Some(Format::Qcow2)
-    } else if first_bytes.starts_with(parallels::MAGIC_OLD)
-        || first_bytes.starts_with(parallels::MAGIC_EXT)
-    {
-        Some(Format::Parallels)
-    } else {
-        None
-    }
-}
-
-/// The format of the image in `file`, by its magic (None: no known magic, i.e. raw).
-/// Reads with an aligned buffer: the file may be O_DIRECT.
-pub fn probe(file: &dyn Storage) -> Option<Format> {
-    let first = crate::io::aligned::read_aligned(file, 0, PROBE_BYTES).ok()?;
-    probe_bytes(&first)
-}
-
-/// Bytes of an image's start that hold every format's magic.
-const PROBE_BYTES: usize = 16;
 
 impl Image {
     /// Open the image as `opts` says; returns it with the file's direct-I/O alignment.
     pub fn open(opts: &ImageOptions) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
-        if let Some(r) = open_rbd(opts, false) {
-            return r;
-        }
-        if let Some(r) = open_nbd(opts) {
+        if let Some(r) = remote::open(opts, false) {
             return r;
         }
         let img = open_raw(
@@ -282,8 +84,7 @@ impl Image {
         };
         Ok((
             Image {
-                file,
-                kind,
+                disk: Disk::Local(Local { file, kind }),
                 size_bytes: std::sync::atomic::AtomicU64::new(size_bytes),
                 read_only: opts.read_only,
                 block_device: facts.is_block_device,
@@ -303,15 +104,8 @@ impl Image {
     /// starts the queues: opened read-only without locks, only the header read (for the size
     /// the guest is shown), inactive (`handover`): it serves nothing until taken over.
     pub fn incoming(opts: &ImageOptions) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
-        if let Some(r) = open_rbd(opts, true) {
+        if let Some(r) = remote::open(opts, true) {
             return r;
-        }
-        // An NBD export has no locks nor metadata: what is read now holds then.
-        if let Some(r) = open_nbd(opts) {
-            return r.map(|(image, dio, facts)| {
-                image.deactivate();
-                (image, dio, facts)
-            });
         }
         let img = open_raw(&opts.path, true, opts.direct, opts.logical_block_size)?;
         let (dio, _) = align::probe(&img.file, opts.direct);
@@ -348,8 +142,10 @@ impl Image {
         );
         Ok((
             Image {
-                file: img.file,
-                kind: Kind::Raw,
+                disk: Disk::Local(Local {
+                    file: img.file,
+                    kind: Kind::Raw,
+                }),
                 size_bytes: std::sync::atomic::AtomicU64::new(size_bytes),
                 read_only: true,
                 block_device: facts.is_block_device,
@@ -362,45 +158,6 @@ impl Image {
             facts,
         ))
     }
-}
-
-/// Lock an image or backing file as `mode` says; where the file system has no OFD locks
-/// (`auto`) say so once and go on unlocked.
-pub(super) fn lock_file(
-    file: &std::fs::File,
-    path: &std::path::Path,
-    perms: Perms,
-    mode: Locking,
-) -> Result<ImageLock, LockError> {
-    let (lock, done) = ImageLock::take(file, path, perms, mode)?;
-    match done {
-        Locked::Yes => {}
-        Locked::Off => warn!(
-            "image locking is off (--locking off) for {}: nothing stops another process from \
-             writing it while it is served",
-            path.display()
-        ),
-        Locked::Unsupported => warn!(
-            "the file system of {} has no OFD locks: serving it unlocked (--locking auto; \
-             --locking on refuses instead)",
-            path.display()
-        ),
-    }
-    Ok(lock)
-}
-
-/// Facts about the image file the device model needs.
-#[derive(Clone, Copy, Debug)]
-pub struct RawFacts {
-    /// DISCARD uses BLKDISCARD.
-    pub is_block_device: bool,
-    /// st_dev and st_ino, for a stable default serial.
-    pub dev_ino: (u64, u64),
-    /// The file's (or block device's) own size.
-    pub file_size_bytes: u64,
-    /// Whether the storage keeps written data in a volatile cache, where the image says so
-    /// itself (RBD: librbd's cache); None: as `--cache` says.
-    pub write_cache: Option<bool>,
 }
 
 fn open_parallels(

@@ -1,17 +1,49 @@
-//! What images elsewhere (RBD, NBD) share: the stand-in file, their identity for the serial,
-//! the options that do not apply to them, and the accessors their engines use.
+//! Remote disks: an NBD export (`nbd::client`) or a Ceph RBD image (`rbd`, cargo feature),
+//! opened through their drivers and served like raw images (the guest's byte N is the
+//! disk's byte N) by the drivers' engines. There is no file here: what a local image does
+//! with its file (sync, close, locks, resize) a remote disk does through its driver.
 
-use std::fs::File;
+use std::io;
 
-use super::{Image, ImageOpenError, ImageOptions, Kind, RawFacts};
+use super::engine::Engine;
+use super::{Disk, GrowError, Image, ImageError, ImageOpenError, ImageOptions, RawFacts};
 use crate::io::align::DioAlign;
-use crate::nbd::client::OpenError as NbdOpenError;
+use crate::nbd::client::{NbdConnection, NbdDisk, NbdEngine, OpenError as NbdOpenError};
 use crate::nbd::NbdTarget;
 
-/// The NBD export `target` as an image (`nbd::client` connects and checks it).
-pub(super) fn open_nbd(
+/// A remote disk being served.
+pub(super) enum Remote {
+    Nbd(NbdDisk),
+    #[cfg(feature = "rbd")]
+    Rbd(crate::rbd::RbdDisk),
+}
+
+/// Open the remote disk `opts.path` names, if it names one (an NBD URI, `rbd:...`).
+/// `incoming`: a live migration's destination, which serves nothing until it takes the disk
+/// over.
+pub(super) fn open(
+    opts: &ImageOptions,
+    incoming: bool,
+) -> Option<Result<(Image, DioAlign, RawFacts), ImageOpenError>> {
+    let s = opts.path.to_str()?;
+    if crate::nbd::is_nbd_uri(s) {
+        return Some(
+            NbdTarget::parse(s)
+                .map_err(ImageOpenError::Option)
+                .and_then(|t| open_nbd(opts, t, incoming)),
+        );
+    }
+    let spec = crate::rbd::RbdSpec::parse(s)?;
+    Some(
+        spec.map_err(ImageOpenError::Option)
+            .and_then(|spec| open_rbd(opts, spec, incoming)),
+    )
+}
+
+fn open_nbd(
     opts: &ImageOptions,
     target: NbdTarget,
+    incoming: bool,
 ) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
     let name = target.to_string();
     let disk = crate::nbd::client::open(target, opts.nbd, opts.read_only, opts.logical_block_size)
@@ -29,16 +61,70 @@ pub(super) fn open_nbd(
         write_cache: Some(disk.cached),
     };
     let (size, read_only) = (disk.export.size, disk.read_only);
+    // An NBD export has no locks nor metadata: what is read now holds when it is taken over.
     Ok((
-        Image::remote(Kind::Nbd(disk), size, read_only, true)?,
+        Image::remote(Remote::Nbd(disk), size, read_only, !incoming),
         DioAlign::NONE,
         facts,
     ))
 }
 
-/// A stable identity for the default serial of an image without a file: its name, hashed
+#[cfg(feature = "rbd")]
+fn open_rbd(
+    opts: &ImageOptions,
+    spec: crate::rbd::RbdSpec,
+    incoming: bool,
+) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
+    use super::lock::Locking;
+    use crate::rbd::{LockPolicy, OpenError, OpenRequest};
+    let name = opts.path.display().to_string();
+    let disk = crate::rbd::open(OpenRequest {
+        spec,
+        name: name.clone(),
+        ceph: &opts.ceph,
+        read_only: opts.read_only,
+        lock: match opts.locking {
+            Locking::Off => LockPolicy::Off,
+            Locking::Auto => LockPolicy::Auto,
+            Locking::On => LockPolicy::On,
+        },
+        block_size: opts.logical_block_size,
+        incoming,
+    })
+    .map_err(|e| match e {
+        OpenError::Option(m) => ImageOpenError::Option(m),
+        OpenError::Remote(m) => ImageOpenError::Remote(m),
+    })?;
+    let facts = RawFacts {
+        is_block_device: false,
+        dev_ino: identity(&name),
+        file_size_bytes: disk.size,
+        write_cache: Some(disk.cached),
+    };
+    let (size, read_only) = (disk.size, disk.read_only);
+    Ok((
+        Image::remote(Remote::Rbd(disk), size, read_only, !incoming),
+        DioAlign::NONE,
+        facts,
+    ))
+}
+
+#[cfg(not(feature = "rbd"))]
+fn open_rbd(
+    opts: &ImageOptions,
+    _: crate::rbd::RbdSpec,
+    _: bool,
+) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
+    Err(ImageOpenError::Option(format!(
+        "{}: this vublk was built without Ceph RBD support (cargo build --features rbd, with \
+         Debian's librbd-dev)",
+        opts.path.display()
+    )))
+}
+
+/// A stable identity for the default serial of a disk without a file: its name, hashed
 /// (FNV-1a).
-pub(super) fn identity(name: &str) -> (u64, u64) {
+fn identity(name: &str) -> (u64, u64) {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for b in name.bytes() {
         h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
@@ -46,22 +132,94 @@ pub(super) fn identity(name: &str) -> (u64, u64) {
     (0x0072_6264, h)
 }
 
+impl Remote {
+    /// Engines for `queues` queues: an NBD connection each (one shared by all where the
+    /// server allows only one), a librbd engine each on the one image handle.
+    pub(super) fn queue_engines(&self, queues: u16) -> io::Result<Vec<Engine>> {
+        match self {
+            Remote::Nbd(n) => {
+                let connect = || NbdEngine::connect(n.target.clone(), n.export, n.opts);
+                if queues > 1 && !n.export.has(crate::nbd::wire::FLAG_CAN_MULTI_CONN) {
+                    // The thread ends when the last queue's engine is gone.
+                    let conn = NbdConnection::start(connect()?)?;
+                    (0..queues)
+                        .map(|_| conn.queue().map(Engine::NbdShared))
+                        .collect()
+                } else {
+                    (0..queues).map(|_| connect().map(Engine::Nbd)).collect()
+                }
+            }
+            #[cfg(feature = "rbd")]
+            Remote::Rbd(r) => (0..queues)
+                .map(|_| crate::rbd::RbdEngine::new(r.img.clone(), r.cached).map(Engine::Rbd))
+                .collect(),
+        }
+    }
+
+    /// Point `engine` at this disk (the handle a live migration's take-over opened).
+    pub(super) fn bind(&self, engine: &mut Engine) {
+        match (self, engine) {
+            #[cfg(feature = "rbd")]
+            (Remote::Rbd(r), Engine::Rbd(e)) => e.set_image(r.img.clone(), r.cached),
+            // An NBD engine holds its own connection to the same export.
+            _ => {}
+        }
+    }
+
+    pub(super) fn sync(&self) -> Result<(), ImageError> {
+        match self {
+            // The disk holds no connection: each queue's flushes its own, on the guest's
+            // FLUSH and when the queue stops.
+            Remote::Nbd(_) => Err(ImageError::Unsupported(
+                "an NBD export is flushed by the guest's FLUSH and when its queues stop, not \
+                 from here"
+                    .into(),
+            )),
+            #[cfg(feature = "rbd")]
+            Remote::Rbd(r) => Ok(r.sync()?),
+        }
+    }
+
+    pub(super) fn close(&self) -> Result<(), ImageError> {
+        match self {
+            // Each queue's connection was flushed when the queue stopped.
+            Remote::Nbd(_) => Ok(()),
+            #[cfg(feature = "rbd")]
+            Remote::Rbd(r) => Ok(r.sync()?),
+        }
+    }
+
+    pub(super) fn disconnect(&self) {
+        #[cfg(feature = "rbd")]
+        if let Remote::Rbd(r) = self {
+            r.disconnect();
+        }
+    }
+
+    pub(super) fn release_lock(&self) {
+        #[cfg(feature = "rbd")]
+        if let Remote::Rbd(r) = self {
+            r.release_lock();
+        }
+    }
+
+    /// The size to grow to (None: the disk's size now, where its driver can tell); the
+    /// disk is resized where it is smaller.
+    pub(super) fn grow(&self, new: Option<u64>) -> Result<u64, GrowError> {
+        let _ = new;
+        match self {
+            Remote::Nbd(_) => Err(GrowError::Nbd),
+            #[cfg(feature = "rbd")]
+            Remote::Rbd(r) => r.grow(new).map_err(GrowError::Rbd),
+        }
+    }
+}
+
 impl Image {
-    /// An image elsewhere (RBD, NBD): `file` is /dev/null, which nothing reads or writes
-    /// (every path of such an image goes to its engine); read-only, so that a path that
-    /// forgot fails loudly instead of losing data.
-    pub(super) fn remote(
-        kind: Kind,
-        size: u64,
-        read_only: bool,
-        active: bool,
-    ) -> Result<Self, ImageOpenError> {
-        let file = File::open("/dev/null").map_err(|e| {
-            ImageOpenError::Remote(format!("opening /dev/null (stands in for the file): {e}"))
-        })?;
-        Ok(Image {
-            file,
-            kind,
+    /// A remote disk as an image.
+    fn remote(remote: Remote, size: u64, read_only: bool, active: bool) -> Self {
+        Image {
+            disk: Disk::Remote(remote),
             size_bytes: std::sync::atomic::AtomicU64::new(size),
             read_only,
             block_device: false,
@@ -69,31 +227,28 @@ impl Image {
             guard_header: false,
             lock: std::sync::Mutex::new(super::lock::ImageLock::unlocked()),
             active: std::sync::atomic::AtomicBool::new(active),
-        })
-    }
-
-    /// The RBD image this is, with whether librbd caches writes (for the librbd engine).
-    #[cfg(feature = "rbd")]
-    pub fn rbd(&self) -> Option<(std::sync::Arc<crate::rbd::RbdImage>, bool)> {
-        match &self.kind {
-            Kind::Rbd(r) => Some((r.img.clone(), r.cached)),
-            _ => None,
         }
     }
 
-    /// Call `f` (on a librbd thread) whenever the RBD image's header changes in the cluster.
-    #[cfg(feature = "rbd")]
-    pub fn watch_rbd_updates(&self, f: crate::rbd::UpdateFn) -> Result<(), String> {
-        match &self.kind {
-            Kind::Rbd(r) => r.watch(f),
-            _ => Ok(()),
+    /// Call `f` (on a driver's thread) whenever the disk changes size elsewhere (an RBD
+    /// image resized in the cluster). False: this disk tells no such thing.
+    pub fn watch_resizes(&self, f: std::sync::Arc<dyn Fn() + Send + Sync>) -> Result<bool, String> {
+        match &self.disk {
+            #[cfg(feature = "rbd")]
+            Disk::Remote(Remote::Rbd(r)) => r.watch(f).map(|()| true),
+            _ => {
+                let _ = f;
+                Ok(false)
+            }
         }
     }
 
-    /// The update watch `other` (the handle this one replaces) had, on this one too.
-    pub(super) fn inherit_rbd_watch(&self, other: &Image) {
+    /// The resize watch `other` (the handle this one replaces) had, on this one too.
+    pub(super) fn inherit_watch(&self, other: &Image) {
         #[cfg(feature = "rbd")]
-        if let (Kind::Rbd(new), Kind::Rbd(old)) = (&self.kind, &other.kind) {
+        if let (Disk::Remote(Remote::Rbd(new)), Disk::Remote(Remote::Rbd(old))) =
+            (&self.disk, &other.disk)
+        {
             if let Some(f) = old.watcher() {
                 if let Err(e) = new.watch(f) {
                     log::warn!("{}: resizes in the cluster go unseen: {e}", new.name);
@@ -102,33 +257,5 @@ impl Image {
         }
         #[cfg(not(feature = "rbd"))]
         let _ = other;
-    }
-
-    /// The NBD export this is (for the NBD engine: where to connect, what it offers).
-    pub fn nbd(
-        &self,
-    ) -> Option<(
-        &crate::nbd::NbdTarget,
-        &crate::nbd::Export,
-        crate::nbd::client::NbdOptions,
-    )> {
-        match &self.kind {
-            Kind::Nbd(n) => Some((&n.target, &n.export, n.opts)),
-            _ => None,
-        }
-    }
-
-    /// Is this image elsewhere (RBD, NBD), served by a network engine with raw semantics?
-    pub fn is_remote(&self) -> bool {
-        matches!(self.kind, Kind::Nbd(_)) || self.is_rbd()
-    }
-
-    /// Is this an RBD image (served by the librbd engine, not through a file)?
-    pub fn is_rbd(&self) -> bool {
-        #[cfg(feature = "rbd")]
-        if let Kind::Rbd(_) = self.kind {
-            return true;
-        }
-        false
     }
 }

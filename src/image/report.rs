@@ -9,19 +9,16 @@ impl Image {
     /// The format's counters, for `stats` (an empty object for raw images).
     pub fn counters(&self) -> serde_json::Value {
         let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        match &self.kind {
-            Kind::Raw => serde_json::json!({}),
-            #[cfg(feature = "rbd")]
-            Kind::Rbd(_) => serde_json::json!({}),
-            Kind::Nbd(_) => serde_json::json!({}),
-            Kind::Parallels(p) => serde_json::json!({
+        match self.local_kind() {
+            None | Some(Kind::Raw) => serde_json::json!({}),
+            Some(Kind::Parallels(p)) => serde_json::json!({
                 "clusters_allocated": n(&p.stats.allocated),
                 "clusters_reused": n(&p.stats.reused),
                 "clusters_freed": n(&p.stats.freed),
                 "file_grows": n(&p.stats.grows),
                 "file_grown_bytes": n(&p.stats.grown_bytes),
             }),
-            Kind::Qcow2(d) => {
+            Some(Kind::Qcow2(d)) => {
                 let q = &d.q;
                 let (done, skipped) = q.prealloc_counts();
                 let (writes, bytes) = q.compressed_file_writes();
@@ -45,8 +42,8 @@ impl Image {
     pub fn stats_lines(&self) -> Vec<String> {
         let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         let mut out = Vec::new();
-        match &self.kind {
-            Kind::Parallels(p) if p.writable() => out.push(format!(
+        match self.local_kind() {
+            Some(Kind::Parallels(p)) if p.writable() => out.push(format!(
                 "parallels: {} clusters allocated ({} reused from free space), {} freed, file \
                  grown {} times by {} MiB",
                 n(&p.stats.allocated),
@@ -55,7 +52,7 @@ impl Image {
                 n(&p.stats.grows),
                 n(&p.stats.grown_bytes) >> 20
             )),
-            Kind::Qcow2(d) if d.q.writable() => {
+            Some(Kind::Qcow2(d)) if d.q.writable() => {
                 let q = &d.q;
                 let (done, skipped) = q.prealloc_counts();
                 out.push(format!("preallocation: {done} done, {skipped} skipped"));

@@ -48,9 +48,11 @@ fn engines() -> Vec<Engine> {
 
 /// Run one op to completion.
 fn run(e: &mut Engine, fd: i32, op: Op) -> i32 {
-    // SAFETY: every buffer referenced by op lives on the caller's stack until we return, and
-    // we return only after the completion is reaped.
-    unsafe { e.push(fd, &op, 7).unwrap() };
+    // SAFETY (below): every buffer referenced by op lives on the caller's stack until we
+    // return, and we return only after the completion is reaped.
+    e.bind_files(&[fd]);
+    // SAFETY: as above.
+    unsafe { e.push(0, &op, 7).unwrap() };
     e.submit().unwrap();
     let mut out: Vec<Completion> = Vec::new();
     loop {

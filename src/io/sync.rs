@@ -11,6 +11,8 @@ use super::{Completion, Op};
 #[derive(Default)]
 pub struct SyncEngine {
     done: VecDeque<Completion>,
+    /// The disk's files, by index (0: the image; n: its nth backing file).
+    files: Vec<RawFd>,
 }
 
 fn ret(r: isize) -> i32 {
@@ -28,9 +30,18 @@ impl SyncEngine {
         Self::default()
     }
 
+    /// Serve `files` (index 0: the image; n: its nth backing file).
+    pub fn bind_files(&mut self, files: &[RawFd]) {
+        self.files = files.to_vec();
+    }
+
     /// # Safety
-    /// See [`super::Engine::push`].
-    pub unsafe fn push(&mut self, fd: RawFd, op: &Op, user_data: u64) -> io::Result<()> {
+    /// Every pointer in `op` must stay valid, and the buffers it describes must not be
+    /// touched by anything else, until the completion with `user_data` has been reaped.
+    pub unsafe fn push(&mut self, file: usize, op: &Op, user_data: u64) -> io::Result<()> {
+        let Some(&fd) = self.files.get(file) else {
+            return Err(io::Error::from_raw_os_error(libc::EBADF));
+        };
         let result = match *op {
             Op::Readv {
                 iov,

@@ -50,8 +50,11 @@ pub struct UringEngine {
     event: EventFd,
     /// Pushed but not yet submitted.
     queued: usize,
-    /// The image, registered as fixed file 0 (saves a file-table lookup per operation).
-    fixed_fd: Option<RawFd>,
+    /// The disk's files, by index (see [`UringEngine::bind_files`]).
+    files: Vec<RawFd>,
+    /// `files` are registered as the ring's fixed files (saves a file-table lookup per
+    /// operation).
+    fixed: bool,
     /// Set up with COOP_TASKRUN: completions arriving while the queue thread runs wait for
     /// its next system call instead of interrupting it (an inter-processor interrupt, a VM
     /// exit in a guest); TASKRUN_FLAG tells a polling thread that some wait.
@@ -84,20 +87,20 @@ impl UringEngine {
             ring,
             event,
             queued: 0,
-            fixed_fd: None,
+            files: Vec::new(),
+            fixed: false,
             coop,
         })
     }
 
-    /// Register the file this engine serves; operations on it then use the fixed slot.
-    /// Best effort: on failure, operations use the plain descriptor.
-    pub fn register_file(&mut self, fd: RawFd) {
-        if self.fixed_fd.take().is_some() {
+    /// Serve `files` (index 0: the image; n: its nth backing file), registered as fixed
+    /// files. Best effort: on failure, operations use the plain descriptors.
+    pub fn bind_files(&mut self, files: &[RawFd]) {
+        if std::mem::take(&mut self.fixed) {
             let _ = self.ring.submitter().unregister_files();
         }
-        if self.ring.submitter().register_files(&[fd]).is_ok() {
-            self.fixed_fd = Some(fd);
-        }
+        self.files = files.to_vec();
+        self.fixed = !files.is_empty() && self.ring.submitter().register_files(files).is_ok();
     }
 
     /// Completions waiting in the ring (no system call, unless some wait as task work: then
@@ -131,18 +134,22 @@ impl UringEngine {
         self.event.as_raw_fd()
     }
 
-    fn entry(&self, fd: RawFd, op: &Op) -> squeue::Entry {
-        if self.fixed_fd == Some(fd) {
-            build_entry!(types::Fixed(0), op)
+    fn entry(&self, file: usize, op: &Op) -> io::Result<squeue::Entry> {
+        let Some(&fd) = self.files.get(file) else {
+            return Err(io::Error::from_raw_os_error(libc::EBADF));
+        };
+        Ok(if self.fixed {
+            build_entry!(types::Fixed(file as u32), op)
         } else {
             build_entry!(types::Fd(fd), op)
-        }
+        })
     }
 
     /// # Safety
-    /// See [`super::Engine::push`].
-    pub unsafe fn push(&mut self, fd: RawFd, op: &Op, user_data: u64) -> io::Result<()> {
-        let entry = self.entry(fd, op).user_data(user_data);
+    /// Every pointer in `op` must stay valid, and the buffers it describes must not be
+    /// touched by anything else, until the completion with `user_data` has been reaped.
+    pub unsafe fn push(&mut self, file: usize, op: &Op, user_data: u64) -> io::Result<()> {
+        let entry = self.entry(file, op)?.user_data(user_data);
         loop {
             // SAFETY: the caller keeps every buffer the entry references alive and untouched
             // until its completion is reaped.

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use vm_memory::Bytes;
 
-use crate::io::{sys, Completion};
+use crate::io::Completion;
 use crate::log_limited;
 use crate::virtio_blk::{status, RequestType};
 
@@ -103,12 +103,12 @@ impl QueueWorker {
                 if kind == Some(OpKind::ZeroRange) {
                     self.dev.no_zero_range.store(true, Ordering::Relaxed);
                 }
-                use std::os::fd::AsRawFd;
-                let fd = self.image.file().as_raw_fd();
                 res = match slot.req.ranges.get(range as usize) {
-                    Some(z) => {
-                        sys::zero_fallback(fd, z.offset_bytes, z.len_bytes, &mut self.bounce)
-                    }
+                    Some(z) => self.image.write_zeroes_by_hand(
+                        z.offset_bytes,
+                        z.len_bytes,
+                        &mut self.bounce,
+                    ),
                     None => -libc::EIO,
                 };
             }

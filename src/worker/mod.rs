@@ -94,7 +94,7 @@ pub struct QueueWorker {
     /// Scratch for read plans, and the (file, host offset) of each piece read through the
     /// engine.
     read_plan: ReadPlan,
-    piece_reads: Vec<(i32, u64)>,
+    piece_reads: Vec<(usize, u64)>,
     /// We stopped popping because every slot is in use; resume on the next completion.
     stalled: bool,
     bounce: BouncePool,
@@ -154,7 +154,7 @@ impl QueueWorker {
         let n = usize::from(dev.params.queue_size);
         let bounce = BouncePool::new(dev.params.align.bounce_align());
         let image = dev.image.get();
-        bind_engine(&mut engine, &image);
+        image.bind(&mut engine);
         let inbox = new_inbox(index, &image, &engine);
         if let Some(c) = dev.queue_stats.get(usize::from(index)) {
             c.watch.set_engine(engine.name());
@@ -625,16 +625,6 @@ impl Drop for QueueWorker {
                 break;
             }
         }
-    }
-}
-
-/// Point the engine at `image`: its file (a fixed slot), or its RBD handle.
-fn bind_engine(engine: &mut Engine, image: &Image) {
-    use std::os::fd::AsRawFd;
-    engine.register_file(image.file().as_raw_fd());
-    #[cfg(feature = "rbd")]
-    if let (Engine::Rbd(e), Some((img, cached))) = (engine, image.rbd()) {
-        e.set_image(img, cached);
     }
 }
 

@@ -45,7 +45,6 @@ impl QueueWorker {
     /// one bounce buffer, zero pieces are zero-filled and compressed ones decompressed into
     /// it here; `finish` copies the buffer to the guest.
     fn submit_pieces(&mut self, idx: u16, pieces: &[Piece]) -> io::Result<bool> {
-        use std::os::fd::AsRawFd;
         let image = self.image.clone();
         let len = self.slots[usize::from(idx)].req.data_len as usize;
         if pieces.iter().map(|p| p.len()).sum::<u64>() != len as u64 {
@@ -68,16 +67,16 @@ impl QueueWorker {
                 Piece::Data {
                     layer, host_offset, ..
                 } => {
-                    let Some(file) = image.layer_file(layer) else {
+                    if layer >= image.layers() {
                         failed = Some(Failure::BadPlan);
                         break;
-                    };
+                    }
                     slot.iov.push(libc::iovec {
                         // SAFETY: pos + n <= len <= the buffer's length.
                         iov_base: unsafe { base.add(pos) }.cast(),
                         iov_len: n,
                     });
-                    self.piece_reads.push((file.as_raw_fd(), host_offset));
+                    self.piece_reads.push((layer, host_offset));
                 }
                 _ => {
                     let dst = &mut buf.as_mut_slice()[pos..pos + n];
@@ -104,7 +103,7 @@ impl QueueWorker {
             return Ok(false);
         };
         r.bounce = Some(Bounce { buf, skip: 0 });
-        for (i, &(fd, host_offset)) in self.piece_reads.iter().enumerate() {
+        for (i, &(layer, host_offset)) in self.piece_reads.iter().enumerate() {
             let op = Op::Readv {
                 iov: &slot.iov[i],
                 iovcnt: 1,
@@ -114,7 +113,7 @@ impl QueueWorker {
             // the completion is reaped; slot.iov is not resized after this loop started.
             unsafe {
                 self.engine
-                    .push(fd, &op, user_data(idx, OpKind::ReadPart, i as u32))?
+                    .push(layer, &op, user_data(idx, OpKind::ReadPart, i as u32))?
             };
             r.pending += 1;
         }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use virtio_queue::QueueT;
 
-use super::{bind_engine, new_inbox, ring_problem, Mem, QueueWorker};
+use super::{new_inbox, ring_problem, Mem, QueueWorker};
 use crate::virtio_blk::Desc;
 
 /// How often a started queue whose image could not be taken tries again.
@@ -82,7 +82,7 @@ impl QueueWorker {
                 if Arc::ptr_eq(&image, &self.image) {
                     return;
                 }
-                bind_engine(&mut self.engine, &image);
+                image.bind(&mut self.engine);
                 if self.inbox.is_none() {
                     self.inbox = new_inbox(self.index, &image, &self.engine);
                 }

@@ -2,7 +2,6 @@
 //! of a read or write (zero-copy iovecs into guest memory, bounced where O_DIRECT needs it).
 
 use std::io;
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use vm_memory::{Bytes, GuestMemoryBackend};
@@ -140,11 +139,10 @@ impl QueueWorker {
 
     /// One fdatasync of the image file for the request in slot `idx`.
     pub(super) fn push_sync(&mut self, idx: u16) -> io::Result<()> {
-        let fd = self.image.file().as_raw_fd();
         // SAFETY: no buffers.
         unsafe {
             self.engine
-                .push(fd, &Op::Fdatasync, user_data(idx, OpKind::Flush, 0))?
+                .push(0, &Op::Fdatasync, user_data(idx, OpKind::Flush, 0))?
         };
         if let Some(r) = self.slots[usize::from(idx)].busy() {
             r.pending += 1;
@@ -213,7 +211,6 @@ impl QueueWorker {
         file_offset: u64,
         whole: Option<(u64, u64)>,
     ) -> io::Result<bool> {
-        let fd = self.image.file().as_raw_fd();
         let direct = self.dev.direct();
         let align = self.dev.params.align;
         let writeback = self.dev.writeback();
@@ -312,7 +309,7 @@ impl QueueWorker {
         // SAFETY: the iovecs point into guest memory kept mapped by the request's memory
         // snapshot or into its bounce buffer; the slot is not reused until this completion
         // is reaped.
-        unsafe { self.engine.push(fd, &op, user_data(idx, kind, 0))? };
+        unsafe { self.engine.push(0, &op, user_data(idx, kind, 0))? };
         r.pending = 1;
         Ok(true)
     }

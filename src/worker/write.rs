@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use crate::image::{probe_bytes, EngineWrite, FillGate, Offload, WritePlan};
 use crate::io::ranges::Holder;
-use crate::io::{Completion, Storage};
+use crate::io::Completion;
 use crate::virtio_blk::Range;
 use crate::watchdog::Wait;
 use crate::zero::DetectZeroes;
@@ -338,15 +338,10 @@ impl QueueWorker {
         }
         let key = self.acquire_range(start, end, Holder::Rmw);
         let mut data = vec![0u8; len as usize];
-        let r = self.copy_request_data(idx, &mut data).and_then(|()| {
-            let file = self.image.file();
-            crate::io::aligned::write_unaligned(file, offset, &data, block)?;
-            if self.dev.writeback() {
-                Ok(())
-            } else {
-                Storage::sync_data(file)
-            }
-        });
+        let durable = !self.dev.writeback();
+        let r = self
+            .copy_request_data(idx, &mut data)
+            .and_then(|()| self.image.write_sub_block(offset, &data, block, durable));
         if let (Some(k), Some(ranges)) = (key, self.dev.write_ranges.as_ref()) {
             ranges.release(k);
         }

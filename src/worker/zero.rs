@@ -5,7 +5,6 @@
 
 use std::io;
 
-use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use vm_memory::GuestMemoryBackend;
 
@@ -68,7 +67,6 @@ impl QueueWorker {
                 r.range_key = key;
             }
         }
-        let fd = self.image.file().as_raw_fd();
         let no_zero_range = self.dev.no_zero_range.load(Ordering::Relaxed);
         let block_device = self.dev.params.is_block_device;
         let writeback = self.dev.writeback();
@@ -86,7 +84,9 @@ impl QueueWorker {
                 r.pending += 1;
                 self.completions.push(Completion {
                     user_data: user_data(idx, OpKind::Discard, i as u32),
-                    result: sys::blk_discard(fd, range.offset_bytes, range.len_bytes),
+                    result: self
+                        .image
+                        .discard_block_device(range.offset_bytes, range.len_bytes),
                 });
                 continue;
             } else if discard {
@@ -97,7 +97,7 @@ impl QueueWorker {
                 // SAFETY: no buffers.
                 unsafe {
                     self.engine
-                        .push(fd, &op, user_data(idx, OpKind::Discard, i as u32))?
+                        .push(0, &op, user_data(idx, OpKind::Discard, i as u32))?
                 };
                 r.pending += 1;
                 continue;
@@ -120,7 +120,7 @@ impl QueueWorker {
                 len: range.len_bytes,
             };
             // SAFETY: no buffers.
-            unsafe { self.engine.push(fd, &op, user_data(idx, kind, i as u32))? };
+            unsafe { self.engine.push(0, &op, user_data(idx, kind, i as u32))? };
             r.pending += 1;
         }
         Ok(r.pending > 0)

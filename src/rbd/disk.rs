@@ -1,8 +1,6 @@
-//! Ceph RBD images (`--blk-file rbd:POOL/IMAGE[@SNAPSHOT]`, cargo feature `rbd`): opened
-//! through librbd, served like raw images (the guest's byte N is the image's byte N) by the
-//! librbd engine (`rbd::RbdEngine`). This room connects, opens and locks, sets librbd's cache
-//! from `--cache`, watches the image for resizes made in the cluster, and does the
-//! synchronous parts: flush, resize, close, giving the lock up.
+//! An RBD image being served: connected, opened and locked, librbd's cache set from `--cache`,
+//! watched for resizes made in the cluster; and the synchronous parts: flush, resize, close,
+//! giving the lock up. Its data goes through the librbd engine (`engine`), one per queue.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,33 +8,65 @@ use std::time::{Duration, Instant};
 
 use log::{info, warn};
 
-use super::lock::Locking;
-use super::open::{CephOptions, RbdCache};
-use super::{Image, ImageError, ImageOpenError, ImageOptions, Kind, RawFacts};
-use crate::io::align::DioAlign;
+use super::librbd::{Cluster, ConnectOptions, RbdError, RbdImage, UpdateFn};
+use super::{CephOptions, RbdCache, RbdSpec};
 use crate::locks::Locked;
-use crate::rbd::{Cluster, ConnectOptions, RbdError, RbdImage, RbdSpec};
+
+/// Why an RBD image cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// An option that does not fit this image.
+    #[error("{0}")]
+    Option(String),
+    /// The cluster or the image: the reason, what to check.
+    #[error("{0}")]
+    Remote(String),
+}
+
+/// Whether the exclusive lock is taken (`--locking`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockPolicy {
+    /// Not taken.
+    Off,
+    /// Taken where the image has the exclusive-lock feature; a warning where not.
+    Auto,
+    /// Taken; an image without the feature is refused.
+    On,
+}
+
+/// How to open an image.
+#[derive(Clone, Debug)]
+pub struct OpenRequest<'a> {
+    pub spec: RbdSpec,
+    /// The image as the user named it, for messages.
+    pub name: String,
+    pub ceph: &'a CephOptions,
+    pub read_only: bool,
+    pub lock: LockPolicy,
+    /// The guest's block size: the image must hold at least one.
+    pub block_size: u32,
+    /// A migration destination's image: a read-only handle, no lock (taken over later).
+    pub incoming: bool,
+}
 
 /// An RBD image being served.
-pub(super) struct RbdDisk {
-    pub(super) img: Arc<RbdImage>,
+pub struct RbdDisk {
+    pub img: Arc<RbdImage>,
     /// librbd's write-back cache is on (the guest sees a volatile write cache).
-    pub(super) cached: bool,
-    /// This process holds the exclusive lock (released by `release_locks`).
+    pub cached: bool,
+    /// The size when opened.
+    pub size: u64,
+    /// Opened read-only (asked, a snapshot, or incoming).
+    pub read_only: bool,
+    /// This process holds the exclusive lock (released by `release_lock`).
     locked: AtomicBool,
-    pub(super) name: String,
+    pub name: String,
     /// What the update watch calls (kept for the handle a live migration's take-over opens).
-    pub(super) on_update: Mutex<Option<crate::rbd::UpdateFn>>,
+    on_update: Mutex<Option<UpdateFn>>,
 }
 
-/// The spec of `opts.path` if it names an RBD image.
-pub(super) fn spec_of(opts: &ImageOptions) -> Option<Result<RbdSpec, ImageOpenError>> {
-    let s = opts.path.to_str()?;
-    RbdSpec::parse(s).map(|r| r.map_err(ImageOpenError::Option))
-}
-
-fn rbd_err(e: RbdError) -> ImageOpenError {
-    ImageOpenError::Remote(e.to_string())
+fn rbd_err(e: RbdError) -> OpenError {
+    OpenError::Remote(e.to_string())
 }
 
 /// librbd's options for a `--cache` mode (QEMU's mapping: `none` turns librbd's cache off).
@@ -50,7 +80,7 @@ fn cache_settings(c: RbdCache) -> Vec<(String, String)> {
     }
 }
 
-fn connect(c: &CephOptions) -> Result<Arc<Cluster>, ImageOpenError> {
+fn connect(c: &CephOptions) -> Result<Arc<Cluster>, OpenError> {
     Cluster::connect(&ConnectOptions {
         conf: c.conf.clone(),
         id: c.id.clone(),
@@ -63,83 +93,69 @@ fn connect(c: &CephOptions) -> Result<Arc<Cluster>, ImageOpenError> {
 }
 
 /// Does librbd, as configured now, keep dirty data in its cache?
-fn caches_writes(cluster: &Cluster) -> Result<bool, ImageOpenError> {
+fn caches_writes(cluster: &Cluster) -> Result<bool, OpenError> {
     let on = cluster.conf_get("rbd_cache").map_err(rbd_err)? == "true";
     let max_dirty = cluster.conf_get("rbd_cache_max_dirty").map_err(rbd_err)?;
     Ok(on && max_dirty.trim() != "0")
 }
 
-/// Open an RBD image as `opts` say. `incoming`: a migration destination's image (read-only
-/// handle, no lock, inactive until taken over).
-pub(super) fn open(
-    opts: &ImageOptions,
-    spec: RbdSpec,
-    incoming: bool,
-) -> Result<(Image, DioAlign, RawFacts), ImageOpenError> {
-    let name = opts.path.display().to_string();
+/// Open an RBD image as `req` says.
+pub fn open(req: OpenRequest<'_>) -> Result<RbdDisk, OpenError> {
+    let OpenRequest {
+        spec, name, ceph, ..
+    } = req;
     let t0 = Instant::now();
-    let cluster = connect(&opts.ceph)?;
+    let cluster = connect(ceph)?;
     let cached = caches_writes(&cluster)?;
-    let read_only = opts.read_only || incoming || spec.snapshot.is_some();
+    let read_only = req.read_only || req.incoming || spec.snapshot.is_some();
     let img = RbdImage::open(cluster, &spec, read_only).map_err(rbd_err)?;
     let size = img.size().map_err(rbd_err)?;
-    if size < u64::from(opts.logical_block_size) {
-        return Err(ImageOpenError::Option(format!(
+    if size < u64::from(req.block_size) {
+        return Err(OpenError::Option(format!(
             "{name}: {size} bytes, smaller than one {}-byte block",
-            opts.logical_block_size
+            req.block_size
         )));
     }
-    let locked = if read_only || opts.locking == Locking::Off {
+    let locked = if read_only || req.lock == LockPolicy::Off {
         false
     } else {
-        lock(&img, &name, opts.locking, opts.ceph.lock_wait)?
+        lock(&img, &name, req.lock, ceph.lock_wait)?
     };
     info!(
         "{name}: connected as client.{} and opened in {} ms ({size} bytes, librbd cache {}{})",
-        opts.ceph.id,
+        ceph.id,
         t0.elapsed().as_millis(),
-        match opts.ceph.cache {
+        match ceph.cache {
             RbdCache::Off => "off",
             RbdCache::Writeback => "write-back",
             RbdCache::Writethrough => "write-through",
         },
         if locked { ", exclusive lock held" } else { "" }
     );
-    let facts = RawFacts {
-        is_block_device: false,
-        dev_ino: super::remote::identity(&name),
-        file_size_bytes: size,
-        write_cache: Some(cached),
-    };
-    // Nothing reads or writes this: every path of an RBD image goes to librbd. /dev/null,
-    // read-only, so that a path that forgot fails loudly instead of losing data.
-    let kind = Kind::Rbd(RbdDisk {
+    Ok(RbdDisk {
         img: Arc::new(img),
         cached,
+        size,
+        read_only,
         locked: AtomicBool::new(locked),
         name,
         on_update: Mutex::new(None),
-    });
-    Ok((
-        Image::remote(kind, size, read_only, !incoming)?,
-        DioAlign::NONE,
-        facts,
-    ))
+    })
 }
 
 /// Take the exclusive lock, waiting a while for another client to give it up. Images without
 /// the exclusive-lock feature cannot be locked: `--locking on` refuses them, `auto` warns.
 /// (`--ceph-lock-wait`: a migration source handing it over; a killed client's lock is broken
 /// once its watch times out, after about 30 s.)
-fn lock(img: &RbdImage, name: &str, mode: Locking, wait: Duration) -> Result<bool, ImageOpenError> {
+fn lock(img: &RbdImage, name: &str, mode: LockPolicy, wait: Duration) -> Result<bool, OpenError> {
     if !img.has_exclusive_lock_feature().map_err(rbd_err)? {
         let why = format!(
             "{name} has no exclusive-lock feature: nothing stops a second writer (rbd \
              feature enable {} exclusive-lock)",
             name.trim_start_matches("rbd:")
         );
-        if mode == Locking::On {
-            return Err(ImageOpenError::Remote(format!("{why} (--locking on)")));
+        if mode == LockPolicy::On {
+            return Err(OpenError::Remote(format!("{why} (--locking on)")));
         }
         warn!("{why}");
         return Ok(false);
@@ -160,7 +176,7 @@ fn lock(img: &RbdImage, name: &str, mode: Locking, wait: Duration) -> Result<boo
                 std::thread::sleep(Duration::from_millis(200));
             }
             Err(e) => {
-                return Err(ImageOpenError::Remote(format!(
+                return Err(OpenError::Remote(format!(
                     "{name}: in use by another client: {e} (`rbd lock ls` and `rbd status` \
                      show who; --locking off serves it anyway, at the risk of two writers)"
                 )))
@@ -171,23 +187,23 @@ fn lock(img: &RbdImage, name: &str, mode: Locking, wait: Duration) -> Result<boo
 
 impl RbdDisk {
     /// Call `f` (on a librbd thread) whenever the image's header changes in the cluster.
-    pub(super) fn watch(&self, f: crate::rbd::UpdateFn) -> Result<(), String> {
+    pub fn watch(&self, f: UpdateFn) -> Result<(), String> {
         self.img.watch(f.clone()).map_err(|e| e.to_string())?;
         *self.on_update.locked() = Some(f);
         Ok(())
     }
 
-    pub(super) fn watcher(&self) -> Option<crate::rbd::UpdateFn> {
+    pub fn watcher(&self) -> Option<UpdateFn> {
         self.on_update.locked().clone()
     }
 
     /// Everything completed so far in the cluster.
-    pub(super) fn sync(&self) -> Result<(), ImageError> {
-        self.img.flush_sync().map_err(|e| ImageError::Io(e.into()))
+    pub fn sync(&self) -> std::io::Result<()> {
+        self.img.flush_sync().map_err(std::io::Error::from)
     }
 
     /// Close librbd's handle and the cluster connection (a clean exit).
-    pub(super) fn disconnect(&self) {
+    pub fn disconnect(&self) {
         self.img.close();
         info!(
             "{}: closed (watch removed, cluster connection shut down)",
@@ -195,7 +211,7 @@ impl RbdDisk {
         );
     }
 
-    pub(super) fn release_lock(&self) {
+    pub fn release_lock(&self) {
         if self.locked.swap(false, Ordering::AcqRel) {
             if let Err(e) = self.img.unlock() {
                 warn!("{}: {e}", self.name);
@@ -205,7 +221,7 @@ impl RbdDisk {
 
     /// The size to grow to: `new`, or (None) the image's size in the cluster now; the
     /// image is resized when it is smaller.
-    pub(super) fn grow(&self, new: Option<u64>) -> Result<u64, String> {
+    pub fn grow(&self, new: Option<u64>) -> Result<u64, String> {
         let now = self.img.size().map_err(|e| e.to_string())?;
         match new {
             None => Ok(now),
