@@ -56,6 +56,10 @@ use chain::Layer;
 use parallels::ParallelsImage;
 use qcow2::{CowInstall, Qcow2Image};
 
+/// How long a wait for a fill sleeps before the waiter's own progress runs again: the fill
+/// waited for is often the waiter's own (see [`Image::fence_fills`]).
+const FILL_WAIT: std::time::Duration = std::time::Duration::from_micros(20);
+
 /// A data-path failure of an image format (host side: never the guest's fault).
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -117,8 +121,8 @@ pub struct EngineWrite {
     /// Hand back to [`Image::end_write`] once the write has completed, before the guest
     /// sees the request complete.
     pub ticket: Option<WriteTicket>,
-    /// An overwrite of clusters the image owns: while fills are in flight
-    /// ([`Image::fills_in_flight`]) the range must be held ([`Image::try_hold_overwrite`]).
+    /// An overwrite of clusters the image owns: hold the range with
+    /// [`Image::hold_overwrite`] before it goes to the engine.
     pub overwrite: bool,
 }
 
@@ -551,31 +555,43 @@ impl Image {
         Ok(())
     }
 
-    /// Stop new fills (first writes of fresh clusters through the engine) until the gate is
-    /// dropped; the caller then waits for those in flight ([`FillGate::wait_drained`])
-    /// before writing through the format. None: this format has no fills.
-    pub fn raise_fill_gate(&self) -> Option<FillGate> {
-        self.qcow2().map(|(_, d)| d.q.raise_fill_gate())
-    }
-
-    /// Is any fill in flight?
-    pub fn fills_in_flight(&self) -> bool {
-        self.qcow2().is_some_and(|(_, d)| d.q.fills_in_flight())
-    }
-
-    /// Hold [start, end) of the file for an overwrite while fills are in flight; None while
-    /// a fill of it is in flight (complete this queue's own work, [`Self::wait_fill_change`],
-    /// try again).
-    pub fn try_hold_overwrite(&self, start: u64, end: u64) -> Option<WriteTicket> {
+    /// Before a write or zeroing through the format, which writes in place without ranges
+    /// and may free clusters: keep new fills (first writes of fresh clusters through the
+    /// engine) from starting, and wait for those in flight. `progress` runs between short
+    /// waits: the fill may be the caller's own, which ends only when the caller reaps it.
+    /// Drop the gate once the write through the format is done. None: this format has no
+    /// fills.
+    pub fn fence_fills(&self, mut progress: impl FnMut()) -> Option<FillGate> {
         let (_, d) = self.qcow2()?;
-        d.q.try_hold_overwrite(start, end)
-            .map(|k| WriteTicket(Ticket::Overwrite(k)))
+        let gate = d.q.raise_fill_gate();
+        while !gate.wait_drained(std::time::Duration::ZERO) {
+            progress();
+            gate.wait_drained(FILL_WAIT);
+        }
+        Some(gate)
     }
 
-    /// Wait at most `timeout` for a fill to end.
-    pub fn wait_fill_change(&self, timeout: std::time::Duration) {
-        if let Some((_, d)) = self.qcow2() {
-            d.q.wait_fill_change(timeout);
+    /// An in-place overwrite of [start, end) of the file (a planned write with
+    /// [`EngineWrite::overwrite`]): while fills are in flight, their L2 entries are visible
+    /// before their data lands, so the range is held against them, waiting for a fill of it
+    /// to end (`progress` runs between short waits, as for [`Self::fence_fills`]). Hand the
+    /// ticket to [`Self::end_write`] when the write completed. None: nothing to hold.
+    pub fn hold_overwrite(
+        &self,
+        start: u64,
+        end: u64,
+        mut progress: impl FnMut(),
+    ) -> Option<WriteTicket> {
+        let (_, d) = self.qcow2()?;
+        if !d.q.fills_in_flight() {
+            return None;
+        }
+        loop {
+            if let Some(k) = d.q.try_hold_overwrite(start, end) {
+                return Some(WriteTicket(Ticket::Overwrite(k)));
+            }
+            progress();
+            d.q.wait_fill_change(FILL_WAIT);
         }
     }
 

@@ -60,10 +60,6 @@ use crate::guest_memory::Mem;
 type Vring = VringRwLock<GuestMemoryAtomic<Mem>>;
 type VringState = vhost_user_backend::VringState<GuestMemoryAtomic<Mem>>;
 
-/// How long a wait for another request (a fill, a pool job) sleeps before this queue
-/// reaps its own completions again: the request waited for is often this queue's own.
-const SELF_WAIT: Duration = Duration::from_micros(20);
-
 /// Per-queue counters, for logs and later stats.
 #[derive(Default, Debug, Clone, Copy)]
 pub struct QueueStats {

@@ -16,7 +16,7 @@ use crate::zero::DetectZeroes;
 use super::failure::{report_offloaded, Failure};
 use super::slot::{user_data, OpKind};
 use super::submit::{block_span, copy_from_guest, copy_from_guest_prefix};
-use super::{QueueWorker, SELF_WAIT};
+use super::QueueWorker;
 
 /// What the checks of a write's data found.
 enum Checked {
@@ -136,44 +136,46 @@ impl QueueWorker {
                 r.range_key = key;
             }
         }
-        if w.overwrite && self.image.fills_in_flight() {
-            // A fill of these clusters may be in flight (its L2 entries are visible before
-            // its write lands): never let its zeroes land over this write.
-            let held = self.hold_overwrite(w.host, w.host + len);
-            if let Some(r) = self.slots[usize::from(idx)].busy() {
-                r.ticket = Some(held);
+        if w.overwrite {
+            if let Some(held) = self.hold_overwrite(w.host, w.host + len) {
+                if let Some(r) = self.slots[usize::from(idx)].busy() {
+                    r.ticket = Some(held);
+                }
             }
         }
         self.push_rw(idx, w.host, w.whole)
     }
 
-    /// Hold [start, end) of the file against fills, waiting for a fill of it to complete
-    /// (this queue's own operations are reaped meanwhile: the fill may be ours).
-    fn hold_overwrite(&mut self, start: u64, end: u64) -> crate::image::WriteTicket {
-        loop {
-            if let Some(t) = self.image.try_hold_overwrite(start, end) {
-                self.watch().thread_waits(Wait::Nothing);
-                return t;
-            }
+    /// [`crate::image::Image::hold_overwrite`], reaping this queue's own operations while
+    /// it waits (the fill waited for may be ours).
+    fn hold_overwrite(&mut self, start: u64, end: u64) -> Option<crate::image::WriteTicket> {
+        let image = self.image.clone();
+        let mut waited = false;
+        let held = image.hold_overwrite(start, end, || {
+            waited = true;
             self.watch().thread_waits(Wait::Fill);
             self.pump();
-            self.image.wait_fill_change(SELF_WAIT);
+        });
+        if waited {
+            self.watch().thread_waits(Wait::Nothing);
         }
+        held
     }
 
-    /// Before a write or zeroing through the format: the fills in flight complete first
-    /// (`gate` keeps new ones from starting), since the format writes in place without
-    /// ranges and may free clusters.
-    pub(super) fn drain_fills(&mut self, gate: Option<&FillGate>) {
-        let Some(gate) = gate else {
-            return;
-        };
-        while !gate.wait_drained(std::time::Duration::ZERO) {
+    /// [`crate::image::Image::fence_fills`], reaping this queue's own operations while it
+    /// waits (the fills in flight may be ours).
+    pub(super) fn fence_fills(&mut self) -> Option<FillGate> {
+        let image = self.image.clone();
+        let mut waited = false;
+        let gate = image.fence_fills(|| {
+            waited = true;
             self.watch().thread_waits(Wait::Fill);
             self.pump();
-            gate.wait_drained(SELF_WAIT);
+        });
+        if waited {
+            self.watch().thread_waits(Wait::Nothing);
         }
-        self.watch().thread_waits(Wait::Nothing);
+        gate
     }
 
     /// A write through the format: on the image's pool for `offload` (the guest data is
@@ -190,9 +192,8 @@ impl QueueWorker {
         }
         // No fill may be in flight while the format writes: it could land over bytes
         // written in place in the same cluster. The gate keeps new fills from starting
-        // until the write is done; the drain waits for those in flight.
-        let gate = self.image.raise_fill_gate();
-        self.drain_fills(gate.as_ref());
+        // until the write is done.
+        let gate = self.fence_fills();
         let (Some(inbox), Some(_)) = (self.inbox.clone(), self.image.pool(offload)) else {
             self.format_write_inline(idx, offset, len, durable);
             drop(gate);
@@ -239,8 +240,7 @@ impl QueueWorker {
             .is_some_and(|pool| pool.submit(job).is_ok());
         if !submitted {
             // Every pool thread is gone (the job and its gate were dropped): here, then.
-            let gate = self.image.raise_fill_gate();
-            self.drain_fills(gate.as_ref());
+            let _gate = self.fence_fills();
             self.format_write_inline(idx, offset, len, durable);
             return false;
         }

@@ -129,8 +129,7 @@ impl QueueWorker {
     /// Zeroing through the format: zero flags and unallocation for whole clusters, zero
     /// data for partial ones (synchronous), durable before completion in write-through mode.
     fn zero_through_format(&mut self, idx: u16, discard: bool, discard_unmap: bool) {
-        let gate = self.image.raise_fill_gate();
-        self.drain_fills(gate.as_ref());
+        let gate = self.fence_fills();
         let dev = self.dev.clone();
         let image = self.image.clone();
         let ranges = std::mem::take(&mut self.slots[usize::from(idx)].req.ranges);
