@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
 use std::thread;
 
@@ -24,6 +25,38 @@ fn seed(default: u64) -> u64 {
 
 fn opts() -> BackendOpts {
     BackendOpts::default()
+}
+
+/// `opts()` with these extra vublk arguments.
+fn opts_with(extra: &[&str]) -> BackendOpts {
+    BackendOpts {
+        extra_args: extra.iter().map(|s| s.to_string()).collect(),
+        ..opts()
+    }
+}
+
+/// What a test's image holds when the test starts.
+#[derive(Clone, Copy)]
+enum Content {
+    /// Nothing: a sparse file (`create_sparse_image`).
+    Sparse,
+    /// `pattern_fill` with this seed, fully allocated (`create_pattern_image`).
+    Pattern(u64),
+    /// This byte everywhere, fully allocated (`create_filled_image`).
+    Filled(u8),
+}
+
+/// Every test's set-up: a fresh test directory `name` holding the image `disk.img`, `size`
+/// bytes of `content`.
+fn test_image(name: &str, size: u64, content: Content) -> (TestDir, PathBuf) {
+    let dir = TestDir::new(name);
+    let img = dir.join("disk.img");
+    match content {
+        Content::Sparse => create_sparse_image(&img, size),
+        Content::Pattern(seed) => create_pattern_image(&img, size, seed),
+        Content::Filled(byte) => create_filled_image(&img, size, byte),
+    }
+    (dir, img)
 }
 
 /// Limits the device reports, used to keep generated requests legal.
@@ -167,21 +200,14 @@ fn random_io_matches_model(name: &str, extra: &[&str]) {
     const SIZE: u64 = 32 * MIB;
     const OPS: usize = 300;
     let seed = seed(0x5eed_0001);
-    let dir = TestDir::new(name);
-    let img = dir.join("disk.img");
-    create_pattern_image(&img, SIZE, seed);
+    let (dir, img) = test_image(name, SIZE, Content::Pattern(seed));
     let mut model = pattern(SIZE as usize, 0, seed);
 
-    let mut o = opts();
-    o.extra_args = extra.iter().map(|s| s.to_string()).collect();
-    let backend = Backend::start(&dir, &img, &o);
-    let mut c = connect(
-        &backend.socket,
-        ClientOpts {
-            mem_size: 4 * MIB as usize,
-            ..Default::default()
-        },
-    );
+    let client = ClientOpts {
+        mem_size: 4 * MIB as usize,
+        ..Default::default()
+    };
+    let (backend, mut c) = start_and_connect(&dir, &img, &opts_with(extra), client);
     assert_eq!(c.capacity(), SIZE);
     let lim = limits(&c);
     let max_len = if lim.max_transfer == 0 {
@@ -287,11 +313,8 @@ fn random_io_matches_model(name: &str, extra: &[&str]) {
 
 #[test]
 fn flush_succeeds() {
-    let dir = TestDir::new("flush");
-    let img = dir.join("disk.img");
-    create_sparse_image(&img, 8 * MIB);
-    let backend = Backend::start(&dir, &img, &opts());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (dir, img) = test_image("flush", 8 * MIB, Content::Sparse);
+    let (backend, mut c) = start_and_connect(&dir, &img, &opts(), ClientOpts::default());
 
     let flush_needed = c.blkio.get_bool("flush-needed").unwrap();
     eprintln!("flush-needed (volatile write cache advertised): {flush_needed}");
@@ -335,19 +358,15 @@ fn in_pieces(c: &mut Client, offset: u64, len: u64, max: u64, make: impl Fn(u64,
 #[test]
 fn discard_punches_hole_in_image_file() {
     const SIZE: u64 = 16 * MIB;
-    let dir = TestDir::new("discard");
-    let img = dir.join("disk.img");
-    create_filled_image(&img, SIZE, 0xab);
+    let (dir, img) = test_image("discard", SIZE, Content::Filled(0xab));
     let before = allocated_blocks(&img);
     assert!(
         before >= SIZE / 512,
         "image not fully allocated ({before} blocks)"
     );
 
-    let mut o = opts();
-    o.extra_args = vec!["--discard".into(), "unmap".into()];
-    let backend = Backend::start(&dir, &img, &o);
-    let mut c = connect_queues(&backend.socket, 1);
+    let o = opts_with(&["--discard", "unmap"]);
+    let (backend, mut c) = start_and_connect(&dir, &img, &o, ClientOpts::default());
     let max = c.blkio.get_u64("max-discard-len").unwrap();
     eprintln!(
         "discard-alignment {} max-discard-len {max}",
@@ -386,15 +405,11 @@ fn discard_punches_hole_in_image_file() {
 /// Shared body of the two WRITE_ZEROES tests; returns st_blocks before and after.
 fn write_zeroes_test(name: &str, flags: ReqFlags, extra: &[&str]) -> (u64, u64) {
     const SIZE: u64 = 16 * MIB;
-    let dir = TestDir::new(name);
-    let img = dir.join("disk.img");
-    create_filled_image(&img, SIZE, 0xcd);
+    let (dir, img) = test_image(name, SIZE, Content::Filled(0xcd));
     let before = allocated_blocks(&img);
 
-    let mut o = opts();
-    o.extra_args = extra.iter().map(|s| s.to_string()).collect();
-    let backend = Backend::start(&dir, &img, &o);
-    let mut c = connect_queues(&backend.socket, 1);
+    let o = opts_with(extra);
+    let (backend, mut c) = start_and_connect(&dir, &img, &o, ClientOpts::default());
     let max = c.blkio.get_u64("max-write-zeroes-len").unwrap();
     eprintln!("max-write-zeroes-len {max}");
     // A big aligned range and a small one inside a 4 KiB block.
@@ -450,12 +465,9 @@ fn discard_is_ignored_by_default() {
         return;
     }
     const SIZE: u64 = 8 * MIB;
-    let dir = TestDir::new("discard-ignore");
-    let img = dir.join("disk.img");
-    create_filled_image(&img, SIZE, 0xab);
+    let (dir, img) = test_image("discard-ignore", SIZE, Content::Filled(0xab));
     let before = allocated_blocks(&img);
-    let backend = Backend::start(&dir, &img, &opts());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (_backend, mut c) = start_and_connect(&dir, &img, &opts(), ClientOpts::default());
     let ret = c.submit(
         0,
         Op::Discard {
@@ -493,26 +505,18 @@ fn two_queues_do_concurrent_io_on_disjoint_ranges() {
     const MAX_IO: usize = 128 * 1024;
     const ROUNDS: usize = 40;
     let seed = seed(0x5eed_0002);
-    let dir = TestDir::new("two-queues");
-    let img = dir.join("disk.img");
-    create_pattern_image(&img, SIZE, seed);
+    let (dir, img) = test_image("two-queues", SIZE, Content::Pattern(seed));
 
-    let backend = Backend::start(
-        &dir,
-        &img,
-        &BackendOpts {
-            num_queues: Some(2),
-            ..opts()
-        },
-    );
-    let mut c = connect(
-        &backend.socket,
-        ClientOpts {
-            num_queues: 2,
-            mem_size: 4 * MIB as usize,
-            ..Default::default()
-        },
-    );
+    let o = BackendOpts {
+        num_queues: Some(2),
+        ..opts()
+    };
+    let client = ClientOpts {
+        num_queues: 2,
+        mem_size: 4 * MIB as usize,
+        ..Default::default()
+    };
+    let (backend, mut c) = start_and_connect(&dir, &img, &o, client);
     assert_eq!(
         c.blkio.get_i32("max-queues").unwrap(),
         2,
@@ -609,17 +613,12 @@ fn two_queues_do_concurrent_io_on_disjoint_ranges() {
 fn unaligned_buffers_roundtrip() {
     const SIZE: u64 = 8 * MIB;
     let seed = seed(0x5eed_0003);
-    let dir = TestDir::new("unaligned");
-    let img = dir.join("disk.img");
-    create_pattern_image(&img, SIZE, seed);
-    let backend = Backend::start(&dir, &img, &opts());
-    let mut c = connect(
-        &backend.socket,
-        ClientOpts {
-            mem_size: 4 * MIB as usize,
-            ..Default::default()
-        },
-    );
+    let (dir, img) = test_image("unaligned", SIZE, Content::Pattern(seed));
+    let client = ClientOpts {
+        mem_size: 4 * MIB as usize,
+        ..Default::default()
+    };
+    let (backend, mut c) = start_and_connect(&dir, &img, &opts(), client);
     let mut rng = Rng::new(seed);
     let rbase = 2 * MIB as usize;
 
@@ -719,9 +718,7 @@ fn unaligned_buffers_roundtrip() {
     if !skip_unless_vublk("bounce-buffer statistics are vublk's") {
         // O_DIRECT cannot take these buffers: vublk must have bounced them (its per-queue
         // statistics are logged when the client disconnects).
-        drop(c);
-        let status = backend.sigterm_and_wait(EXIT_DEADLINE);
-        assert_eq!(status.code(), Some(0));
+        disconnect_and_stop(&backend, c);
         let log = backend.log_contents();
         let bounced = logged_count(&log, " bounced");
         assert!(bounced > 0, "no request was bounced:\n{log}");
@@ -733,11 +730,8 @@ fn segments_of_odd_lengths_roundtrip() {
     // virtio allows data descriptors of any length as long as the total is whole sectors.
     const SIZE: u64 = 8 * MIB;
     let seed = seed(0x5eed_0004);
-    let dir = TestDir::new("odd-segments");
-    let img = dir.join("disk.img");
-    create_pattern_image(&img, SIZE, seed);
-    let backend = Backend::start(&dir, &img, &opts());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (dir, img) = test_image("odd-segments", SIZE, Content::Pattern(seed));
+    let (backend, mut c) = start_and_connect(&dir, &img, &opts(), ClientOpts::default());
     let mut rng = Rng::new(seed);
     let rbase = 2 * MIB as usize;
 
@@ -796,12 +790,9 @@ fn segments_of_odd_lengths_roundtrip() {
 #[test]
 fn requests_past_capacity_fail_and_daemon_keeps_serving() {
     const SIZE: u64 = 8 * MIB;
-    let dir = TestDir::new("past-capacity");
-    let img = dir.join("disk.img");
-    create_pattern_image(&img, SIZE, 9);
+    let (dir, img) = test_image("past-capacity", SIZE, Content::Pattern(9));
     let original = read_file(&img);
-    let backend = Backend::start(&dir, &img, &opts());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (backend, mut c) = start_and_connect(&dir, &img, &opts(), ClientOpts::default());
     let cap = c.capacity();
     assert_eq!(cap, SIZE);
 
@@ -898,9 +889,7 @@ fn requests_past_capacity_fail_and_daemon_keeps_serving() {
 
 #[test]
 fn read_only_device_refuses_a_read_write_client() {
-    let dir = TestDir::new("ro-refuse");
-    let img = dir.join("disk.img");
-    create_pattern_image(&img, 4 * MIB, 11);
+    let (dir, img) = test_image("ro-refuse", 4 * MIB, Content::Pattern(11));
     let backend = Backend::start(
         &dir,
         &img,
@@ -923,26 +912,18 @@ fn read_only_device_refuses_a_read_write_client() {
 #[test]
 fn read_only_serves_reads_and_rejects_writes() {
     const SIZE: u64 = 4 * MIB;
-    let dir = TestDir::new("ro");
-    let img = dir.join("disk.img");
-    create_pattern_image(&img, SIZE, 12);
+    let (dir, img) = test_image("ro", SIZE, Content::Pattern(12));
     let original = read_file(&img);
     let blocks = allocated_blocks(&img);
-    let backend = Backend::start(
-        &dir,
-        &img,
-        &BackendOpts {
-            read_only: true,
-            ..opts()
-        },
-    );
-    let mut c = connect(
-        &backend.socket,
-        ClientOpts {
-            read_only: true,
-            ..Default::default()
-        },
-    );
+    let o = BackendOpts {
+        read_only: true,
+        ..opts()
+    };
+    let client = ClientOpts {
+        read_only: true,
+        ..Default::default()
+    };
+    let (backend, mut c) = start_and_connect(&dir, &img, &o, client);
     assert_eq!(c.capacity(), SIZE);
     assert_same(
         &c.read_all(0),
@@ -999,9 +980,7 @@ fn read_only_serves_reads_and_rejects_writes() {
 #[test]
 fn second_client_sees_data_after_first_disconnects() {
     const SIZE: u64 = 8 * MIB;
-    let dir = TestDir::new("reconnect");
-    let img = dir.join("disk.img");
-    create_sparse_image(&img, SIZE);
+    let (dir, img) = test_image("reconnect", SIZE, Content::Sparse);
     let backend = Backend::start(&dir, &img, &opts());
     let pieces = [
         (0u64, 4096usize),
@@ -1047,11 +1026,8 @@ fn second_client_sees_data_after_first_disconnects() {
 #[test]
 fn sigterm_with_connected_client_exits_zero() {
     const SIZE: u64 = 8 * MIB;
-    let dir = TestDir::new("sigterm-busy");
-    let img = dir.join("disk.img");
-    create_sparse_image(&img, SIZE);
-    let backend = Backend::start(&dir, &img, &opts());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (dir, img) = test_image("sigterm-busy", SIZE, Content::Sparse);
+    let (backend, mut c) = start_and_connect(&dir, &img, &opts(), ClientOpts::default());
     let data = pattern(128 * 1024, 2 * MIB, 40);
     assert_eq!(c.write_at(0, 2 * MIB, &data), 0);
 
@@ -1072,9 +1048,7 @@ fn sigterm_with_connected_client_exits_zero() {
 
 #[test]
 fn sigterm_while_idle_exits_zero() {
-    let dir = TestDir::new("sigterm-idle");
-    let img = dir.join("disk.img");
-    create_sparse_image(&img, 4 * MIB);
+    let (dir, img) = test_image("sigterm-idle", 4 * MIB, Content::Sparse);
     let backend = Backend::start(&dir, &img, &opts());
     let status = backend.sigterm_and_wait(EXIT_DEADLINE);
     assert!(
@@ -1087,11 +1061,8 @@ fn sigterm_while_idle_exits_zero() {
 #[test]
 fn capacity_equals_file_size() {
     const SIZE: u64 = 24 * MIB;
-    let dir = TestDir::new("capacity");
-    let img = dir.join("disk.img");
-    create_sparse_image(&img, SIZE);
-    let backend = Backend::start(&dir, &img, &opts());
-    let c = connect_queues(&backend.socket, 1);
+    let (dir, img) = test_image("capacity", SIZE, Content::Sparse);
+    let (_backend, c) = start_and_connect(&dir, &img, &opts(), ClientOpts::default());
     assert_eq!(c.capacity(), SIZE);
     // libblkio re-reads the config space on every query.
     assert_eq!(c.capacity(), SIZE);
@@ -1100,11 +1071,8 @@ fn capacity_equals_file_size() {
 #[test]
 fn capacity_of_file_not_a_multiple_of_4k_is_its_size() {
     const SIZE: u64 = 5 * MIB + 3 * 512;
-    let dir = TestDir::new("capacity-odd");
-    let img = dir.join("disk.img");
-    create_pattern_image(&img, SIZE, 50);
-    let backend = Backend::start(&dir, &img, &opts());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (dir, img) = test_image("capacity-odd", SIZE, Content::Pattern(50));
+    let (_backend, mut c) = start_and_connect(&dir, &img, &opts(), ClientOpts::default());
     assert_eq!(c.capacity(), SIZE);
     // The last (partial-4K) sectors are readable and writable.
     let tail = c

@@ -32,6 +32,59 @@ fn run(cmd: &mut Command) {
     run_ok(cmd);
 }
 
+/// Why most tests here skip under qemu-storage-daemon.
+const QCOW2_BY_VUBLK: &str = "qcow2 is served by vublk";
+/// Why the `vublk create` tests skip under qemu-storage-daemon.
+const CREATE_BY_VUBLK: &str = "vublk create is vublk's";
+
+/// The set-up of a test that needs vublk (skipped under qemu-storage-daemon, `why`) and
+/// qemu-img/qemu-io: `None` if it is skipped, else a fresh test directory `name`.
+fn setup(why: &str, name: &str) -> Option<TestDir> {
+    if skip_unless_vublk(why) || !have_qemu_tools() {
+        return None;
+    }
+    Some(TestDir::new(name))
+}
+
+/// vublk serving `img` read-write (one queue, default options but for the vublk arguments
+/// `extra`) to a connected libblkio client with one queue.
+fn serve(dir: &TestDir, img: &Path, extra: &[&str]) -> (Backend, Client) {
+    let opts = BackendOpts {
+        extra_args: extra.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    };
+    start_and_connect(dir, img, &opts, ClientOpts::default())
+}
+
+/// `vublk create --format qcow2 ARGS` run in the test directory (names in ARGS are relative
+/// to it), which must succeed.
+fn vublk_create_qcow2(dir: &TestDir, args: &[&str]) {
+    run(Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .current_dir(dir.join(""))
+        .args(["create", "--format", "qcow2"])
+        .args(args));
+}
+
+/// `qemu-img check -q`: the image is clean (no leaks, no corruption).
+fn check_clean(img: &Path) {
+    run(Command::new("qemu-img").args(["check", "-q"]).arg(img));
+}
+
+/// `qemu-img convert -O raw`, the format probed.
+fn to_raw(img: &Path, raw: &Path) {
+    run(Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(img)
+        .arg(raw));
+}
+
+/// `qemu-img compare`: the qcow2 image holds exactly `model` (written to `dir/name` first).
+fn compare_with_model(dir: &TestDir, name: &str, model: &[u8], img: &Path) {
+    let raw = dir.join(name);
+    std::fs::write(&raw, model).unwrap();
+    qemu_compare(&raw, img);
+}
+
 /// Patterns: plain data, compressed clusters, zero clusters, partial clusters, data across
 /// cluster boundaries, and untouched (unallocated) space.
 /// Compressed writes must cover whole clusters of `cluster` bytes.
@@ -67,10 +120,7 @@ fn make_image(
     }
     run(io.arg(&img));
     let raw = dir.join(&format!("{name}.raw"));
-    run(Command::new("qemu-img")
-        .args(["convert", "-f", "qcow2", "-O", "raw"])
-        .arg(&img)
-        .arg(&raw));
+    convert_to_raw(&img, "qcow2", &raw);
     let expected = read_file(&raw);
     (img, expected)
 }
@@ -81,14 +131,11 @@ fn check_through_vublk(dir: &TestDir, img: &Path, expected: &[u8], extra: &[&str
         extra_args: extra.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
     };
-    let backend = Backend::start(dir, img, &opts);
-    let mut c = connect(
-        &backend.socket,
-        ClientOpts {
-            read_only: true,
-            ..Default::default()
-        },
-    );
+    let client = ClientOpts {
+        read_only: true,
+        ..Default::default()
+    };
+    let (backend, mut c) = start_and_connect(dir, img, &opts, client);
     assert_eq!(
         c.capacity(),
         expected.len() as u64,
@@ -120,8 +167,7 @@ fn check_through_vublk(dir: &TestDir, img: &Path, expected: &[u8], extra: &[&str
             &format!("read {len} at {off}"),
         );
     }
-    drop(c);
-    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    disconnect_and_stop(&backend, c);
     assert!(
         backend.log_contents().contains("qcow2 v"),
         "not served as qcow2"
@@ -130,10 +176,9 @@ fn check_through_vublk(dir: &TestDir, img: &Path, expected: &[u8], extra: &[&str
 
 #[test]
 fn qemu_written_images_read_back_identically() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-interop") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-interop");
+    };
     for (name, opts, cluster) in [
         ("v3-zlib", "compat=1.1,compression_type=zlib", 64 << 10),
         ("v3-zstd", "compat=1.1,compression_type=zstd", 64 << 10),
@@ -195,15 +240,11 @@ fn start_error(img: &Path, extra: &[&str]) -> String {
 
 #[test]
 fn unsupported_qcow2_features_are_refused_with_a_message() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-refused") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-refused");
+    };
     let base = dir.join("base.qcow2");
-    run(Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&base)
-        .arg("8M"));
+    qemu_img_create(&base, "qcow2", "8M");
 
     let top = dir.join("top.qcow2");
     run(Command::new("qemu-img")
@@ -237,10 +278,9 @@ fn qemu_io(img: &Path, fmt: &str, cmds: &[&str]) {
 /// than the image, relative names; reads fall through to the right layer.
 #[test]
 fn backing_chains_read_back_identically() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-chain") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-chain");
+    };
     // base.raw (16 MiB) <- mid.qcow2 (24 MiB) <- top.qcow2 (32 MiB)
     let base = dir.join("base.raw");
     create_pattern_image(&base, 16 * MIB, 5);
@@ -289,10 +329,7 @@ fn backing_chains_read_back_identically() {
         ],
     );
     let raw = dir.join("expected.raw");
-    run(Command::new("qemu-img")
-        .args(["convert", "-f", "qcow2", "-O", "raw"])
-        .arg(&top)
-        .arg(&raw));
+    convert_to_raw(&top, "qcow2", &raw);
     let expected = read_file(&raw);
     check_through_vublk(&dir, &top, &expected, &[]);
     check_through_vublk(
@@ -307,10 +344,9 @@ fn backing_chains_read_back_identically() {
 /// write and vublk then serves identically.
 #[test]
 fn vublk_create_makes_images_qemu_accepts() {
-    if skip_unless_vublk("vublk create is vublk's") || !have_qemu_tools() {
+    let Some(dir) = setup(CREATE_BY_VUBLK, "qcow2-create") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-create");
+    };
     let create = |args: &[&str]| {
         let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
             .arg("create")
@@ -345,7 +381,7 @@ fn vublk_create_makes_images_qemu_accepts() {
     ] {
         let p = dir.join(img);
         if fmt == "qcow2" {
-            run(Command::new("qemu-img").args(["check", "-q"]).arg(&p));
+            check_clean(&p);
         }
         let mut io = Command::new("qemu-io");
         io.args(["-f", fmt]);
@@ -369,12 +405,9 @@ fn vublk_create_makes_images_qemu_accepts() {
     );
     for img in ["a.qcow2", "b.qcow2", "c.qcow2"] {
         let p = dir.join(img);
-        run(Command::new("qemu-img").args(["check", "-q"]).arg(&p));
+        check_clean(&p);
         let raw = dir.join(&format!("{img}.raw"));
-        run(Command::new("qemu-img")
-            .args(["convert", "-O", "raw"])
-            .arg(&p)
-            .arg(&raw));
+        to_raw(&p, &raw);
         check_through_vublk(&dir, &p, &read_file(&raw), &[]);
     }
 }
@@ -384,10 +417,9 @@ fn vublk_create_makes_images_qemu_accepts() {
 /// identical to the model.
 #[test]
 fn random_writes_to_qcow2_match_model_and_check_clean() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-writes") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-writes");
+    };
     const SIZE: u64 = 24 * MIB;
     let base = dir.join("base.raw");
     create_pattern_image(&base, SIZE, 77);
@@ -397,22 +429,22 @@ fn random_writes_to_qcow2_match_model_and_check_clean() {
         ("c2m", vec!["--cluster-size", "2M"], false),
         ("backed", vec!["--backing", "base.raw"], true),
     ] {
-        let img = dir.join(&format!("{name}.qcow2"));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_vublk"));
-        cmd.current_dir(dir.join(""))
-            .args(["create", "--format", "qcow2"]);
-        if !with_base {
-            cmd.args(["--size", "24M"]);
-        }
-        cmd.args(&create_args).arg(format!("{name}.qcow2"));
-        run(&mut cmd);
+        let file = format!("{name}.qcow2");
+        let img = dir.join(&file);
+        let mut args = if with_base {
+            vec![]
+        } else {
+            vec!["--size", "24M"]
+        };
+        args.extend(&create_args);
+        args.push(&file);
+        vublk_create_qcow2(&dir, &args);
         let mut model = if with_base {
             read_file(&base)
         } else {
             vec![0u8; SIZE as usize]
         };
-        let backend = Backend::start(&dir, &img, &BackendOpts::default());
-        let mut c = connect_queues(&backend.socket, 1);
+        let (backend, mut c) = serve(&dir, &img, &[]);
         let mut rng = Rng::new(0x9c0c_0002 ^ name.len() as u64);
         for i in 0..200 {
             let (len, off) = if rng.below(4) == 0 {
@@ -455,12 +487,9 @@ fn random_writes_to_qcow2_match_model_and_check_clean() {
         }
         assert_eq!(c.submit(0, Op::Flush), 0);
         assert_same(&c.read_all(0), &model, &format!("{name}: whole disk"));
-        drop(c);
-        assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
-        run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
-        let raw = dir.join(&format!("{name}.expected"));
-        std::fs::write(&raw, &model).unwrap();
-        qemu_compare(&raw, &img);
+        disconnect_and_stop(&backend, c);
+        check_clean(&img);
+        compare_with_model(&dir, &format!("{name}.expected"), &model, &img);
         // And vublk reads back what it wrote after a restart.
         check_through_vublk(&dir, &img, &model, &[]);
     }
@@ -472,10 +501,9 @@ fn random_writes_to_qcow2_match_model_and_check_clean() {
 /// smallest L2 cache so dirty tables are written back under pressure).
 #[test]
 fn two_queue_random_writes_to_qcow2_match_model_and_check_clean() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-2q-model") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-2q-model");
+    };
     const SIZE: u64 = 8 * MIB;
     const STRIPE: u64 = 4096;
     let base = dir.join("base.raw");
@@ -492,15 +520,16 @@ fn two_queue_random_writes_to_qcow2_match_model_and_check_clean() {
             vec!["--l2-cache-size", "16K"],
         ),
     ] {
-        let img = dir.join(&format!("{name}.qcow2"));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_vublk"));
-        cmd.current_dir(dir.join(""))
-            .args(["create", "--format", "qcow2"]);
-        if !with_base {
-            cmd.args(["--size", "8M"]);
-        }
-        cmd.args(&create_args).arg(format!("{name}.qcow2"));
-        run(&mut cmd);
+        let file = format!("{name}.qcow2");
+        let img = dir.join(&file);
+        let mut args = if with_base {
+            vec![]
+        } else {
+            vec!["--size", "8M"]
+        };
+        args.extend(&create_args);
+        args.push(&file);
+        vublk_create_qcow2(&dir, &args);
         let initial = if with_base {
             read_file(&base)
         } else {
@@ -511,15 +540,12 @@ fn two_queue_random_writes_to_qcow2_match_model_and_check_clean() {
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
             ..Default::default()
         };
-        let backend = Backend::start(&dir, &img, &opts);
-        let mut c = connect(
-            &backend.socket,
-            ClientOpts {
-                num_queues: 2,
-                mem_size: 4 * MIB as usize,
-                ..Default::default()
-            },
-        );
+        let client = ClientOpts {
+            num_queues: 2,
+            mem_size: 4 * MIB as usize,
+            ..Default::default()
+        };
+        let (backend, mut c) = start_and_connect(&dir, &img, &opts, client);
         let (queues, mem) = c.take_queues();
         let handles: Vec<_> = queues
             .into_iter()
@@ -590,8 +616,7 @@ fn two_queue_random_writes_to_qcow2_match_model_and_check_clean() {
         }
         assert_eq!(c.submit(0, Op::Flush), 0);
         assert_same(&c.read_all(0), &expected, &format!("{name}: whole disk"));
-        drop(c);
-        assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+        disconnect_and_stop(&backend, c);
         if name == "tiny-cache" {
             let log = std::fs::read_to_string(&backend.log).unwrap();
             assert!(
@@ -599,10 +624,8 @@ fn two_queue_random_writes_to_qcow2_match_model_and_check_clean() {
                 "--l2-cache-size not applied:\n{log}"
             );
         }
-        run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
-        let raw = dir.join(&format!("{name}.expected"));
-        std::fs::write(&raw, &expected).unwrap();
-        qemu_compare(&raw, &img);
+        check_clean(&img);
+        compare_with_model(&dir, &format!("{name}.expected"), &expected, &img);
     }
 }
 
@@ -611,29 +634,20 @@ fn two_queue_random_writes_to_qcow2_match_model_and_check_clean() {
 /// everything acknowledged by a FLUSH reads back intact.
 #[test]
 fn sigkill_during_qcow2_writes_leaves_a_consistent_image() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-crash") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-crash");
+    };
     const SIZE: u64 = 16 * MIB;
     let img = dir.join("crash.qcow2");
-    run(Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .args([
-            "create",
-            "--format",
-            "qcow2",
-            "--size",
-            "16M",
-            "--cluster-size",
-            "4K",
-        ])
-        .arg(&img));
+    vublk_create_qcow2(
+        &dir,
+        &["--size", "16M", "--cluster-size", "4K", "crash.qcow2"],
+    );
     // What has been flushed: the model the image must contain, at least.
     let mut flushed = vec![0u8; SIZE as usize];
     let mut rng = Rng::new(0xc4a5_0001);
     for round in 0..12 {
-        let backend = Backend::start(&dir, &img, &BackendOpts::default());
-        let mut c = connect_queues(&backend.socket, 1);
+        let (backend, mut c) = serve(&dir, &img, &[]);
         assert_same(
             &c.read_all(0),
             &flushed,
@@ -691,10 +705,7 @@ fn sigkill_during_qcow2_writes_leaves_a_consistent_image() {
         // image holds for those ranges as the new baseline, but flushed data must be there.
         let raw = dir.join("crash.raw");
         let _ = std::fs::remove_file(&raw);
-        run(Command::new("qemu-img")
-            .args(["convert", "-f", "qcow2", "-O", "raw"])
-            .arg(&img)
-            .arg(&raw));
+        convert_to_raw(&img, "qcow2", &raw);
         let now = read_file(&raw);
         for (i, (&a, &b)) in now.iter().zip(flushed.iter()).enumerate() {
             // Bytes written after the last flush, or by the write in flight at the kill, may
@@ -712,28 +723,22 @@ fn sigkill_during_qcow2_writes_leaves_a_consistent_image() {
 /// write is lost.
 #[test]
 fn two_queues_allocating_the_same_clusters() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-2q") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-2q");
+    };
     const SIZE: u64 = 8 * MIB;
     let img = dir.join("two.qcow2");
-    run(Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .args(["create", "--format", "qcow2", "--size", "8M"])
-        .arg(&img));
+    vublk_create_qcow2(&dir, &["--size", "8M", "two.qcow2"]);
     let opts = BackendOpts {
         num_queues: Some(2),
         ..Default::default()
     };
-    let backend = Backend::start(&dir, &img, &opts);
-    let mut c = connect(
-        &backend.socket,
-        ClientOpts {
-            num_queues: 2,
-            mem_size: 4 * MIB as usize,
-            ..Default::default()
-        },
-    );
+    let client = ClientOpts {
+        num_queues: 2,
+        mem_size: 4 * MIB as usize,
+        ..Default::default()
+    };
+    let (backend, mut c) = start_and_connect(&dir, &img, &opts, client);
     let (queues, mem) = c.take_queues();
     let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
     let handles: Vec<_> = queues
@@ -770,12 +775,9 @@ fn two_queues_allocating_the_same_clusters() {
         expected[(blk * 4096) as usize..((blk + 1) * 4096) as usize].fill((blk % 251) as u8 + 1);
     }
     assert_same(&c.read_all(0), &expected, "every block of both queues");
-    drop(c);
-    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
-    run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
-    let raw = dir.join("two.expected");
-    std::fs::write(&raw, &expected).unwrap();
-    qemu_compare(&raw, &img);
+    disconnect_and_stop(&backend, c);
+    check_clean(&img);
+    compare_with_model(&dir, "two.expected", &expected, &img);
 }
 
 /// One queue, many requests in flight: a write spanning an allocated and a fresh cluster
@@ -784,24 +786,18 @@ fn two_queues_allocating_the_same_clusters() {
 /// (written whole, zeroes around its data) must never run over the pool's bytes.
 #[test]
 fn writes_through_the_pool_and_the_ring_into_one_cluster() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-pool-ring") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-pool-ring");
+    };
     const C: u64 = 65536;
     const PAIRS: u64 = 60;
     let img = dir.join("pr.qcow2");
-    run(Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .args(["create", "--format", "qcow2", "--size", "16M"])
-        .arg(&img));
-    let backend = Backend::start(&dir, &img, &BackendOpts::default());
-    let mut c = connect(
-        &backend.socket,
-        ClientOpts {
-            mem_size: 16 * MIB as usize,
-            ..Default::default()
-        },
-    );
+    vublk_create_qcow2(&dir, &["--size", "16M", "pr.qcow2"]);
+    let client = ClientOpts {
+        mem_size: 16 * MIB as usize,
+        ..Default::default()
+    };
+    let (backend, mut c) = start_and_connect(&dir, &img, &BackendOpts::default(), client);
     let mut expected = vec![0u8; 16 * MIB as usize];
     // Allocate every even cluster first.
     for p in 0..PAIRS {
@@ -832,12 +828,9 @@ fn writes_through_the_pool_and_the_ring_into_one_cluster() {
     assert!(c.submit_batch(0, &ops).iter().all(|&r| r == 0));
     assert_eq!(c.submit(0, Op::Flush), 0);
     assert_same(&c.read_all(0), &expected, "both writes of every pair");
-    drop(c);
-    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
-    run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
-    let raw = dir.join("pr.expected");
-    std::fs::write(&raw, &expected).unwrap();
-    qemu_compare(&raw, &img);
+    disconnect_and_stop(&backend, c);
+    check_clean(&img);
+    compare_with_model(&dir, "pr.expected", &expected, &img);
 }
 
 /// Allocated clusters as `qemu-img check` counts them.
@@ -869,10 +862,9 @@ fn allocated_clusters(img: &Path) -> u64 {
 /// with unmap and --discard unmap, DISCARD, and detect-zeroes=unmap they are released.
 #[test]
 fn qcow2_zero_flag_keeps_or_releases_clusters() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-zero") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-zero");
+    };
     for (name, args, op, releases) in [
         ("keep", vec![], "wz-no-unmap", false),
         ("unmap-ignored", vec![], "wz", false),
@@ -886,26 +878,18 @@ fn qcow2_zero_flag_keeps_or_releases_clusters() {
         ),
         ("dz-on", vec!["--detect-zeroes", "on"], "zero-data", false),
     ] {
-        let img = dir.join(&format!("{name}.qcow2"));
-        run(Command::new(env!("CARGO_BIN_EXE_vublk"))
-            .args(["create", "--format", "qcow2", "--size", "4M"])
-            .arg(&img));
-        let opts = BackendOpts {
-            extra_args: args.iter().map(|s| s.to_string()).collect(),
-            ..Default::default()
-        };
-        let backend = Backend::start(&dir, &img, &opts);
-        let mut c = connect_queues(&backend.socket, 1);
+        let file = format!("{name}.qcow2");
+        let img = dir.join(&file);
+        vublk_create_qcow2(&dir, &["--size", "4M", &file]);
+        let (backend, mut c) = serve(&dir, &img, &args);
         let data = pattern(MIB as usize, 0, 3);
         assert_eq!(c.write_at(0, 0, &data), 0);
         assert_eq!(c.submit(0, Op::Flush), 0);
         let before = {
-            drop(c);
-            assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+            disconnect_and_stop(&backend, c);
             allocated_clusters(&img)
         };
-        let backend = Backend::start(&dir, &img, &opts);
-        let mut c = connect_queues(&backend.socket, 1);
+        let (backend, mut c) = serve(&dir, &img, &args);
         // Zero 512 KiB = 8 whole 64 KiB clusters, plus a partial cluster.
         let ret = match op {
             "wz-no-unmap" => c.submit(
@@ -942,8 +926,7 @@ fn qcow2_zero_flag_keeps_or_releases_clusters() {
             &data[600 * 1024..604 * 1024],
             name,
         );
-        drop(c);
-        assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+        disconnect_and_stop(&backend, c);
         let after = allocated_clusters(&img);
         eprintln!("{name}: allocated clusters {before} -> {after}");
         if releases {
@@ -959,10 +942,9 @@ fn qcow2_zero_flag_keeps_or_releases_clusters() {
 /// v2 image (no zero flag) deallocates on WRITE_ZEROES with unmap.
 #[test]
 fn freed_clusters_are_punched_and_reused() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-reuse") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-reuse");
+    };
     for v2 in [false, true] {
         let img = dir.join(if v2 { "v2.qcow2" } else { "v3.qcow2" });
         let mut cmd = Command::new("qemu-img");
@@ -971,12 +953,7 @@ fn freed_clusters_are_punched_and_reused() {
             cmd.args(["-o", "compat=0.10"]);
         }
         run(cmd.arg(&img).arg("16M"));
-        let opts = BackendOpts {
-            extra_args: vec!["--discard".into(), "unmap".into()],
-            ..Default::default()
-        };
-        let backend = Backend::start(&dir, &img, &opts);
-        let mut c = connect_queues(&backend.socket, 1);
+        let (backend, mut c) = serve(&dir, &img, &["--discard", "unmap"]);
         let mut model = vec![0u8; 16 * MIB as usize];
         let first = pattern(4 * MIB as usize, 0, 5);
         assert_eq!(c.write_at(0, 0, &first), 0);
@@ -1012,18 +989,15 @@ fn freed_clusters_are_punched_and_reused() {
         model[8 * MIB as usize..12 * MIB as usize].copy_from_slice(&second);
         assert_eq!(c.submit(0, Op::Flush), 0);
         assert_same(&c.read_all(0), &model, "after reuse");
-        drop(c);
-        assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+        disconnect_and_stop(&backend, c);
         let len = file_size(&img);
         eprintln!("v2={v2}: file length {len} after writing 8 MiB with 4 MiB freed in between");
         assert!(
             len < 6 * MIB,
             "v2={v2}: the file grew to {len}: freed clusters were not reused"
         );
-        run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
-        let raw = dir.join("reuse.expected");
-        std::fs::write(&raw, &model).unwrap();
-        qemu_compare(&raw, &img);
+        check_clean(&img);
+        compare_with_model(&dir, "reuse.expected", &model, &img);
     }
 }
 
@@ -1031,15 +1005,11 @@ fn freed_clusters_are_punched_and_reused() {
 /// there is refused (I/O error) and the metadata stays intact.
 #[test]
 fn writes_into_clusters_overlapping_metadata_are_refused() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-overlap") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-overlap");
+    };
     let img = dir.join("hostile.qcow2");
-    run(Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&img)
-        .arg("4M"));
+    qemu_img_create(&img, "qcow2", "4M");
     qemu_io(&img, "qcow2", &["write -P 0x42 0 64k"]);
     let mut bytes = std::fs::read(&img).unwrap();
     let be64 = |b: &[u8], o: usize| u64::from_be_bytes(b[o..o + 8].try_into().unwrap());
@@ -1051,8 +1021,7 @@ fn writes_into_clusters_overlapping_metadata_are_refused() {
     std::fs::write(&img, &bytes).unwrap();
     let l1_before = bytes[l1_offset..l1_offset + 512].to_vec();
 
-    let backend = Backend::start(&dir, &img, &BackendOpts::default());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (backend, mut c) = serve(&dir, &img, &[]);
     let ret = c.write_at(0, 0, &[0xffu8; 4096]);
     assert_eq!(ret, EIO, "a write over metadata must fail");
     assert_eq!(
@@ -1060,8 +1029,7 @@ fn writes_into_clusters_overlapping_metadata_are_refused() {
         0,
         "other writes still work"
     );
-    drop(c);
-    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    disconnect_and_stop(&backend, c);
     let after = std::fs::read(&img).unwrap();
     assert_eq!(
         &after[l1_offset..l1_offset + 512],
@@ -1079,15 +1047,11 @@ fn writes_into_clusters_overlapping_metadata_are_refused() {
 /// gets an I/O error, never a write over the snapshot.
 #[test]
 fn writes_over_a_snapshot_l1_table_are_refused() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-snap-overlap") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-snap-overlap");
+    };
     let img = dir.join("hostile.qcow2");
-    run(Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&img)
-        .arg("4M"));
+    qemu_img_create(&img, "qcow2", "4M");
     qemu_io(&img, "qcow2", &["write -P 0x42 0 128k"]);
     run(Command::new("qemu-img")
         .args(["snapshot", "-c", "snap1"])
@@ -1106,8 +1070,7 @@ fn writes_over_a_snapshot_l1_table_are_refused() {
     std::fs::write(&img, &bytes).unwrap();
     let before = bytes[snap_l1..snap_l1 + 512].to_vec();
 
-    let backend = Backend::start(&dir, &img, &BackendOpts::default());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (backend, mut c) = serve(&dir, &img, &[]);
     assert_eq!(
         c.write_at(0, 65536, &[0xffu8; 4096]),
         EIO,
@@ -1118,8 +1081,7 @@ fn writes_over_a_snapshot_l1_table_are_refused() {
         0,
         "other writes work"
     );
-    drop(c);
-    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    disconnect_and_stop(&backend, c);
     let after = std::fs::read(&img).unwrap();
     assert_eq!(
         &after[snap_l1..snap_l1 + 512],
@@ -1133,32 +1095,24 @@ fn writes_over_a_snapshot_l1_table_are_refused() {
 /// new data and the snapshot still has the old.
 #[test]
 fn writes_preserve_internal_snapshots() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-snap") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-snap");
+    };
     let img = dir.join("snap.qcow2");
-    run(Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&img)
-        .arg("4M"));
+    qemu_img_create(&img, "qcow2", "4M");
     qemu_io(
         &img,
         "qcow2",
         &["write -P 0xa1 0 1M", "write -c -P 0xa2 2M 64k"],
     );
     let raw_before = dir.join("before.raw");
-    run(Command::new("qemu-img")
-        .args(["convert", "-O", "raw"])
-        .arg(&img)
-        .arg(&raw_before));
+    to_raw(&img, &raw_before);
     run(Command::new("qemu-img")
         .args(["snapshot", "-c", "snap1"])
         .arg(&img));
     let mut expected = read_file(&raw_before);
 
-    let backend = Backend::start(&dir, &img, &BackendOpts::default());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (backend, mut c) = serve(&dir, &img, &[]);
     for (off, byte) in [
         (0u64, 0xb1u8),
         (512 * 1024, 0xb2),
@@ -1169,29 +1123,22 @@ fn writes_preserve_internal_snapshots() {
         expected[off as usize..off as usize + 8192].fill(byte);
     }
     assert_same(&c.read_all(0), &expected, "active image through vublk");
-    drop(c);
-    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
-    run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
+    disconnect_and_stop(&backend, c);
+    check_clean(&img);
     let active = dir.join("active.raw");
-    run(Command::new("qemu-img")
-        .args(["convert", "-O", "raw"])
-        .arg(&img)
-        .arg(&active));
+    to_raw(&img, &active);
     assert_same(&read_file(&active), &expected, "active image by qemu-img");
     run(Command::new("qemu-img")
         .args(["snapshot", "-a", "snap1"])
         .arg(&img));
     let snap = dir.join("snap.raw");
-    run(Command::new("qemu-img")
-        .args(["convert", "-O", "raw"])
-        .arg(&img)
-        .arg(&snap));
+    to_raw(&img, &snap);
     assert_same(
         &read_file(&snap),
         &read_file(&raw_before),
         "the snapshot kept the old data",
     );
-    run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
+    check_clean(&img);
 }
 
 /// A persistent dirty bitmap (`qemu-img bitmap --add`, as libvirt and backup tools use for
@@ -1200,15 +1147,11 @@ fn writes_preserve_internal_snapshots() {
 /// no incremental backup trusts a bitmap that missed writes. A read-only open leaves them.
 #[test]
 fn persistent_dirty_bitmaps_are_marked_inconsistent_by_a_writer() {
-    if skip_unless_vublk("qcow2 is served by vublk") || !have_qemu_tools() {
+    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-bitmaps") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-bitmaps");
+    };
     let img = dir.join("bm.qcow2");
-    run(Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&img)
-        .arg("16M"));
+    qemu_img_create(&img, "qcow2", "16M");
     run(Command::new("qemu-img")
         .args(["bitmap", "--add"])
         .arg(&img)
@@ -1240,13 +1183,11 @@ fn persistent_dirty_bitmaps_are_marked_inconsistent_by_a_writer() {
         "a read-only open changed the header"
     );
 
-    let backend = Backend::start(&dir, &img, &BackendOpts::default());
-    let mut c = connect_queues(&backend.socket, 1);
+    let (backend, mut c) = serve(&dir, &img, &[]);
     for k in 0..128u64 {
         assert_eq!(c.write_at(0, k * 65536, &[0x5au8; 65536]), 0);
     }
-    drop(c);
-    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    disconnect_and_stop(&backend, c);
     assert_eq!(autoclear(&img), 0, "the autoclear bits are still set");
     let (json, stderr) = info(&img);
     assert!(
@@ -1322,10 +1263,9 @@ fn crafted_snapshot_tables_open_quickly_in_bounded_memory() {
 /// the creation exits 1 with the reason and leaves no file.
 #[test]
 fn vublk_create_makes_big_tables_without_building_them() {
-    if skip_unless_vublk("vublk create is vublk's") || !have_qemu_tools() {
+    let Some(dir) = setup(CREATE_BY_VUBLK, "qcow2-create-big") else {
         return;
-    }
-    let dir = TestDir::new("qcow2-create-big");
+    };
     let img = dir.join("big.qcow2");
     let create = |resource, value| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_vublk"));
@@ -1342,6 +1282,6 @@ fn vublk_create_makes_big_tables_without_building_them() {
 
     let o = create(libc::RLIMIT_AS, AS_LIMIT);
     assert!(o.status.success(), "under a memory limit: {o:?}");
-    run(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
+    check_clean(&img);
     assert_virtual_size(&img, 128 << 30);
 }

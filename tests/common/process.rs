@@ -332,6 +332,28 @@ pub fn vublk_refuses(dir: &TestDir, image: &Path, extra: &[&str]) -> (Option<i32
     (status.code(), fs::read_to_string(&out).unwrap_or_default())
 }
 
+/// Starts the backend on `image` with `opts` and connects a libblkio client with `client`.
+/// Bind the pair as `let (backend, c) = ...`: the client is dropped (disconnected) before the
+/// backend (killed, if it still runs).
+pub fn start_and_connect(
+    dir: &TestDir,
+    image: &Path,
+    opts: &BackendOpts,
+    client: ClientOpts,
+) -> (Backend, Client) {
+    let backend = Backend::start(dir, image, opts);
+    let c = connect(&backend.socket, client);
+    (backend, c)
+}
+
+/// Disconnects the client, then SIGTERMs the backend, which must exit 0 within
+/// `EXIT_DEADLINE`. The backend stays for its log.
+#[track_caller]
+pub fn disconnect_and_stop(backend: &Backend, client: Client) {
+    drop(client);
+    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
 /// Serves `image` read-only, reads its first 4 KiB through libblkio, and stops the backend;
 /// panics unless the read works and the backend exits 0 on SIGTERM.
 pub fn serve_read_only_once(dir: &TestDir, image: &Path) {
@@ -339,17 +361,13 @@ pub fn serve_read_only_once(dir: &TestDir, image: &Path) {
         read_only: true,
         ..BackendOpts::default()
     };
-    let backend = Backend::start(dir, image, &opts);
-    let mut c = connect(
-        &backend.socket,
-        ClientOpts {
-            read_only: true,
-            ..ClientOpts::default()
-        },
-    );
+    let client = ClientOpts {
+        read_only: true,
+        ..ClientOpts::default()
+    };
+    let (backend, mut c) = start_and_connect(dir, image, &opts, client);
     assert!(c.read_at(0, 0, 4096).is_ok(), "read-only read failed");
-    drop(c);
-    assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    disconnect_and_stop(&backend, c);
 }
 
 /// Sum of the per-queue statistics vublk logs at disconnect, e.g. `logged_count(log, " bounced")`
