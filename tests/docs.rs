@@ -3,8 +3,10 @@
 //! file or directory of the repository, no link leaves it (`../` past its root), and every
 //! backtick-quoted token that looks like a repository path (`src/...`, `tests/...`,
 //! `Cargo.toml`, ...) exists. Placeholders (`vendor/NAME`, `fuzz/corpus/TARGET`, `<...>`,
-//! `*`, `...`) are skipped, as are paths that a build or an install makes (`target/...`).
-//! Only std: the test reads files and compares strings.
+//! `*`, `...`) are skipped, and paths outside the listed directories (`target/...`, which a
+//! build makes, or `/usr/...`) are not checked. vendor/PATCHES.md names the patched crates'
+//! own files (`src/handler.rs`): those may be in any `vendor/CRATE/`. Only std: the test
+//! reads files and compares strings.
 
 use std::collections::BTreeSet;
 use std::path::{Component, Path, PathBuf};
