@@ -18,7 +18,7 @@ vublk is serving $img on $sock. Attach it to a guest with:
     -object memory-backend-memfd,id=mem,size=2G,share=on -numa node,memdev=mem \\
     -chardev socket,id=vublk0,path=$sock,reconnect-ms=1000 \\
     -device vhost-user-blk-pci,chardev=vublk0,num-queues=2 ...
-(reconnect-ms: a restarted vublk picks the guest up again; see README "Restarts".)
+(reconnect-ms: a restarted vublk picks the guest up again; see docs/restarts.md.)
 Stop with Ctrl-C (in-flight requests finish and the image is flushed).
 MSG
 exec "$here/target/release/vublk" --socket-path "$sock" --blk-file "$img" --num-queues 2 "$@"

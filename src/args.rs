@@ -354,7 +354,7 @@ pub struct CtlArgs {
     pub method: CtlMethod,
 }
 
-/// The control methods (README, "The control socket").
+/// The control methods (docs/operations.md, "The control socket").
 #[derive(Debug, Subcommand)]
 pub enum CtlMethod {
     /// The daemon's name and version.

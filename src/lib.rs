@@ -1,25 +1,44 @@
 //! vublk: a vhost-user-blk backend daemon.
 //!
 //! Map of the crate, one line per module (a request's path: `worker` -> `virtio_blk` ->
-//! `zero` -> `image` -> `io` -> `worker`):
-//! - `args`: clap definitions only.
-//! - `config`: validated configuration; every option conflict is rejected here.
-//! - `daemon`: opens the device; listener or `--fd`, one frontend after another, signals.
+//! `zero` -> `image` -> `io` -> `worker`; ARCHITECTURE.md has the whole map, the
+//! invariants and the lock order):
+//! - `args`: clap definitions only (validation lives in `config`).
+//! - `assets`: the generated files a package installs (man page, shell completions, the
+//!   vhost-user backend descriptor), from the same definitions the binary uses.
 //! - `backend`: the `VhostUserBackend` impl: features, config space, event dispatch.
-//! - `worker`: the per-queue data plane: pop, parse, plan, submit, reap, complete.
+//! - `config`: validated configuration; every option conflict is rejected here.
+//! - `control`: the control socket (JSON-RPC 2.0, one object per line) and `vublk ctl`.
+//! - `daemon`: opens the device; listener or `--fd`, one frontend after another, signals.
 //! - `device`: the virtio-blk device model (limits, config space, write cache) over an image.
 //! - `guest_memory`: the frontend's memory checked when it changes, and the SIGBUS guard.
+//! - `http`: the metrics endpoint's small HTTP/1.1 server, with bounded connections, request
+//!   heads and time.
+//! - `image`: disk images behind one `Image` interface (raw, qcow2, parallels, backing files,
+//!   and the remote disks: NBD exports, RBD images).
 //! - `inflight`: the inflight region (vhost-user INFLIGHT_SHMFD): which requests a queue has
 //!   taken, kept by the frontend across restarts, and their recovery.
-//! - `virtio_blk`: request parsing and the status of guest faults (no image, no io_uring).
-//! - `zero`: all-zero detection over guest memory (detect-zeroes).
-//! - `image`: disk images behind one `Image` interface (raw, qcow2, parallels, backing files).
 //! - `io`: I/O engines, O_DIRECT alignment, bounce buffers, raw system calls (no formats).
-//! - `offload`: thread pools for writes too slow for a queue thread.
-//! - `metrics`, `http`: the Prometheus endpoint, and its small HTTP server with bounded
-//!   connections, request heads and time.
+//! - `locks`: mutexes and read-write locks taken ignoring poisoning, in one place.
 //! - `logging`: rate-limited logging for the data path, error chains on one line.
+//! - `metrics`: the Prometheus / OpenMetrics endpoint (`--metrics-addr`), read at each scrape.
+//! - `nbd`: NBD, vublk's own: the protocol (URIs, handshake, wire) and the client driver.
+//! - `offload`: thread pools for work too slow for a queue thread; results come back through
+//!   the queue's completion eventfd.
+//! - `rbd` (feature `rbd`): Ceph RBD images through librbd: connecting, locking, the update
+//!   watch, asynchronous I/O from the guest's iovecs, and its engine.
+//! - `service`: running under a service manager: systemd notification, socket activation,
+//!   `--pidfile`, the limit of open files.
+//! - `stats`: per-queue request counters for `stats` and the metrics, written by the queue's
+//!   thread only.
 //! - `testing`: test doubles (in-memory and crash-simulating disks), tests and fuzzing only.
+//! - `throttle`: the I/O limits, token buckets shared by all queues of a device.
+//! - `top`: `vublk ctl top`, the live per-queue view from two `stats` answers.
+//! - `virtio_blk`: request parsing and the status of guest faults (no image, no io_uring).
+//! - `watchdog`: each queue's requests in flight, their age and what they wait for, and the
+//!   thread that logs stuck ones.
+//! - `worker`: the per-queue data plane: pop, parse, plan, submit, reap, complete.
+//! - `zero`: all-zero detection over guest memory (detect-zeroes).
 
 pub mod args;
 pub mod assets;
