@@ -25,8 +25,9 @@
 //! - `nbd`: NBD, vublk's own: the protocol (URIs, handshake, wire) and the client driver.
 //! - `offload`: thread pools for work too slow for a queue thread; results come back through
 //!   the queue's completion eventfd.
-//! - `rbd` (feature `rbd`): Ceph RBD images through librbd: connecting, locking, the update
-//!   watch, asynchronous I/O from the guest's iovecs, and its engine.
+//! - `rbd`: the Ceph RBD driver: its options (always built), and with the feature `rbd`
+//!   librbd (connecting, locking, the update watch, asynchronous I/O from the guest's
+//!   iovecs), an image being served, and its engine.
 //! - `service`: running under a service manager: systemd notification, socket activation,
 //!   `--pidfile`, the limit of open files.
 //! - `stats`: per-queue request counters for `stats` and the metrics, written by the queue's

@@ -32,6 +32,11 @@ fn the_installed_package_has_its_files_and_serves() {
         "/usr/share/bash-completion/completions/vublk",
         "/usr/share/zsh/vendor-completions/_vublk",
         "/usr/share/fish/vendor_completions.d/vublk.fish",
+        // The README links ARCHITECTURE.md and the pages of docs/.
+        "/usr/share/doc/vublk/README.md",
+        "/usr/share/doc/vublk/ARCHITECTURE.md",
+        "/usr/share/doc/vublk/docs/README.md",
+        "/usr/share/doc/vublk/docs/operations.md",
     ] {
         assert!(Path::new(f).is_file(), "{f} is not installed");
     }
