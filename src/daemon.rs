@@ -277,7 +277,7 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
             ctx,
         )?;
     }
-    if let Err(e) = crate::watchdog::spawn(&dev, cfg.stuck_request) {
+    if let Err(e) = dev.spawn_watchdog(cfg.stuck_request) {
         warn!("no stuck-request watchdog ({e})");
     }
     if let Some(addr) = &cfg.metrics_addr {

@@ -160,6 +160,33 @@ pub struct Device {
 }
 
 impl Device {
+    /// Watch the queues for requests in flight longer than `limit` (`--stuck-request-secs`;
+    /// zero: not watched), on a thread that lives as long as the device.
+    pub fn spawn_watchdog(
+        self: &std::sync::Arc<Self>,
+        limit: std::time::Duration,
+    ) -> std::io::Result<()> {
+        if limit.is_zero() {
+            return Ok(());
+        }
+        let weak = std::sync::Arc::downgrade(self);
+        let every = crate::watchdog::period(limit);
+        std::thread::Builder::new()
+            .name("vublk-watchdog".into())
+            .spawn(move || {
+                let mut last_report = Vec::new();
+                loop {
+                    std::thread::sleep(every);
+                    let Some(dev) = weak.upgrade() else { return };
+                    last_report.resize(dev.queue_stats.len(), None);
+                    for (q, c) in dev.queue_stats.iter().enumerate() {
+                        crate::watchdog::check_queue(q, &c.watch, limit, &mut last_report[q]);
+                    }
+                }
+            })?;
+        Ok(())
+    }
+
     /// The device over `image`; its capacity is the image's size. `reopen`: how the image
     /// is opened again when it is taken over after a handover (None: never).
     pub fn new(image: Image, params: DeviceParams) -> Self {

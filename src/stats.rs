@@ -11,15 +11,8 @@ use serde::Serialize;
 
 use crate::virtio_blk::{status, RequestType};
 
-/// Request types, in the order of [`QueueCounters::ops`].
-pub const OPS: [&str; 6] = [
-    "read",
-    "write",
-    "flush",
-    "discard",
-    "write_zeroes",
-    "get_id",
-];
+/// Request types by name, in the order of [`QueueCounters::ops`]; a type's index.
+pub use crate::virtio_blk::{op_index, OPS};
 
 /// Latency histogram buckets: bucket `i` counts requests that took less than `2^i`
 /// microseconds (the last one: any longer, i.e. 2^(BUCKETS-2) us = 33 s and more).
@@ -27,18 +20,6 @@ pub const BUCKETS: usize = 27;
 
 /// Completion statuses counted: OK, IOERR, UNSUPP.
 pub const STATUSES: [&str; 3] = ["ok", "ioerr", "unsupp"];
-
-/// The index in [`OPS`] of a request type.
-pub fn op_index(kind: RequestType) -> usize {
-    match kind {
-        RequestType::In => 0,
-        RequestType::Out => 1,
-        RequestType::Flush => 2,
-        RequestType::Discard => 3,
-        RequestType::WriteZeroes => 4,
-        RequestType::GetId => 5,
-    }
-}
 
 /// Add `n` to a counter only this thread writes.
 fn bump(c: &AtomicU64, n: u64) {

@@ -8,10 +8,8 @@
 //! one, again at most once per period while one stays, and one when none is left.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-
-use crate::device::Device;
 
 /// What a request, or a queue thread, waits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,7 +74,7 @@ pub fn now_us() -> u64 {
 struct SlotWatch {
     /// When it was taken from the ring ([`now_us`]; 0: free).
     since_us: AtomicU64,
-    /// Its type (`stats::OPS` index) and first sector, packed: `op << 56 | sector`.
+    /// Its type (`virtio_blk::OPS` index) and first sector, packed: `op << 56 | sector`.
     what: AtomicU64,
     wait: AtomicU8,
 }
@@ -198,33 +196,15 @@ impl QueueWatch {
     }
 }
 
-/// Watch `dev`'s queues for requests older than `limit` (checked every second, or a
-/// quarter of the limit if that is shorter) for the life of the device.
-pub fn spawn(dev: &Arc<Device>, limit: Duration) -> std::io::Result<()> {
-    if limit.is_zero() {
-        return Ok(());
-    }
-    let weak: Weak<Device> = Arc::downgrade(dev);
-    let every = (limit / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
-    std::thread::Builder::new()
-        .name("vublk-watchdog".into())
-        .spawn(move || {
-            let mut last_report: Vec<Option<Instant>> = Vec::new();
-            loop {
-                std::thread::sleep(every);
-                let Some(dev) = weak.upgrade() else { return };
-                last_report.resize(dev.queue_stats.len(), None);
-                for (q, c) in dev.queue_stats.iter().enumerate() {
-                    check_queue(q, &c.watch, limit, &mut last_report[q]);
-                }
-            }
-        })?;
-    Ok(())
+/// How often the watchdog looks for requests older than `limit`: every second, or a
+/// quarter of the limit if that is shorter.
+pub fn period(limit: Duration) -> Duration {
+    (limit / 4).clamp(Duration::from_millis(100), Duration::from_secs(1))
 }
 
 /// One look at queue `q`: a line when a request first passes `limit`, again once per
 /// `limit` while one does, and one when none does any more.
-fn check_queue(q: usize, w: &QueueWatch, limit: Duration, last: &mut Option<Instant>) {
+pub fn check_queue(q: usize, w: &QueueWatch, limit: Duration, last: &mut Option<Instant>) {
     let now = now_us();
     let (oldest, over) = w.oldest(now, limit);
     let stuck = oldest.filter(|o| o.age > limit);
@@ -253,7 +233,7 @@ fn check_queue(q: usize, w: &QueueWatch, limit: Duration, last: &mut Option<Inst
     log::warn!(
         "queue {q}: a {} request (sector {}) has been in flight for {:.1} s, waiting for {}; \
          {over} request(s) in flight longer than --stuck-request-secs {}{thread}",
-        crate::stats::OPS.get(o.op).copied().unwrap_or("?"),
+        crate::virtio_blk::OPS.get(o.op).copied().unwrap_or("?"),
         o.sector,
         o.age.as_secs_f64(),
         o.wait.describe(engine),

@@ -5,6 +5,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use super::piece::Piece;
 use super::qcow2::{Extent, Qcow2Error, Qcow2Image};
 use super::ImageError;
 
@@ -103,38 +104,6 @@ fn resolve(image: &Path, backing: &str) -> PathBuf {
         b.to_path_buf()
     } else {
         image.parent().unwrap_or(Path::new(".")).join(b)
-    }
-}
-
-/// A resolved piece of a read: which file (0 = the image itself, i = backing layer i - 1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Piece {
-    Data {
-        layer: usize,
-        host_offset: u64,
-        len: u64,
-    },
-    Zero {
-        len: u64,
-    },
-    Compressed {
-        layer: usize,
-        host_offset: u64,
-        compressed_len: u64,
-        skip: u64,
-        len: u64,
-    },
-}
-
-impl Piece {
-    pub fn len(&self) -> u64 {
-        match *self {
-            Piece::Data { len, .. } | Piece::Zero { len } | Piece::Compressed { len, .. } => len,
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

@@ -125,7 +125,7 @@ pub fn parallels_open(data: &[u8]) {
             p.map(off, len, &mut pieces);
             assert_eq!(pieces.iter().map(|x| x.len()).sum::<u64>(), len);
             for x in &pieces {
-                if let super::chain::Piece::Data {
+                if let super::Piece::Data {
                     host_offset, len, ..
                 } = *x
                 {

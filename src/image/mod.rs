@@ -12,7 +12,7 @@
 //!
 //! Rooms: `options` (what opening is told, and why it fails), `probe` (formats by magic),
 //! `open` (opening a local image in its format), `raw`, `qcow2/`, `parallels/`, `chain`
-//! (backing files), `prealloc` (the preallocation planner, executor and background thread),
+//! (backing files), `piece` (what a read resolves to), `prealloc` (the preallocation planner, executor and background thread),
 //! `durable` (metadata written back later, releases after it is durable), `handover` (giving
 //! the image to another process during a live migration and taking it back), `grow` (online
 //! resize), `report` (counters for stats and logs), `create` (`vublk create`), `engine` (the
@@ -31,6 +31,7 @@ pub mod lock;
 mod open;
 mod options;
 pub mod parallels;
+mod piece;
 pub mod prealloc;
 mod probe;
 pub mod qcow2;
@@ -42,10 +43,10 @@ use std::fs::File;
 use std::io;
 use std::sync::atomic::Ordering;
 
-pub use chain::Piece;
 pub use engine::{Engine, EngineChoice};
 pub use grow::GrowError;
 pub use options::{CompressChoice, Format, ImageOpenError, ImageOptions, PreallocChoice, RawFacts};
+pub use piece::Piece;
 pub use probe::{probe, probe_bytes};
 pub use qcow2::FillGate;
 pub use raw::{open_raw, OpenError, RawImage};

@@ -9,6 +9,28 @@ pub use request::{
     parse_request, Desc, DeviceLimits, Range, Request, RequestError, RequestType, Segment,
 };
 
+/// Request types by name, in the order counters and the watchdog index them ([`op_index`]).
+pub const OPS: [&str; 6] = [
+    "read",
+    "write",
+    "flush",
+    "discard",
+    "write_zeroes",
+    "get_id",
+];
+
+/// The index in [`OPS`] of a request type.
+pub fn op_index(kind: RequestType) -> usize {
+    match kind {
+        RequestType::In => 0,
+        RequestType::Out => 1,
+        RequestType::Flush => 2,
+        RequestType::Discard => 3,
+        RequestType::WriteZeroes => 4,
+        RequestType::GetId => 5,
+    }
+}
+
 /// Sectors in virtio-blk are always 512 bytes, whatever the logical block size (5.2.6).
 pub const SECTOR_SHIFT: u32 = 9;
 /// Bytes per virtio sector.

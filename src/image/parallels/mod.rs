@@ -25,8 +25,8 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use super::chain::Piece;
 use super::durable::{AfterDurable, DirtyChunks};
+use super::piece::Piece;
 use super::prealloc::preallocate;
 pub use super::prealloc::PreallocMode;
 use super::{ImageError, ZeroMode};

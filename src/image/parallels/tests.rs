@@ -4,7 +4,7 @@
 use std::io;
 
 use super::*;
-use crate::image::chain::Piece;
+use crate::image::Piece;
 use crate::image::ZeroMode;
 use crate::testing::MemStorage;
 
