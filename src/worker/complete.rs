@@ -13,22 +13,22 @@ use crate::log_limited;
 use crate::virtio_blk::{status, RequestType};
 
 use super::failure::Failure;
-use super::slot::{decode, OpKind, SlotState, Then};
+use super::slot::{decode, OpKind, SlotId, SlotState, Then};
 use super::QueueWorker;
 
 impl QueueWorker {
     /// Account one finished operation; Some((head, used_len)) when its request is done.
     pub(super) fn complete_op(&mut self, c: Completion) -> Option<(u16, u32)> {
-        let (idx, kind, range) = decode(c.user_data);
+        let (id, kind, range) = decode(c.user_data);
         if kind == Some(OpKind::Offload) {
             self.offloaded = self.offloaded.saturating_sub(1);
         }
         let short_reads_are_zeroes = self.image.short_reads_are_zeroes();
-        let slot = self.slots.get_mut(usize::from(idx))?;
+        let slot = self.slots.get_mut(id)?;
         let SlotState::Busy(r) = &mut slot.state else {
             log_limited!(
                 log::Level::Error,
-                "queue {}: completion for idle slot {idx}",
+                "queue {}: completion for idle slot {id}",
                 self.index
             );
             return None;
@@ -36,7 +36,7 @@ impl QueueWorker {
         if r.pending == 0 {
             log_limited!(
                 log::Level::Error,
-                "queue {}: completion for idle slot {idx}",
+                "queue {}: completion for idle slot {id}",
                 self.index
             );
             return None;
@@ -117,57 +117,51 @@ impl QueueWorker {
         if let Some(msg) = failure {
             log_limited!(log::Level::Warn, "queue {}: {msg}", self.index);
         }
+        let mut failed = None;
         if res < 0 {
             self.stats.errors += 1;
             r.status = status::IOERR;
-            let f = Failure::Op {
+            failed = Some(Failure::Op {
                 kind,
                 source: io::Error::from_raw_os_error(-res),
-            };
-            r.pending -= 1;
-            let pending = r.pending;
-            self.report(&f);
-            if pending > 0 {
-                return None;
-            }
-        } else {
-            if matches!(kind, Some(OpKind::Discard) | Some(OpKind::PunchZero)) && c.result == 0 {
-                if let Some(z) = slot.req.ranges.get(range as usize) {
-                    self.dev
-                        .zero_stats
-                        .unmapped_bytes
-                        .fetch_add(z.len_bytes, Ordering::Relaxed);
-                }
-            }
-            r.pending -= 1;
-            if r.pending > 0 {
-                return None;
+            });
+        } else if matches!(kind, Some(OpKind::Discard) | Some(OpKind::PunchZero)) && c.result == 0 {
+            if let Some(z) = slot.req.ranges.get(range as usize) {
+                self.dev
+                    .zero_stats
+                    .unmapped_bytes
+                    .fetch_add(z.len_bytes, Ordering::Relaxed);
             }
         }
-        let slot = &mut self.slots[usize::from(idx)];
-        let SlotState::Busy(r) = &mut slot.state else {
-            return None;
-        };
-        if r.then == Then::SyncFirst && r.status == status::OK {
-            // Write-through: the zeroing becomes durable before the request completes.
+        r.pending -= 1;
+        let done = r.pending == 0;
+        let head = r.head;
+        // Write-through: the zeroing becomes durable before the request completes.
+        let sync_first = done && r.then == Then::SyncFirst && r.status == status::OK;
+        if sync_first {
             r.then = Then::Finish;
-            let head = r.head;
-            if self.push_sync(idx).is_ok() {
+        }
+        if let Some(f) = failed {
+            self.report(&f);
+        }
+        if !done {
+            return None;
+        }
+        if sync_first {
+            if self.push_sync(id).is_ok() {
                 return None;
             }
-            if let Some(r) = self.slots[usize::from(idx)].busy() {
+            if let Some(r) = self.slots.busy(id) {
                 r.status = status::IOERR;
             }
-            return Some((head, self.finish(idx)));
         }
-        let head = r.head;
-        Some((head, self.finish(idx)))
+        Some((head, self.finish(id)))
     }
 
     /// Copy bounced read data out, give back what the image lent, write the status byte,
     /// free the slot. Returns the used length.
-    pub(super) fn finish(&mut self, idx: u16) -> u32 {
-        let slot = &mut self.slots[usize::from(idx)];
+    pub(super) fn finish(&mut self, id: SlotId) -> u32 {
+        let slot = self.slots.get(id);
         let SlotState::Busy(mut r) = std::mem::replace(&mut slot.state, SlotState::Free) else {
             return 0;
         };
@@ -232,8 +226,8 @@ impl QueueWorker {
             ranges.release(k);
         }
         slot.iov.clear();
-        self.free.push(idx);
-        self.watch().end(idx);
+        self.slots.release(id);
+        self.watch().end(id.get());
         self.count_in_flight();
         if let Some(f) = failure {
             self.report(&f);

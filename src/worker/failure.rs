@@ -12,7 +12,7 @@ use crate::log_limited;
 use crate::logging::error_chain as chain;
 use crate::virtio_blk::{status, RequestError};
 
-use super::slot::OpKind;
+use super::slot::{OpKind, SlotId};
 use super::QueueWorker;
 
 /// Why a request failed on the host side.
@@ -71,10 +71,10 @@ impl Failure {
 }
 
 impl QueueWorker {
-    /// Fail the request in slot `idx` with `f` (its status set, the failure logged).
-    pub(super) fn fail(&mut self, idx: u16, f: Failure) {
+    /// Fail the request in slot `id` with `f` (its status set, the failure logged).
+    pub(super) fn fail(&mut self, id: SlotId, f: Failure) {
         self.report(&f);
-        if let Some(r) = self.slots.get_mut(usize::from(idx)).and_then(|s| s.busy()) {
+        if let Some(r) = self.slots.busy(id) {
             r.status = f.status();
         }
     }

@@ -4,6 +4,8 @@
 //! One request, in order:
 //! 1. `process_queue` (here) pops a descriptor chain;
 //! 2. `submit::start_request` parses it (`virtio_blk`) into the slot's [`slot::InFlight`];
+//!    from there its [`slot::Req`] (slot id and parsed fields) is what the submission path
+//!    passes on, and the slot is looked up only for what it owns (`slot::Slots`);
 //! 3. reads and writes: the header guard and the zero check (`zero`), then the image plans
 //!    (`read`: one extent or pieces; `write`: through the engine, or through the format on
 //!    a pool or inline); DISCARD and WRITE_ZEROES are zeroed (`zero`);
@@ -54,7 +56,7 @@ use crate::io::Completion;
 use crate::log_limited;
 use crate::offload::Inbox;
 use crate::virtio_blk::Desc;
-use slot::Slot;
+use slot::{Req, Slots};
 
 use crate::guest_memory::Mem;
 type Vring = VringRwLock<GuestMemoryAtomic<Mem>>;
@@ -81,8 +83,7 @@ pub struct QueueWorker {
     image: Arc<Image>,
     engine: Engine,
     mem: GuestMemoryAtomic<Mem>,
-    slots: Vec<Slot>,
-    free: Vec<u16>,
+    slots: Slots,
     vring: Option<Vring>,
     completions: Vec<Completion>,
     /// Requests finished while the vring was not at hand: (head, used_len) to add.
@@ -132,7 +133,7 @@ pub struct QueueWorker {
     /// The daemon is stopping: take no more requests (the next process will).
     quiesced: bool,
     /// Parsed requests waiting for the device's I/O limits (`throttle`), oldest first.
-    throttled: std::collections::VecDeque<u16>,
+    throttled: std::collections::VecDeque<Req>,
     /// Wakes the queue when the limits admit the first of them (None: no timer, retried on
     /// the next event).
     timer: Option<vmm_sys_util::timerfd::TimerFd>,
@@ -181,8 +182,7 @@ impl QueueWorker {
             dev,
             engine,
             mem,
-            slots: (0..n).map(|_| Slot::new()).collect(),
-            free: (0..n as u16).rev().collect(),
+            slots: Slots::new(n),
             vring: None,
             completions: Vec::with_capacity(n),
             deferred_used: Vec::with_capacity(n),
@@ -218,7 +218,7 @@ impl QueueWorker {
     }
 
     pub fn in_flight(&self) -> usize {
-        self.slots.len() - self.free.len()
+        self.slots.in_use()
     }
 
     /// This queue's in-flight table (the stuck-request watchdog's view).
@@ -344,7 +344,7 @@ impl QueueWorker {
             // Work is what was taken: a ring this queue may not take from (disabled,
             // stopped, quiesced) must not keep the loop spinning (it would never end, and
             // a stop waiting for the worker would wait for ever).
-            if !self.free.is_empty()
+            if self.slots.has_free()
                 && self.broken.is_none()
                 && avail_pending(vring, &mem)
                 && self.process_queue(vring, false) > 0
@@ -434,7 +434,7 @@ impl QueueWorker {
         // A pass that stopped for want of a slot relies on the next completion to take
         // the rest (notifications stay off meanwhile); if those completions were reaped
         // in the pass itself (the blocking engine), no event will come: go on here.
-        while self.stalled && rearm && !self.free.is_empty() && !self.quiesced {
+        while self.stalled && rearm && self.slots.has_free() && !self.quiesced {
             taken += self.process_pass(vring, rearm);
         }
         taken
@@ -483,7 +483,7 @@ impl QueueWorker {
                 self.release_throttled();
             }
             loop {
-                if self.free.is_empty() || !self.resubmit.is_empty() {
+                if !self.slots.has_free() || !self.resubmit.is_empty() {
                     self.stalled = true;
                     break;
                 }

@@ -8,29 +8,24 @@ use crate::image::Piece;
 use crate::io::Op;
 
 use super::failure::Failure;
-use super::slot::{user_data, Bounce, OpKind, SlotState};
+use super::slot::{user_data, Bounce, OpKind, Req, SlotState};
 use super::QueueWorker;
 
 impl QueueWorker {
     /// Where a read goes in the image file: Ok(host offset) when it is one run of the file;
     /// otherwise its pieces were submitted here and `Err` carries the submission result.
-    pub(super) fn plan_read(
-        &mut self,
-        idx: u16,
-        offset: u64,
-        len: u64,
-    ) -> Result<u64, io::Result<bool>> {
+    pub(super) fn plan_read(&mut self, req: Req) -> Result<u64, io::Result<bool>> {
         let image = self.image.clone();
         let mut plan = std::mem::take(&mut self.read_plan);
-        let r = match image.plan_read(offset, len, &mut plan) {
+        let r = match image.plan_read(req.offset, req.len, &mut plan) {
             Ok(Some(host)) => Ok(host),
-            Ok(None) => Err(self.submit_pieces(idx, &plan.pieces)),
+            Ok(None) => Err(self.submit_pieces(req, &plan.pieces)),
             Err(e) => {
                 self.fail(
-                    idx,
+                    req.id,
                     Failure::Image {
                         what: "read",
-                        offset,
+                        offset: req.offset,
                         source: e,
                     },
                 );
@@ -44,17 +39,17 @@ impl QueueWorker {
     /// A read of several pieces: the pieces in image files are read through the engine into
     /// one bounce buffer, zero pieces are zero-filled and compressed ones decompressed into
     /// it here; `finish` copies the buffer to the guest.
-    fn submit_pieces(&mut self, idx: u16, pieces: &[Piece]) -> io::Result<bool> {
+    fn submit_pieces(&mut self, req: Req, pieces: &[Piece]) -> io::Result<bool> {
         let image = self.image.clone();
-        let len = self.slots[usize::from(idx)].req.data_len as usize;
+        let len = req.len as usize;
         if pieces.iter().map(|p| p.len()).sum::<u64>() != len as u64 {
             // Never index the buffer with a plan that does not cover the request exactly.
-            self.fail(idx, Failure::BadPlan);
+            self.fail(req.id, Failure::BadPlan);
             return Ok(false);
         }
         let mut buf = self.bounce.get(len)?;
         self.piece_reads.clear();
-        let slot = &mut self.slots[usize::from(idx)];
+        let slot = self.slots.get(req.id);
         slot.iov.clear();
         slot.iov.reserve(pieces.len());
         let base = buf.as_mut_ptr();
@@ -95,7 +90,7 @@ impl QueueWorker {
         if let Some(f) = failed {
             slot.iov.clear();
             self.bounce.put(buf);
-            self.fail(idx, f);
+            self.fail(req.id, f);
             return Ok(false);
         }
         let SlotState::Busy(r) = &mut slot.state else {
@@ -113,7 +108,7 @@ impl QueueWorker {
             // the completion is reaped; slot.iov is not resized after this loop started.
             unsafe {
                 self.engine
-                    .push(layer, &op, user_data(idx, OpKind::ReadPart, i as u32))?
+                    .push(layer, &op, user_data(req.id, OpKind::ReadPart, i as u32))?
             };
             r.pending += 1;
         }

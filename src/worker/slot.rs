@@ -1,11 +1,12 @@
 //! One in-flight request: its slot in the queue's table, everything the kernel may reference
 //! until it completes, and how its engine operations are named in io_uring `user_data`.
+//! The table ([`Slots`]) is the one place a [`SlotId`] becomes a slot.
 
 use std::sync::Arc;
 
 use crate::image::WriteTicket;
 use crate::io::bounce::AlignedBuf;
-use crate::virtio_blk::{status, Request};
+use crate::virtio_blk::{status, Request, RequestType};
 
 use super::Mem;
 
@@ -41,16 +42,63 @@ impl OpKind {
     }
 }
 
+/// Names a slot of the queue's table where a name must outlive a borrow: in io_uring
+/// `user_data`, the throttle queue, the watchdog's table. Only [`Slots`] hands them out (and
+/// [`decode`] reads them back, unchecked: [`Slots::get_mut`] is the look-up for those).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) struct SlotId(u16);
+
+impl SlotId {
+    /// The slot's number (the watchdog's table and log lines use it).
+    pub fn get(self) -> u16 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for SlotId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// What the submission path needs of a parsed request, read from its slot once when it
+/// starts and handed down from there: the slot is looked up again only for what it owns
+/// (the guest's segments, the iovecs, the request's progress in [`InFlight`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Req {
+    pub id: SlotId,
+    /// The chain's head descriptor (what the used ring gets back).
+    pub head: u16,
+    pub kind: RequestType,
+    /// Where on the device, in bytes.
+    pub offset: u64,
+    /// Bytes of data (reads, writes, GET_ID).
+    pub len: u64,
+}
+
+impl Req {
+    /// The summary of `req`, parsed from chain `head` into slot `id`.
+    pub fn new(id: SlotId, head: u16, req: &Request) -> Self {
+        Req {
+            id,
+            head,
+            kind: req.kind,
+            offset: req.offset_bytes(),
+            len: req.data_len,
+        }
+    }
+}
+
 /// `user_data` of operation `kind` of slot `slot`; `range` is the operation's index within
 /// the request (a discard range, a read piece).
-pub(super) fn user_data(slot: u16, kind: OpKind, range: u32) -> u64 {
-    u64::from(slot) | (u64::from(kind as u8) << 16) | (u64::from(range) << 32)
+pub(super) fn user_data(slot: SlotId, kind: OpKind, range: u32) -> u64 {
+    u64::from(slot.0) | (u64::from(kind as u8) << 16) | (u64::from(range) << 32)
 }
 
 /// The slot, kind and index a completion's `user_data` names (kind None: not ours).
-pub(super) fn decode(ud: u64) -> (u16, Option<OpKind>, u32) {
+pub(super) fn decode(ud: u64) -> (SlotId, Option<OpKind>, u32) {
     (
-        ud as u16,
+        SlotId(ud as u16),
         OpKind::from_u8((ud >> 16) as u8),
         (ud >> 32) as u32,
     )
@@ -157,14 +205,65 @@ impl Slot {
     }
 }
 
+/// The queue's table of slots and which of them are free.
+pub(super) struct Slots {
+    table: Vec<Slot>,
+    /// Taken from the end.
+    free: Vec<SlotId>,
+}
+
+impl Slots {
+    /// A table of `n` free slots (at most 65536: a queue's size).
+    pub fn new(n: usize) -> Self {
+        Slots {
+            table: (0..n).map(|_| Slot::new()).collect(),
+            free: (0..n as u16).rev().map(SlotId).collect(),
+        }
+    }
+
+    /// A free slot, now taken (None: all are in use).
+    pub fn take(&mut self) -> Option<SlotId> {
+        self.free.pop()
+    }
+
+    /// Give slot `id` back (its request is finished, or never started).
+    pub fn release(&mut self, id: SlotId) {
+        self.free.push(id);
+    }
+
+    pub fn has_free(&self) -> bool {
+        !self.free.is_empty()
+    }
+
+    /// Slots taken.
+    pub fn in_use(&self) -> usize {
+        self.table.len() - self.free.len()
+    }
+
+    /// Slot `id`, which this table handed out.
+    pub fn get(&mut self, id: SlotId) -> &mut Slot {
+        &mut self.table[usize::from(id.0)]
+    }
+
+    /// Slot `id`, if there is one (an id read back from a completion may be anything).
+    pub fn get_mut(&mut self, id: SlotId) -> Option<&mut Slot> {
+        self.table.get_mut(usize::from(id.0))
+    }
+
+    /// The request in slot `id`, to change (None: no such slot, or it is free).
+    pub fn busy(&mut self, id: SlotId) -> Option<&mut InFlight> {
+        self.get_mut(id).and_then(Slot::busy)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn user_data_round_trips() {
-        let ud = user_data(513, OpKind::ReadPart, 31);
-        assert_eq!(decode(ud), (513, Some(OpKind::ReadPart), 31));
+        let ud = user_data(SlotId(513), OpKind::ReadPart, 31);
+        assert_eq!(decode(ud), (SlotId(513), Some(OpKind::ReadPart), 31));
         assert_eq!(decode(0).1, None, "kind 0 is nobody's");
     }
 }

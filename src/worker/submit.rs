@@ -12,7 +12,7 @@ use crate::virtio_blk::{parse_request, status, Desc, RequestType, Segment};
 use crate::watchdog::Wait;
 
 use super::failure::Failure;
-use super::slot::{user_data, Bounce, InFlight, OpKind, SlotState};
+use super::slot::{user_data, Bounce, InFlight, OpKind, Req, SlotId, SlotState};
 use super::{Mem, QueueWorker};
 
 impl QueueWorker {
@@ -24,8 +24,8 @@ impl QueueWorker {
         mem: &Arc<Mem>,
     ) -> Option<u32> {
         self.stats.requests += 1;
-        let idx = self.free.pop()?;
-        let slot = &mut self.slots[usize::from(idx)];
+        let id = self.slots.take()?;
+        let slot = self.slots.get(id);
         slot.iov.clear();
         if let Err(e) = parse_request(&**mem, descs, &self.dev.limits(), &mut slot.req) {
             self.stats.errors += 1;
@@ -38,85 +38,85 @@ impl QueueWorker {
                 0
             };
             self.report_guest(head, &e);
-            self.free.push(idx);
+            self.slots.release(id);
             if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
                 c.record_refused(e.status());
             }
             return Some(used);
         }
         slot.state = SlotState::Busy(InFlight::new(head, mem.clone()));
-        let (kind, sector) = (slot.req.kind, slot.req.sector);
+        let (req, sector) = (Req::new(id, head, &slot.req), slot.req.sector);
         self.watch().start(
-            idx,
-            crate::stats::op_index(kind),
+            id.get(),
+            crate::stats::op_index(req.kind),
             sector,
             crate::watchdog::now_us(),
         );
-        if !self.image.is_active() && kind != RequestType::GetId {
+        if !self.image.is_active() && req.kind != RequestType::GetId {
             // The image could not be taken over (a migration destination whose source did
             // not let go): the guest gets an error, not a hang.
-            let offset = self.slots[usize::from(idx)].req.offset_bytes();
             self.fail(
-                idx,
+                id,
                 Failure::Image {
                     what: "serving the request",
-                    offset,
+                    offset: req.offset,
                     source: crate::image::ImageError::Inactive,
                 },
             );
-            return Some(self.finish(idx));
+            return Some(self.finish(id));
         }
         self.count_in_flight();
-        if self.must_wait_for_throttle(idx) {
-            self.watch().wait(idx, Wait::Throttle);
-            self.throttled.push_back(idx);
+        if self.must_wait_for_throttle(req) {
+            self.watch().wait(id.get(), Wait::Throttle);
+            self.throttled.push_back(req);
             return None;
         }
-        self.launch(idx)
+        self.launch(req)
     }
 
     /// Submit a parsed request's operations; Some(used length) when it finished at once.
-    pub(super) fn launch(&mut self, idx: u16) -> Option<u32> {
-        match self.submit_request(idx) {
+    pub(super) fn launch(&mut self, req: Req) -> Option<u32> {
+        let id = req.id;
+        match self.submit_request(req) {
             Ok(true) => {
                 // On the engine, unless a pool thread has it.
-                if self.watch().waits_for(idx) != Wait::Pool {
-                    self.watch().wait(idx, Wait::Engine);
+                if self.watch().waits_for(id.get()) != Wait::Pool {
+                    self.watch().wait(id.get(), Wait::Engine);
                 }
                 None
             }
             // Nothing to submit (or failed before any operation): complete now.
-            Ok(false) => Some(self.finish(idx)),
+            Ok(false) => Some(self.finish(id)),
             Err(e) => {
                 self.fail(
-                    idx,
+                    id,
                     Failure::Io {
                         what: "submitting the request",
                         source: e,
                     },
                 );
-                let pending = self.slots[usize::from(idx)].busy().map_or(0, |r| r.pending);
-                (pending == 0).then(|| self.finish(idx))
+                let pending = self.slots.busy(id).map_or(0, |r| r.pending);
+                (pending == 0).then(|| self.finish(id))
             }
         }
     }
 
     /// Push the request's operations. Ok(false) when there is nothing to wait for.
-    fn submit_request(&mut self, idx: u16) -> io::Result<bool> {
-        match self.slots[usize::from(idx)].req.kind {
-            RequestType::In | RequestType::Out => self.submit_rw(idx),
-            RequestType::Flush => self.submit_flush(idx),
+    fn submit_request(&mut self, req: Req) -> io::Result<bool> {
+        match req.kind {
+            RequestType::In | RequestType::Out => self.submit_rw(req),
+            RequestType::Flush => self.submit_flush(req.id),
             RequestType::GetId => {
-                self.get_id(idx);
+                self.get_id(req.id);
                 Ok(false)
             }
-            RequestType::Discard | RequestType::WriteZeroes => self.submit_zero_ranges(idx),
+            RequestType::Discard | RequestType::WriteZeroes => self.submit_zero_ranges(req),
         }
     }
 
     /// FLUSH: format metadata written back (in dependency order), then one fdatasync
     /// through the engine makes it and every completed write durable.
-    fn submit_flush(&mut self, idx: u16) -> io::Result<bool> {
+    fn submit_flush(&mut self, id: SlotId) -> io::Result<bool> {
         self.stats.flushes += 1;
         if !self.dev.writeback() {
             // Write-through: every completed write is already durable.
@@ -124,7 +124,7 @@ impl QueueWorker {
         }
         if let Err(e) = self.image.write_back() {
             self.fail(
-                idx,
+                id,
                 Failure::Image {
                     what: "metadata write-back for FLUSH",
                     offset: 0,
@@ -133,27 +133,27 @@ impl QueueWorker {
             );
             return Ok(false);
         }
-        self.push_sync(idx)?;
+        self.push_sync(id)?;
         Ok(true)
     }
 
-    /// One fdatasync of the image file for the request in slot `idx`.
-    pub(super) fn push_sync(&mut self, idx: u16) -> io::Result<()> {
+    /// One fdatasync of the image file for the request in slot `id`.
+    pub(super) fn push_sync(&mut self, id: SlotId) -> io::Result<()> {
         // SAFETY: no buffers.
         unsafe {
             self.engine
-                .push(0, &Op::Fdatasync, user_data(idx, OpKind::Flush, 0))?
+                .push(0, &Op::Fdatasync, user_data(id, OpKind::Flush, 0))?
         };
-        if let Some(r) = self.slots[usize::from(idx)].busy() {
+        if let Some(r) = self.slots.busy(id) {
             r.pending += 1;
         }
         Ok(())
     }
 
     /// GET_ID: the serial, into the guest's buffers, as far as they reach.
-    fn get_id(&mut self, idx: u16) {
-        let id = self.dev.id_bytes();
-        let slot = &mut self.slots[usize::from(idx)];
+    fn get_id(&mut self, id: SlotId) {
+        let serial = self.dev.id_bytes();
+        let slot = self.slots.get(id);
         let Some(r) = slot.busy_ref() else {
             return;
         };
@@ -161,11 +161,11 @@ impl QueueWorker {
         let mut done = 0usize;
         let mut ok = true;
         for seg in &slot.req.data {
-            if done == id.len() {
+            if done == serial.len() {
                 break;
             }
-            let n = (seg.len as usize).min(id.len() - done);
-            if mem.write_slice(&id[done..done + n], seg.addr).is_err() {
+            let n = (seg.len as usize).min(serial.len() - done);
+            if mem.write_slice(&serial[done..done + n], seg.addr).is_err() {
                 ok = false;
                 break;
             }
@@ -180,11 +180,10 @@ impl QueueWorker {
     }
 
     /// Read or write: planned by the image, then through the engine (or the format).
-    fn submit_rw(&mut self, idx: u16) -> io::Result<bool> {
-        let slot = &mut self.slots[usize::from(idx)];
-        let is_read = slot.req.kind == RequestType::In;
-        let (offset, len) = (slot.req.offset_bytes(), slot.req.data_len);
-        if let Some(r) = slot.busy() {
+    fn submit_rw(&mut self, req: Req) -> io::Result<bool> {
+        let is_read = req.kind == RequestType::In;
+        let len = req.len;
+        if let Some(r) = self.slots.busy(req.id) {
             r.used_len = if is_read { len as u32 + 1 } else { 1 };
             r.expect_bytes = len;
         }
@@ -192,12 +191,12 @@ impl QueueWorker {
             return Ok(false);
         }
         if is_read {
-            match self.plan_read(idx, offset, len) {
-                Ok(host) => self.push_rw(idx, host, None),
+            match self.plan_read(req) {
+                Ok(host) => self.push_rw(req, host, None),
                 Err(done) => done,
             }
         } else {
-            self.submit_write(idx, offset, len)
+            self.submit_write(req)
         }
     }
 
@@ -207,7 +206,7 @@ impl QueueWorker {
     /// where O_DIRECT needs it (sub-block reads read the whole blocks around the data).
     pub(super) fn push_rw(
         &mut self,
-        idx: u16,
+        req: Req,
         file_offset: u64,
         whole: Option<(u64, u64)>,
     ) -> io::Result<bool> {
@@ -216,9 +215,9 @@ impl QueueWorker {
         let writeback = self.dev.writeback();
         let host_limit = self.image.host_limit();
         let block = align.offset as u64;
-        let slot = &mut self.slots[usize::from(idx)];
-        let is_read = slot.req.kind == RequestType::In;
-        let len = slot.req.data_len;
+        let is_read = req.kind == RequestType::In;
+        let len = req.len;
+        let slot = self.slots.get(req.id);
         let SlotState::Busy(r) = &mut slot.state else {
             return Ok(false);
         };
@@ -261,7 +260,7 @@ impl QueueWorker {
                 slot.iov.clear();
                 let what = if is_read { "read" } else { "write" };
                 self.fail(
-                    idx,
+                    req.id,
                     Failure::PastEnd {
                         what,
                         offset: file_offset,
@@ -309,7 +308,7 @@ impl QueueWorker {
         // SAFETY: the iovecs point into guest memory kept mapped by the request's memory
         // snapshot or into its bounce buffer; the slot is not reused until this completion
         // is reaped.
-        unsafe { self.engine.push(0, &op, user_data(idx, kind, 0))? };
+        unsafe { self.engine.push(0, &op, user_data(req.id, kind, 0))? };
         r.pending = 1;
         Ok(true)
     }

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use super::slot::Req;
 use super::QueueWorker;
 
 impl QueueWorker {
@@ -29,15 +30,15 @@ impl QueueWorker {
         }
     }
 
-    /// Must request `idx` wait for the I/O limits? (Requests behind a waiting one wait too.)
-    pub(super) fn must_wait_for_throttle(&mut self, idx: u16) -> bool {
+    /// Must `req` wait for the I/O limits? (Requests behind a waiting one wait too.)
+    pub(super) fn must_wait_for_throttle(&mut self, req: Req) -> bool {
         if !self.throttled.is_empty() {
             return true;
         }
         if !self.dev.throttle.on() {
             return false;
         }
-        match self.throttle_admit(idx) {
+        match self.throttle_admit(req) {
             Ok(()) => false,
             Err(wait) => {
                 self.arm_timer(wait);
@@ -46,16 +47,15 @@ impl QueueWorker {
         }
     }
 
-    pub(super) fn throttle_admit(&self, idx: u16) -> Result<(), Duration> {
+    pub(super) fn throttle_admit(&self, req: Req) -> Result<(), Duration> {
         use crate::throttle::Dir;
         use crate::virtio_blk::RequestType;
-        let req = &self.slots[usize::from(idx)].req;
         let dir = match req.kind {
             RequestType::In => Dir::Read,
             RequestType::Out => Dir::Write,
             _ => return Ok(()),
         };
-        self.dev.throttle.admit(dir, req.data_len)
+        self.dev.throttle.admit(dir, req.len)
     }
 
     /// Wake up after `wait` (at most 50 ms: limits changed meanwhile take effect soon).
@@ -69,17 +69,16 @@ impl QueueWorker {
     /// Start the waiting requests the limits admit now, oldest first (all of them with
     /// `force`: the queue is stopping and everything taken must complete).
     pub(super) fn release_throttled_inner(&mut self, force: bool) {
-        while let Some(&idx) = self.throttled.front() {
+        while let Some(&req) = self.throttled.front() {
             if !force && self.dev.throttle.on() {
-                if let Err(wait) = self.throttle_admit(idx) {
+                if let Err(wait) = self.throttle_admit(req) {
                     self.arm_timer(wait);
                     return;
                 }
             }
             self.throttled.pop_front();
-            let head = self.slots[usize::from(idx)].busy_ref().map(|r| r.head);
-            if let (Some(used), Some(head)) = (self.launch(idx), head) {
-                self.deferred_used.push((head, used));
+            if let Some(used) = self.launch(req) {
+                self.deferred_used.push((req.head, used));
             }
         }
     }

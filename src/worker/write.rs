@@ -14,7 +14,7 @@ use crate::watchdog::Wait;
 use crate::zero::DetectZeroes;
 
 use super::failure::{report_offloaded, Failure};
-use super::slot::{user_data, OpKind};
+use super::slot::{user_data, OpKind, Req, Slot, SlotId};
 use super::submit::{block_span, copy_from_guest, copy_from_guest_prefix};
 use super::QueueWorker;
 
@@ -29,36 +29,37 @@ enum Checked {
 const MAGIC_PROBE_BYTES: usize = 16;
 
 impl QueueWorker {
-    pub(super) fn submit_write(&mut self, idx: u16, offset: u64, len: u64) -> io::Result<bool> {
+    pub(super) fn submit_write(&mut self, req: Req) -> io::Result<bool> {
         let lost = crate::guest_memory::lost_pages();
-        let checked = self.check_write(idx, offset, len);
+        let checked = self.check_write(req);
         if crate::guest_memory::lost_pages() != lost {
             // Reading the data faulted: it is gone, and zero pages stand in its place.
-            self.fail(idx, Failure::GuestMemoryGone);
+            self.fail(req.id, Failure::GuestMemoryGone);
             return Ok(false);
         }
         match checked {
             Checked::Refused => Ok(false),
-            Checked::Zero => self.submit_zero_ranges(idx),
-            Checked::Data => self.plan_and_submit_write(idx, offset, len),
+            Checked::Zero => self.submit_zero_ranges(req),
+            Checked::Data => self.plan_and_submit_write(req),
         }
     }
 
     /// The header guard and detect-zeroes (both read the guest's data in place).
-    fn check_write(&mut self, idx: u16, offset: u64, len: u64) -> Checked {
-        if offset == 0 && self.image.guards_format_header() && self.plants_format_header(idx) {
-            self.fail(idx, Failure::PlantedHeader);
+    fn check_write(&mut self, req: Req) -> Checked {
+        let (offset, len) = (req.offset, req.len);
+        let slot = self.slots.get(req.id);
+        if offset == 0 && self.image.guards_format_header() && plants_format_header(slot) {
+            self.fail(req.id, Failure::PlantedHeader);
             return Checked::Refused;
         }
-        if self.dev.params.detect_zeroes != DetectZeroes::Off && self.write_is_zero(idx) {
+        if self.dev.params.detect_zeroes != DetectZeroes::Off && slot.write_is_zero() {
             // Only whole-request zero writes are converted (partial ones go out as written).
             let unmap = self.dev.params.detect_zeroes == DetectZeroes::Unmap;
             let zs = &self.dev.zero_stats;
             zs.zero_writes.fetch_add(1, Ordering::Relaxed);
             zs.zero_write_bytes.fetch_add(len, Ordering::Relaxed);
-            let req = &mut self.slots[usize::from(idx)].req;
-            req.ranges.clear();
-            req.ranges.push(Range {
+            slot.req.ranges.clear();
+            slot.req.ranges.push(Range {
                 offset_bytes: offset,
                 len_bytes: len,
                 unmap,
@@ -68,16 +69,19 @@ impl QueueWorker {
         Checked::Data
     }
 
-    fn plan_and_submit_write(&mut self, idx: u16, offset: u64, len: u64) -> io::Result<bool> {
-        match self.image.plan_write(offset, len, self.dev.writeback()) {
-            Ok(WritePlan::Engine(w)) => self.engine_write(idx, w),
-            Ok(WritePlan::Format(offload)) => Ok(self.format_write(idx, offload)),
+    fn plan_and_submit_write(&mut self, req: Req) -> io::Result<bool> {
+        match self
+            .image
+            .plan_write(req.offset, req.len, self.dev.writeback())
+        {
+            Ok(WritePlan::Engine(w)) => self.engine_write(req, w),
+            Ok(WritePlan::Format(offload)) => Ok(self.format_write(req, offload)),
             Err(e) => {
                 self.fail(
-                    idx,
+                    req.id,
                     Failure::Image {
                         what: "write",
-                        offset,
+                        offset: req.offset,
                         source: e,
                     },
                 );
@@ -86,21 +90,9 @@ impl QueueWorker {
         }
     }
 
-    /// Would this write (at offset 0) start the image with a format's magic?
-    fn plants_format_header(&self, idx: u16) -> bool {
-        let slot = &self.slots[usize::from(idx)];
-        let Some(r) = slot.busy_ref() else {
-            return false;
-        };
-        let n = (slot.req.data_len as usize).min(MAGIC_PROBE_BYTES);
-        let mut magic = [0u8; MAGIC_PROBE_BYTES];
-        copy_from_guest_prefix(&r.mem, &slot.req.data, &mut magic[..n])
-            && probe_bytes(&magic[..n]).is_some()
-    }
-
     /// A write the image planned through the engine.
-    fn engine_write(&mut self, idx: u16, w: EngineWrite) -> io::Result<bool> {
-        let len = self.slots[usize::from(idx)].req.data_len;
+    fn engine_write(&mut self, req: Req, w: EngineWrite) -> io::Result<bool> {
+        let len = req.len;
         let block = self.dev.params.align.offset as u64;
         let sub_block = self.dev.direct() && (w.host % block != 0 || len % block != 0);
         if sub_block && w.whole.is_none() {
@@ -109,7 +101,7 @@ impl QueueWorker {
                 // Whatever the image set aside for it (new clusters) goes back.
                 if let Err(e) = self.image.end_write(t, false) {
                     self.fail(
-                        idx,
+                        req.id,
                         Failure::Image {
                             what: "giving back new clusters",
                             offset: w.host,
@@ -120,30 +112,33 @@ impl QueueWorker {
                 }
             }
             return match self.image.sub_block_fallback() {
-                Some(offload) => Ok(self.format_write(idx, offload)),
+                Some(offload) => Ok(self.format_write(req, offload)),
                 None => {
-                    self.read_modify_write(idx);
+                    self.read_modify_write(req);
                     Ok(false)
                 }
             };
         }
-        if let Some(r) = self.slots[usize::from(idx)].busy() {
+        // The waits below pump only other requests (this one has nothing in flight yet):
+        // what it holds goes into its slot once, after them.
+        let range_key = if self.dev.write_ranges.is_some() {
+            self.acquire_range(w.host, w.host + len, Holder::Write)
+        } else {
+            None
+        };
+        let held = if w.overwrite {
+            self.hold_overwrite(w.host, w.host + len)
+        } else {
+            None
+        };
+        if let Some(r) = self.slots.busy(req.id) {
             r.ticket = w.ticket;
-        }
-        if self.dev.write_ranges.is_some() {
-            let key = self.acquire_range(w.host, w.host + len, Holder::Write);
-            if let Some(r) = self.slots[usize::from(idx)].busy() {
-                r.range_key = key;
+            r.range_key = range_key;
+            if let Some(held) = held {
+                r.ticket = Some(held);
             }
         }
-        if w.overwrite {
-            if let Some(held) = self.hold_overwrite(w.host, w.host + len) {
-                if let Some(r) = self.slots[usize::from(idx)].busy() {
-                    r.ticket = Some(held);
-                }
-            }
-        }
-        self.push_rw(idx, w.host, w.whole)
+        self.push_rw(req, w.host, w.whole)
     }
 
     /// [`crate::image::Image::hold_overwrite`], reaping this queue's own operations while
@@ -181,11 +176,8 @@ impl QueueWorker {
     /// A write through the format: on the image's pool for `offload` (the guest data is
     /// copied here, the result comes back through the inbox), else on this thread. Returns
     /// whether the request now waits for the pool (false: it is finished, status set).
-    fn format_write(&mut self, idx: u16, offload: Offload) -> bool {
-        let (offset, len) = {
-            let r = &self.slots[usize::from(idx)].req;
-            (r.offset_bytes(), r.data_len as usize)
-        };
+    fn format_write(&mut self, req: Req, offload: Offload) -> bool {
+        let (id, offset, len) = (req.id, req.offset, req.len as usize);
         let durable = !self.dev.writeback();
         if durable {
             self.stats.durable_writes += 1;
@@ -195,14 +187,14 @@ impl QueueWorker {
         // until the write is done.
         let gate = self.fence_fills();
         let (Some(inbox), Some(_)) = (self.inbox.clone(), self.image.pool(offload)) else {
-            self.format_write_inline(idx, offset, len, durable);
+            self.format_write_inline(id, offset, len, durable);
             drop(gate);
             return false;
         };
         let mut data = vec![0u8; len];
-        if let Err(e) = self.copy_request_data(idx, &mut data) {
+        if let Err(e) = self.slots.get(id).copy_data(&mut data) {
             self.fail(
-                idx,
+                id,
                 Failure::Io {
                     what: "reading the write from guest memory",
                     source: e,
@@ -211,7 +203,7 @@ impl QueueWorker {
             return false;
         }
         let image = self.image.clone();
-        let ud = user_data(idx, OpKind::Offload, 0);
+        let ud = user_data(id, OpKind::Offload, 0);
         let queue = self.index;
         let job: crate::offload::Job = Box::new(move || {
             let result = match image.write_through_format(offset, &data, durable) {
@@ -241,24 +233,24 @@ impl QueueWorker {
         if !submitted {
             // Every pool thread is gone (the job and its gate were dropped): here, then.
             let _gate = self.fence_fills();
-            self.format_write_inline(idx, offset, len, durable);
+            self.format_write_inline(id, offset, len, durable);
             return false;
         }
-        if let Some(r) = self.slots[usize::from(idx)].busy() {
+        if let Some(r) = self.slots.busy(id) {
             r.pending = 1;
         }
         self.offloaded += 1;
-        self.watch().wait(idx, Wait::Pool);
+        self.watch().wait(id.get(), Wait::Pool);
         true
     }
 
     /// A write through the format on this thread, synchronously.
-    fn format_write_inline(&mut self, idx: u16, offset: u64, len: usize, durable: bool) {
+    fn format_write_inline(&mut self, id: SlotId, offset: u64, len: usize, durable: bool) {
         let mut buf = match self.bounce.get(len) {
             Ok(b) => b,
             Err(e) => {
                 self.fail(
-                    idx,
+                    id,
                     Failure::Io {
                         what: "a buffer for the write",
                         source: e,
@@ -268,7 +260,9 @@ impl QueueWorker {
             }
         };
         let r = self
-            .copy_request_data(idx, &mut buf.as_mut_slice()[..len])
+            .slots
+            .get(id)
+            .copy_data(&mut buf.as_mut_slice()[..len])
             .map_err(|source| Failure::Io {
                 what: "reading the write from guest memory",
                 source,
@@ -284,17 +278,8 @@ impl QueueWorker {
             });
         self.bounce.put(buf);
         if let Err(f) = r {
-            self.fail(idx, f);
+            self.fail(id, f);
         }
-    }
-
-    /// The request's guest data, gathered into `dst` (its exact length).
-    fn copy_request_data(&self, idx: u16, dst: &mut [u8]) -> io::Result<()> {
-        let slot = &self.slots[usize::from(idx)];
-        let r = slot
-            .busy_ref()
-            .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
-        copy_from_guest(&r.mem, &slot.req.data, dst)
     }
 
     /// Take a write range, waiting for conflicting holders. While waiting, this queue's own
@@ -317,17 +302,14 @@ impl QueueWorker {
     /// patch in the guest data, write the blocks back, with no other write to them
     /// meanwhile. Synchronous on this queue's thread: it is the rare, misconfigured-geometry
     /// path.
-    fn read_modify_write(&mut self, idx: u16) {
+    fn read_modify_write(&mut self, req: Req) {
         self.stats.read_modify_writes += 1;
         let block = self.dev.params.align.offset as u64;
-        let (offset, len) = {
-            let r = &self.slots[usize::from(idx)].req;
-            (r.offset_bytes(), r.data_len)
-        };
+        let (offset, len) = (req.offset, req.len);
         let (start, end) = block_span(offset, len, block);
         if self.image.host_limit().is_some_and(|limit| end > limit) {
             self.fail(
-                idx,
+                req.id,
                 Failure::PastEnd {
                     what: "write",
                     offset,
@@ -340,19 +322,42 @@ impl QueueWorker {
         let mut data = vec![0u8; len as usize];
         let durable = !self.dev.writeback();
         let r = self
-            .copy_request_data(idx, &mut data)
+            .slots
+            .get(req.id)
+            .copy_data(&mut data)
             .and_then(|()| self.image.write_sub_block(offset, &data, block, durable));
         if let (Some(k), Some(ranges)) = (key, self.dev.write_ranges.as_ref()) {
             ranges.release(k);
         }
         if let Err(e) = r {
             self.fail(
-                idx,
+                req.id,
                 Failure::Io {
                     what: "read-modify-write",
                     source: e,
                 },
             );
         }
+    }
+}
+
+/// Would this write (at offset 0) start the image with a format's magic?
+fn plants_format_header(slot: &Slot) -> bool {
+    let Some(r) = slot.busy_ref() else {
+        return false;
+    };
+    let n = (slot.req.data_len as usize).min(MAGIC_PROBE_BYTES);
+    let mut magic = [0u8; MAGIC_PROBE_BYTES];
+    copy_from_guest_prefix(&r.mem, &slot.req.data, &mut magic[..n])
+        && probe_bytes(&magic[..n]).is_some()
+}
+
+impl Slot {
+    /// The request's guest data, gathered into `dst` (its exact length).
+    fn copy_data(&self, dst: &mut [u8]) -> io::Result<()> {
+        let r = self
+            .busy_ref()
+            .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        copy_from_guest(&r.mem, &self.req.data, dst)
     }
 }

@@ -14,20 +14,19 @@ use crate::io::{sys, Completion, Op};
 use crate::virtio_blk::RequestType;
 
 use super::failure::Failure;
-use super::slot::{user_data, OpKind, SlotState, Then};
+use super::slot::{user_data, OpKind, Req, Slot, SlotId, SlotState, Then};
 use super::QueueWorker;
 
-impl QueueWorker {
+impl Slot {
     /// detect-zeroes: is the whole write all zero? Reads guest memory in place.
     /// Memory that went away during the scan reads as zero pages: then the write is not
     /// zero (it goes to the engine, which finds the memory missing and fails it).
-    pub(super) fn write_is_zero(&self, idx: u16) -> bool {
-        let slot = &self.slots[usize::from(idx)];
-        let Some(r) = slot.busy_ref() else {
+    pub(super) fn write_is_zero(&self) -> bool {
+        let Some(r) = self.busy_ref() else {
             return false;
         };
         let lost = crate::guest_memory::lost_pages();
-        let zero = slot.req.data.iter().all(|seg| {
+        let zero = self.req.data.iter().all(|seg| {
             r.mem
                 .get_slices(seg.addr, seg.len as usize)
                 .all(|vs| match vs {
@@ -41,39 +40,42 @@ impl QueueWorker {
         });
         zero && crate::guest_memory::lost_pages() == lost
     }
+}
 
+impl QueueWorker {
     /// Zero the request's ranges. Ok(false) when there is nothing to wait for.
-    pub(super) fn submit_zero_ranges(&mut self, idx: u16) -> io::Result<bool> {
+    pub(super) fn submit_zero_ranges(&mut self, req: Req) -> io::Result<bool> {
+        let id = req.id;
         let discard_unmap = self.dev.params.discard_unmap;
-        let discard = self.slots[usize::from(idx)].req.kind == RequestType::Discard;
+        let discard = req.kind == RequestType::Discard;
         if discard && !discard_unmap {
             // --discard ignore: DISCARD is a hint the device may ignore (5.2.6.2).
             return Ok(false);
         }
         if self.image.zeroes_through_format() {
-            self.zero_through_format(idx, discard, discard_unmap);
+            self.zero_through_format(id, discard, discard_unmap);
             return Ok(false);
         }
-        if self.dev.write_ranges.is_some() {
-            let r = &self.slots[usize::from(idx)].req.ranges;
+        let range_key = if self.dev.write_ranges.is_some() {
+            let r = &self.slots.get(id).req.ranges;
             let lo = r.iter().map(|r| r.offset_bytes).min().unwrap_or(0);
             let hi = r
                 .iter()
                 .map(|r| r.offset_bytes + r.len_bytes)
                 .max()
                 .unwrap_or(0);
-            let key = self.acquire_range(lo, hi, Holder::Write);
-            if let Some(r) = self.slots[usize::from(idx)].busy() {
-                r.range_key = key;
-            }
-        }
+            self.acquire_range(lo, hi, Holder::Write)
+        } else {
+            None
+        };
         let no_zero_range = self.dev.no_zero_range.load(Ordering::Relaxed);
         let block_device = self.dev.params.is_block_device;
         let writeback = self.dev.writeback();
-        let slot = &mut self.slots[usize::from(idx)];
+        let slot = self.slots.get(id);
         let SlotState::Busy(r) = &mut slot.state else {
             return Ok(false);
         };
+        r.range_key = range_key;
         // Write-through: zeroed blocks must be durable when the request completes.
         if !discard && !writeback {
             r.then = Then::SyncFirst;
@@ -83,7 +85,7 @@ impl QueueWorker {
                 // A real discard (BLKDISCARD); synchronous: io_uring has no portable opcode.
                 r.pending += 1;
                 self.completions.push(Completion {
-                    user_data: user_data(idx, OpKind::Discard, i as u32),
+                    user_data: user_data(id, OpKind::Discard, i as u32),
                     result: self
                         .image
                         .discard_block_device(range.offset_bytes, range.len_bytes),
@@ -97,7 +99,7 @@ impl QueueWorker {
                 // SAFETY: no buffers.
                 unsafe {
                     self.engine
-                        .push(0, &op, user_data(idx, OpKind::Discard, i as u32))?
+                        .push(0, &op, user_data(id, OpKind::Discard, i as u32))?
                 };
                 r.pending += 1;
                 continue;
@@ -107,7 +109,7 @@ impl QueueWorker {
                 // Known unsupported: go straight to the fallback at completion.
                 r.pending += 1;
                 self.completions.push(Completion {
-                    user_data: user_data(idx, OpKind::ZeroRange, i as u32),
+                    user_data: user_data(id, OpKind::ZeroRange, i as u32),
                     result: -libc::EOPNOTSUPP,
                 });
                 continue;
@@ -120,7 +122,7 @@ impl QueueWorker {
                 len: range.len_bytes,
             };
             // SAFETY: no buffers.
-            unsafe { self.engine.push(0, &op, user_data(idx, kind, i as u32))? };
+            unsafe { self.engine.push(0, &op, user_data(id, kind, i as u32))? };
             r.pending += 1;
         }
         Ok(r.pending > 0)
@@ -128,13 +130,12 @@ impl QueueWorker {
 
     /// Zeroing through the format: zero flags and unallocation for whole clusters, zero
     /// data for partial ones (synchronous), durable before completion in write-through mode.
-    fn zero_through_format(&mut self, idx: u16, discard: bool, discard_unmap: bool) {
+    fn zero_through_format(&mut self, id: SlotId, discard: bool, discard_unmap: bool) {
         let gate = self.fence_fills();
         let dev = self.dev.clone();
         let image = self.image.clone();
-        let ranges = std::mem::take(&mut self.slots[usize::from(idx)].req.ranges);
         let mut failed = None;
-        for range in &ranges {
+        for range in &self.slots.get(id).req.ranges {
             let mode = if discard {
                 ZeroMode::Discard
             } else if range.unmap && discard_unmap {
@@ -156,7 +157,6 @@ impl QueueWorker {
                     .fetch_add(range.len_bytes, Ordering::Relaxed);
             }
         }
-        self.slots[usize::from(idx)].req.ranges = ranges;
         drop(gate);
         if failed.is_none() && !dev.writeback() {
             if let Err(e) = image.sync() {
@@ -168,7 +168,7 @@ impl QueueWorker {
             }
         }
         if let Some(f) = failed {
-            self.fail(idx, f);
+            self.fail(id, f);
         }
     }
 }
