@@ -199,6 +199,12 @@ pub struct Args {
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub stuck_request_secs: u32,
 
+    /// Start with an in-memory dirty bitmap NAME that records from the first request
+    /// (repeatable; GRANULARITY: a power of two from 512 to 2G, with K, M, G; default 64K).
+    /// See `vublk ctl bitmap-add` and docs/changed-block-tracking.md.
+    #[arg(long = "bitmap", value_name = "NAME[:GRANULARITY]")]
+    pub bitmaps: Vec<String>,
+
     /// Pin queue N's thread to the N-th CPU of LIST (comma-separated CPUs and ranges, e.g.
     /// `2,3` or `0-3`; cycled when there are more queues than CPUs). Default: unpinned.
     #[arg(long, value_name = "LIST")]
@@ -391,10 +397,58 @@ pub enum CtlMethod {
         #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = top_interval)]
         interval: f64,
     },
+    /// Dirty bitmaps (changed-block tracking: docs/changed-block-tracking.md).
+    #[command(flatten)]
+    Bitmap(BitmapMethod),
     /// Any other method (a newer daemon's): sent as it is, `--name value` pairs as its
     /// parameters.
     #[command(external_subcommand)]
     Other(Vec<String>),
+}
+
+/// The `bitmap-*` control methods.
+#[derive(Debug, Subcommand)]
+pub enum BitmapMethod {
+    /// Add a clean bitmap that records every change to the disk from now on.
+    BitmapAdd {
+        /// 1 to 1023 bytes, no control characters.
+        name: String,
+        /// Bytes per bit: a power of two from 512 to 2G (with K, M, G).
+        #[arg(long, value_name = "SIZE", default_value = "64K")]
+        granularity: String,
+        /// Keep it in the image file across restarts (qcow2 images; others keep bitmaps
+        /// in memory only).
+        #[arg(long)]
+        persistent: bool,
+        /// Add it without recording (enable it later).
+        #[arg(long)]
+        disabled: bool,
+    },
+    /// Remove a bitmap.
+    BitmapRemove { name: String },
+    /// Clear every bit of a bitmap.
+    BitmapClear { name: String },
+    /// Record changes in a bitmap again.
+    BitmapEnable { name: String },
+    /// Stop recording changes in a bitmap (what it holds stays).
+    BitmapDisable { name: String },
+    /// Set in TARGET every bit set in any SOURCE (same granularity).
+    BitmapMerge {
+        #[arg(long, value_name = "NAME")]
+        target: String,
+        #[arg(required = true, value_name = "SOURCE")]
+        sources: Vec<String>,
+    },
+    /// Every bitmap: name, granularity, recording, persistent, inconsistent, dirty bytes.
+    BitmapList,
+    /// A bitmap's dirty extents (offset, length), at most MAX from OFFSET on.
+    BitmapRanges {
+        name: String,
+        #[arg(long, value_name = "OFFSET", default_value_t = 0)]
+        offset: u64,
+        #[arg(long, value_name = "MAX", default_value_t = 1024)]
+        max: u64,
+    },
 }
 
 /// `vublk ctl set-throttle` limits (per second; 0 = unlimited; a negative number is

@@ -59,6 +59,8 @@ pub struct Config {
     pub poll: Poller,
     /// `--stuck-request-secs` (zero: no watchdog).
     pub stuck_request: Duration,
+    /// `--bitmap`: (name, granularity) of the in-memory bitmaps to start with.
+    pub bitmaps: Vec<(String, u64)>,
     /// `--queue-cpus`, in queue order (empty: unpinned).
     pub queue_cpus: Vec<usize>,
     /// `--throttle-*`.
@@ -314,6 +316,27 @@ impl Config {
                  --nbd-reconnect-timeout: at most 86400",
             ));
         }
+        let mut bitmaps: Vec<(String, u64)> = Vec::new();
+        for b in &args.bitmaps {
+            let (name, g) = match b.rsplit_once(':') {
+                Some((n, g)) => {
+                    let g = crate::args::parse_size(g).ok_or_else(|| {
+                        bad(format!(
+                            "--bitmap {b}: GRANULARITY: bytes, or with K, M or G"
+                        ))
+                    })?;
+                    (n, g)
+                }
+                None => (b.as_str(), crate::bitmaps::DEFAULT_GRANULARITY),
+            };
+            crate::bitmaps::check_name(name)
+                .and_then(|()| crate::bitmaps::check_granularity(g))
+                .map_err(|e| bad(format!("--bitmap {b}: {e}")))?;
+            if bitmaps.iter().any(|(n, _)| n == name) {
+                return Err(bad(format!("--bitmap {name}: given twice")));
+            }
+            bitmaps.push((name.to_owned(), g));
+        }
         if args.stuck_request_secs > 86400 {
             return Err(bad(format!(
                 "--stuck-request-secs {}: at most 86400 (0: off)",
@@ -356,6 +379,7 @@ impl Config {
             control_group: args.control_group.clone(),
             control_idle_timeout: Duration::from_secs(u64::from(args.control_idle_timeout)),
             stuck_request: Duration::from_secs(u64::from(args.stuck_request_secs)),
+            bitmaps,
             metrics_addr: args.metrics_addr.clone(),
             num_queues: args.num_queues as u16,
             queue_size: args.queue_size as u16,

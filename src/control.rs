@@ -50,6 +50,9 @@ const INTERNAL_ERROR: i64 = -32603;
 /// A server error (the implementation-defined range): the server closes the connection (idle
 /// too long, or closed to make room for a new client).
 pub const CLOSING: i64 = -32000;
+/// A server error: the daemon refuses the operation as asked (a bitmap that exists or does
+/// not, a name or granularity out of range); the message says why.
+pub const REFUSED: i64 = -32001;
 
 /// What the methods see.
 pub struct Context {
@@ -515,6 +518,14 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
             info!("I/O limits set: {l:?} (0: unlimited)");
             Ok(serde_json::to_value::<Limits>(l).unwrap_or(Value::Null))
         }
+        m if m.starts_with("bitmap-") => {
+            use crate::bitmaps::control::CallError;
+            crate::bitmaps::control::call(m, &params, &dev.bitmaps).map_err(|e| match e {
+                CallError::Params(m) => (INVALID_PARAMS, m),
+                CallError::Refused(e) => (REFUSED, e.to_string()),
+                CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
+            })
+        }
         _ => Err((METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
     }
 }
@@ -613,10 +624,46 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
             (name("set-throttle"), Value::Object(p))
         }
         M::Top { .. } => return Err("top is not a request".into()),
+        M::Bitmap(b) => bitmap_request(b)?,
         M::Other(words) => {
             let (method, args) = words.split_first().ok_or_else(|| "no method".to_owned())?;
             (method.clone(), params_from_args(args)?)
         }
+    })
+}
+
+/// A `bitmap-*` method's request (sizes given with K, M, G become bytes here).
+fn bitmap_request(b: &crate::args::BitmapMethod) -> Result<(String, Value), String> {
+    use crate::args::BitmapMethod as B;
+    let one = |m: &str, name: &str| (m.to_owned(), json!({ "name": name }));
+    Ok(match b {
+        B::BitmapAdd {
+            name,
+            granularity,
+            persistent,
+            disabled,
+        } => {
+            let g = crate::args::parse_size(granularity).ok_or_else(|| {
+                format!("--granularity {granularity:?}: bytes, or with K, M or G")
+            })?;
+            (
+                "bitmap-add".to_owned(),
+                json!({"name": name, "granularity": g, "persistent": persistent, "disabled": disabled}),
+            )
+        }
+        B::BitmapRemove { name } => one("bitmap-remove", name),
+        B::BitmapClear { name } => one("bitmap-clear", name),
+        B::BitmapEnable { name } => one("bitmap-enable", name),
+        B::BitmapDisable { name } => one("bitmap-disable", name),
+        B::BitmapMerge { target, sources } => (
+            "bitmap-merge".to_owned(),
+            json!({"target": target, "sources": sources}),
+        ),
+        B::BitmapList => ("bitmap-list".to_owned(), Value::Null),
+        B::BitmapRanges { name, offset, max } => (
+            "bitmap-ranges".to_owned(),
+            json!({"name": name, "offset": offset, "max": max}),
+        ),
     })
 }
 

@@ -277,6 +277,15 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
             ctx,
         )?;
     }
+    for (name, g) in &cfg.bitmaps {
+        // Names and granularities were checked with the options.
+        match dev.bitmaps.add(name, *g, false, true) {
+            Ok(()) => info!(
+                "bitmap {name:?} ({g}-byte granularity, in memory) records from the first request"
+            ),
+            Err(e) => warn!("--bitmap {name}: {e}"),
+        }
+    }
     if let Err(e) = dev.spawn_watchdog(cfg.stuck_request) {
         warn!("no stuck-request watchdog ({e})");
     }

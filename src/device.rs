@@ -157,6 +157,8 @@ pub struct Device {
     pub frontend_channel: std::sync::Mutex<FrontendChannel>,
     /// One resize at a time.
     resizing: std::sync::Mutex<()>,
+    /// The dirty bitmaps (changed-block tracking), marked by every queue.
+    pub bitmaps: crate::bitmaps::Bitmaps,
 }
 
 impl Device {
@@ -212,7 +214,15 @@ impl Device {
         let slots = usize::from(params.queue_size);
         let rmw_possible = params.cache == CacheMode::None
             && params.align.offset > params.logical_block_size as usize;
+        let no_persistence = match image.format() {
+            crate::image::Format::Qcow2 => {
+                "not kept in qcow2 files yet: bitmaps live in memory only for now"
+            }
+            _ => "this disk keeps bitmaps in memory only (persistent bitmaps need a qcow2 image)",
+        };
+        let bitmaps = crate::bitmaps::Bitmaps::new(image.size_bytes(), Some(no_persistence.into()));
         Device {
+            bitmaps,
             write_ranges: rmw_possible.then(RangeLocks::default),
             zero_stats: ZeroStats::default(),
             image: ImageSlot::new(image, reopen),
@@ -249,6 +259,8 @@ impl Device {
         let old = self.size_bytes();
         let image = self.image.get();
         let now = image.grow(new_bytes).map_err(|e| e.to_string())?;
+        // The bitmaps cover the new space before the guest may write there.
+        self.bitmaps.grow(now);
         let lbs = u64::from(self.params.logical_block_size);
         let sectors = (now / lbs * lbs) >> SECTOR_SHIFT;
         self.capacity_sectors.store(sectors, Ordering::Release);

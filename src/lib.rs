@@ -7,6 +7,8 @@
 //! - `assets`: the generated files a package installs (man page, shell completions, the
 //!   vhost-user backend descriptor), from the same definitions the binary uses.
 //! - `backend`: the `VhostUserBackend` impl: features, config space, event dispatch.
+//! - `bitmaps`: changed-block tracking: the disk's dirty bitmaps, marked by every queue
+//!   without a shared lock, and their `bitmap-*` control methods.
 //! - `config`: validated configuration; every option conflict is rejected here.
 //! - `control`: the control socket (JSON-RPC 2.0, one object per line) and `vublk ctl`.
 //! - `daemon`: opens the device; listener or `--fd`, one frontend after another, signals.
@@ -44,6 +46,7 @@
 pub mod args;
 pub mod assets;
 pub mod backend;
+pub mod bitmaps;
 pub mod config;
 pub mod control;
 pub mod daemon;

@@ -166,6 +166,26 @@ impl QueueWorker {
             return 0;
         };
         let is_read = slot.req.kind == RequestType::In;
+        // Changed-block tracking: what changes what the guest reads is in every enabled
+        // bitmap before the guest sees it complete (failed requests too: more, never less).
+        let bitmaps = &self.dev.bitmaps;
+        match slot.req.kind {
+            RequestType::Out => {
+                self.recorder
+                    .mark(bitmaps, slot.req.offset_bytes(), slot.req.data_len)
+            }
+            RequestType::WriteZeroes => {
+                for z in &slot.req.ranges {
+                    self.recorder.mark(bitmaps, z.offset_bytes, z.len_bytes);
+                }
+            }
+            RequestType::Discard if self.dev.params.discard_unmap => {
+                for z in &slot.req.ranges {
+                    self.recorder.mark(bitmaps, z.offset_bytes, z.len_bytes);
+                }
+            }
+            _ => {}
+        }
         if is_read && self.dev.dirty_log.load(Ordering::Acquire) {
             // The kernel (or a piece read) wrote these buffers, not vm-memory: log them for
             // a migrating frontend. (Bounced data is copied below through vm-memory, which

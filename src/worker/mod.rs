@@ -82,6 +82,8 @@ pub struct QueueWorker {
     /// a live migration hands it over and back: `image::handover`).
     image: Arc<Image>,
     engine: Engine,
+    /// This queue's view of the dirty bitmaps (changed-block tracking).
+    recorder: crate::bitmaps::Recorder,
     mem: GuestMemoryAtomic<Mem>,
     slots: Slots,
     vring: Option<Vring>,
@@ -165,6 +167,7 @@ impl QueueWorker {
             inflight: None,
             started: false,
             resubmit: Vec::new(),
+            recorder: crate::bitmaps::Recorder::default(),
             signal_on_start: false,
             take_failed: None,
             quiesced: false,

@@ -1,0 +1,363 @@
+//! Changed-block tracking: the disk's dirty bitmaps (docs/changed-block-tracking.md).
+//!
+//! A bitmap records which granules of the disk changed while it was enabled: every request
+//! that changes what the guest reads (a write, WRITE_ZEROES, a DISCARD that deallocates, a
+//! write detect-zeroes turned into zeroes) marks its range in every enabled bitmap before
+//! the guest sees it complete; reads and flushes do not. Rooms: `bitmap` (one bitmap: atomic
+//! bits in shared chunks), `control` (the `bitmap-*` control methods).
+//!
+//! The data path takes no lock shared by the queues: each queue keeps a [`Recorder`] with
+//! its own view of the bitmaps, taken again only when the set changed (a bitmap added or
+//! removed: a generation counter the queues only read) or a bitmap grew.
+
+mod bitmap;
+pub mod control;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub use bitmap::{DirtyBitmap, View, DEFAULT_GRANULARITY, MAX_GRANULARITY, MIN_GRANULARITY};
+
+use crate::locks::Locked;
+
+/// Longest bitmap name, in bytes (as qcow2's bitmap directory allows).
+pub const MAX_NAME_BYTES: usize = 1023;
+/// Most bitmaps a disk keeps (as qcow2 allows).
+pub const MAX_BITMAPS: usize = 65535;
+
+/// Why a bitmap operation is refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BitmapError {
+    #[error("bitmap {0:?} exists")]
+    Exists(String),
+    #[error("no bitmap {0:?}")]
+    NotFound(String),
+    #[error("bitmap name {0:?}: 1 to 1023 bytes of printable characters (no control characters)")]
+    BadName(String),
+    #[error("granularity {0}: a power of two from 512 bytes to 2 GiB")]
+    BadGranularity(u64),
+    #[error(
+        "bitmap {target:?} ({target_g} bytes) and {other:?} ({other_g} bytes): merged bitmaps \
+         need the same granularity"
+    )]
+    GranularityMismatch {
+        target: String,
+        target_g: u64,
+        other: String,
+        other_g: u64,
+    },
+    #[error("bitmap {0:?} is inconsistent (its writer stopped without writing it back): it can only be removed")]
+    Inconsistent(String),
+    #[error("persistent bitmaps: {0}")]
+    NotPersistent(String),
+    #[error("this disk has the most bitmaps it can keep ({MAX_BITMAPS})")]
+    TooMany,
+}
+
+/// What `bitmap-list` says of a bitmap.
+#[derive(Debug, Clone, serde::Serialize, PartialEq, Eq)]
+pub struct BitmapInfo {
+    pub name: String,
+    pub granularity: u64,
+    /// Writes are recorded (enabled).
+    pub recording: bool,
+    /// Kept in the image file across restarts (qcow2); false: in memory only.
+    pub persistent: bool,
+    /// Its writer stopped without writing it back: not a valid record; remove it.
+    pub inconsistent: bool,
+    pub dirty_bytes: u64,
+    /// The disk size it covers.
+    pub size_bytes: u64,
+}
+
+/// A bitmap with what the set keeps about it.
+#[derive(Debug)]
+struct Entry {
+    bitmap: Arc<DirtyBitmap>,
+    persistent: bool,
+    inconsistent: bool,
+}
+
+/// The disk's bitmaps.
+#[derive(Debug)]
+pub struct Bitmaps {
+    entries: Mutex<Vec<Entry>>,
+    /// Bumped (after the change) whenever a bitmap is added or removed.
+    generation: AtomicU64,
+    /// The disk size new bitmaps cover.
+    size: AtomicU64,
+    /// Why persistent bitmaps cannot be kept for this disk (None: they can).
+    no_persistence: Option<String>,
+}
+
+/// A queue's view of the bitmaps, for the data path.
+#[derive(Debug, Default)]
+pub struct Recorder {
+    generation: u64,
+    views: Vec<View>,
+}
+
+/// A bitmap name as the control socket may give it.
+pub fn check_name(name: &str) -> Result<(), BitmapError> {
+    if name.is_empty() || name.len() > MAX_NAME_BYTES || name.chars().any(char::is_control) {
+        return Err(BitmapError::BadName(name.chars().take(64).collect()));
+    }
+    Ok(())
+}
+
+/// A granularity as the control socket may give it.
+pub fn check_granularity(g: u64) -> Result<(), BitmapError> {
+    if g.is_power_of_two() && (MIN_GRANULARITY..=MAX_GRANULARITY).contains(&g) {
+        Ok(())
+    } else {
+        Err(BitmapError::BadGranularity(g))
+    }
+}
+
+impl Bitmaps {
+    /// No bitmaps, for a disk of `size` bytes; `no_persistence`: why this disk cannot keep
+    /// bitmaps in its file (None: it can).
+    pub fn new(size: u64, no_persistence: Option<String>) -> Self {
+        Bitmaps {
+            entries: Mutex::new(Vec::new()),
+            generation: AtomicU64::new(1),
+            size: AtomicU64::new(size),
+            no_persistence,
+        }
+    }
+
+    fn changed(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Add a clean bitmap.
+    pub fn add(
+        &self,
+        name: &str,
+        granularity: u64,
+        persistent: bool,
+        recording: bool,
+    ) -> Result<(), BitmapError> {
+        check_name(name)?;
+        check_granularity(granularity)?;
+        if persistent {
+            if let Some(why) = &self.no_persistence {
+                return Err(BitmapError::NotPersistent(why.clone()));
+            }
+        }
+        let mut e = self.entries.locked();
+        if e.iter().any(|x| x.bitmap.name() == name) {
+            return Err(BitmapError::Exists(name.to_owned()));
+        }
+        if e.len() >= MAX_BITMAPS {
+            return Err(BitmapError::TooMany);
+        }
+        let size = self.size.load(Ordering::Acquire);
+        e.push(Entry {
+            bitmap: Arc::new(DirtyBitmap::new(name, granularity, size, recording)),
+            persistent,
+            inconsistent: false,
+        });
+        drop(e);
+        self.changed();
+        Ok(())
+    }
+
+    /// Remove a bitmap.
+    pub fn remove(&self, name: &str) -> Result<(), BitmapError> {
+        let mut e = self.entries.locked();
+        let i = e
+            .iter()
+            .position(|x| x.bitmap.name() == name)
+            .ok_or_else(|| BitmapError::NotFound(name.to_owned()))?;
+        e.remove(i);
+        drop(e);
+        self.changed();
+        Ok(())
+    }
+
+    /// The bitmap `name`, if it is consistent.
+    fn usable(&self, name: &str) -> Result<Arc<DirtyBitmap>, BitmapError> {
+        let e = self.entries.locked();
+        let x = e
+            .iter()
+            .find(|x| x.bitmap.name() == name)
+            .ok_or_else(|| BitmapError::NotFound(name.to_owned()))?;
+        if x.inconsistent {
+            return Err(BitmapError::Inconsistent(name.to_owned()));
+        }
+        Ok(x.bitmap.clone())
+    }
+
+    /// Clear a bitmap (writes completing after this returns are recorded).
+    pub fn clear(&self, name: &str) -> Result<(), BitmapError> {
+        self.usable(name)?.clear();
+        Ok(())
+    }
+
+    /// Start or stop recording.
+    pub fn set_recording(&self, name: &str, on: bool) -> Result<(), BitmapError> {
+        self.usable(name)?.set_recording(on);
+        Ok(())
+    }
+
+    /// Set in `target` every bit set in any of `sources`.
+    pub fn merge(&self, target: &str, sources: &[String]) -> Result<(), BitmapError> {
+        let t = self.usable(target)?;
+        let srcs = sources
+            .iter()
+            .map(|s| self.usable(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        for s in &srcs {
+            if s.granularity() != t.granularity() {
+                return Err(BitmapError::GranularityMismatch {
+                    target: target.to_owned(),
+                    target_g: t.granularity(),
+                    other: s.name().to_owned(),
+                    other_g: s.granularity(),
+                });
+            }
+        }
+        for s in &srcs {
+            if !Arc::ptr_eq(s, &t) {
+                t.merge_from(s);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every bitmap, in the order they were added.
+    pub fn list(&self) -> Vec<BitmapInfo> {
+        self.entries
+            .locked()
+            .iter()
+            .map(|x| BitmapInfo {
+                name: x.bitmap.name().to_owned(),
+                granularity: x.bitmap.granularity(),
+                recording: x.bitmap.recording() && !x.inconsistent,
+                persistent: x.persistent,
+                inconsistent: x.inconsistent,
+                dirty_bytes: if x.inconsistent {
+                    0
+                } else {
+                    x.bitmap.dirty_bytes()
+                },
+                size_bytes: x.bitmap.size(),
+            })
+            .collect()
+    }
+
+    /// The bitmap `name` (for reading its extents).
+    pub fn get(&self, name: &str) -> Result<Arc<DirtyBitmap>, BitmapError> {
+        self.usable(name)
+    }
+
+    /// The disk grew to `size` bytes: every bitmap covers it (before the guest may write
+    /// there).
+    pub fn grow(&self, size: u64) {
+        let e = self.entries.locked();
+        self.size.fetch_max(size, Ordering::AcqRel);
+        for x in e.iter() {
+            x.bitmap.grow(size);
+        }
+    }
+
+    /// Is any bitmap kept at all?
+    pub fn is_empty(&self) -> bool {
+        self.entries.locked().is_empty()
+    }
+}
+
+impl Recorder {
+    /// Mark [offset, offset + len) in every enabled bitmap of `set`. Without bitmaps: one
+    /// load of a counter the queues only read.
+    pub fn mark(&mut self, set: &Bitmaps, offset: u64, len: u64) {
+        let g = set.generation.load(Ordering::Acquire);
+        if g != self.generation {
+            let e = set.entries.locked();
+            self.views = e
+                .iter()
+                .filter(|x| !x.inconsistent)
+                .map(|x| x.bitmap.view())
+                .collect();
+            self.generation = g;
+        }
+        for v in &mut self.views {
+            v.mark(offset, len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_granularities_are_checked() {
+        let s = Bitmaps::new(
+            1 << 30,
+            Some("raw images keep bitmaps in memory only".into()),
+        );
+        for bad in ["", "a\nb", "tab\there", &"x".repeat(1024)] {
+            assert!(matches!(
+                s.add(bad, 65536, false, true),
+                Err(BitmapError::BadName(_))
+            ));
+        }
+        for g in [0, 256, 3 << 10, 1 << 32] {
+            assert_eq!(
+                s.add("b", g, false, true),
+                Err(BitmapError::BadGranularity(g))
+            );
+        }
+        assert!(matches!(
+            s.add("b", 65536, true, true),
+            Err(BitmapError::NotPersistent(_))
+        ));
+        s.add("b", 512, false, true).unwrap();
+        s.add("c", 1 << 31, false, false).unwrap();
+        assert_eq!(
+            s.add("b", 512, false, true),
+            Err(BitmapError::Exists("b".into()))
+        );
+        assert_eq!(s.remove("x"), Err(BitmapError::NotFound("x".into())));
+        assert!(matches!(
+            s.merge("b", &["c".into()]),
+            Err(BitmapError::GranularityMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn a_recorder_sees_bitmaps_added_after_it_started() {
+        let s = Bitmaps::new(1 << 30, None);
+        let mut r = Recorder::default();
+        r.mark(&s, 0, 4096);
+        s.add("b", 65536, false, true).unwrap();
+        r.mark(&s, 1 << 20, 4096);
+        let l = s.list();
+        assert_eq!(l[0].dirty_bytes, 65536);
+        s.set_recording("b", false).unwrap();
+        r.mark(&s, 2 << 20, 4096);
+        assert_eq!(s.list()[0].dirty_bytes, 65536);
+        assert!(!s.list()[0].recording);
+        s.remove("b").unwrap();
+        r.mark(&s, 3 << 20, 4096);
+        assert!(s.list().is_empty());
+    }
+
+    #[test]
+    fn growth_covers_new_space_for_old_and_new_bitmaps() {
+        let s = Bitmaps::new(1 << 20, None);
+        s.add("a", 512, false, true).unwrap();
+        let mut r = Recorder::default();
+        r.mark(&s, 0, 512);
+        s.grow(1 << 30);
+        s.add("b", 512, false, true).unwrap();
+        r.mark(&s, (1 << 30) - 512, 512);
+        for i in s.list() {
+            assert_eq!(i.size_bytes, 1 << 30);
+        }
+        assert_eq!(s.list()[0].dirty_bytes, 1024);
+        assert_eq!(s.list()[1].dirty_bytes, 512);
+    }
+}
