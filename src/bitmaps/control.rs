@@ -136,7 +136,7 @@ pub fn call(method: &str, params: &Value, set: &Bitmaps) -> Result<Value, CallEr
         }
         "bitmap-list" => {
             object(params, method, &[])?;
-            Ok(json!({ "bitmaps": set.list() }))
+            Ok(json!({ "bitmaps": set.list(), "memory_only": set.memory_only() }))
         }
         "bitmap-ranges" => {
             let m = object(params, method, &["name", "offset", "max"])?;

@@ -262,6 +262,11 @@ impl Bitmaps {
         }
     }
 
+    /// Why this disk's bitmaps live in memory only (None: they can be kept in its file).
+    pub fn memory_only(&self) -> Option<&str> {
+        self.no_persistence.as_deref()
+    }
+
     /// Is any bitmap kept at all?
     pub fn is_empty(&self) -> bool {
         self.entries.locked().is_empty()

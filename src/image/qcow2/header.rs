@@ -286,6 +286,27 @@ impl Header {
         }
     }
 
+    /// The data of the header extension of type `ty` in `first` (the image's first bytes),
+    /// if there is one and it lies inside `first`. A malformed list ends the walk (None).
+    pub fn extension_data<'a>(&self, first: &'a [u8], ty: u32) -> Option<&'a [u8]> {
+        let mut pos = if self.version >= 3 {
+            self.header_length as usize
+        } else {
+            V2_LEN
+        };
+        loop {
+            let h = first.get(pos..pos.checked_add(8)?)?;
+            let (t, len) = (be32(h, 0), be32(h, 4) as usize);
+            if t == 0 {
+                return None;
+            }
+            if t == ty {
+                return first.get(pos + 8..(pos + 8).checked_add(len)?);
+            }
+            pos = pos.checked_add(8 + len.next_multiple_of(8))?;
+        }
+    }
+
     /// Write the header's fields into `b` (at least [`V3_LEN`] + 1 bytes for version 3);
     /// bytes between the fields are left as they are.
     pub fn write_to(&self, b: &mut [u8]) {

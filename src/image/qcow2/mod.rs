@@ -33,6 +33,7 @@
 //!    `fills`, and the background preallocation's mailbox.
 
 mod alloc;
+pub mod bitmaps;
 mod compress;
 mod cow;
 pub mod header;
