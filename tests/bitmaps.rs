@@ -16,19 +16,7 @@ use serde_json::Value;
 const STOP: Duration = Duration::from_secs(10);
 
 fn start(dir: &TestDir, img: &Path, queues: u32, extra: &[&str]) -> (Backend, PathBuf) {
-    let sock = dir.join("ctl.sock");
-    let mut args = vec!["--control-socket".to_string(), sock.display().to_string()];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let b = Backend::start(
-        dir,
-        img,
-        &BackendOpts {
-            num_queues: Some(queues),
-            extra_args: args,
-            ..BackendOpts::default()
-        },
-    );
-    (b, sock)
+    start_with_control(dir, img, queues, extra)
 }
 
 fn ok(sock: &Path, method: &str, args: &[&str]) -> Value {

@@ -10,6 +10,7 @@ use std::os::fd::RawFd;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::{Disk, Kind};
 use crate::io::{AioMode, Completion, Op, SyncEngine, UringEngine};
 use crate::nbd::client::{NbdEngine, NbdQueue};
 #[cfg(feature = "rbd")]
@@ -177,5 +178,88 @@ impl Engine {
             #[cfg(feature = "rbd")]
             Engine::Rbd(_) => "librbd",
         }
+    }
+}
+
+/// What the image does for its engines: making and binding them, and the few operations on
+/// a local file that no engine runs (a block device's discard, zeroing by hand, a sub-block
+/// write).
+impl super::Image {
+    /// Engines for `queues` queues, each bound to this image ([`Self::bind`]): io_uring or
+    /// threads (as `choice` says) for a local image, the driver's for a remote one.
+    pub fn queue_engines(&self, queues: u16, choice: EngineChoice) -> io::Result<Vec<Engine>> {
+        let mut engines = match &self.disk {
+            Disk::Remote(r) => r.queue_engines(queues)?,
+            Disk::Local(_) => (0..queues)
+                .map(|_| local(choice))
+                .collect::<io::Result<_>>()?,
+        };
+        for e in &mut engines {
+            self.bind(e);
+        }
+        Ok(engines)
+    }
+
+    /// Point `engine` at this image (a queue's engine after the image was replaced: a
+    /// live migration's take-over): its files by layer, or its remote handle.
+    pub fn bind(&self, engine: &mut Engine) {
+        use std::os::fd::AsRawFd;
+        match &self.disk {
+            Disk::Local(l) => {
+                let mut fds = vec![l.file.as_raw_fd()];
+                if let Kind::Qcow2(d) = &l.kind {
+                    fds.extend(d.backing.iter().map(|b| b.file.as_raw_fd()));
+                }
+                engine.bind_files(&fds);
+            }
+            Disk::Remote(r) => r.bind(engine),
+        }
+    }
+
+    /// Discard [offset, offset + len) of a block device (BLKDISCARD), synchronously: the
+    /// result as an engine reports it (0, or a negative errno).
+    pub fn discard_block_device(&self, offset: u64, len: u64) -> i32 {
+        use std::os::fd::AsRawFd;
+        match &self.disk {
+            Disk::Local(l) => crate::io::sys::blk_discard(l.file.as_raw_fd(), offset, len),
+            Disk::Remote(_) => -libc::EOPNOTSUPP,
+        }
+    }
+
+    /// Zero [offset, offset + len) of the image file by writing zeroes (through `bounce`),
+    /// where the file system cannot zero a range: the result as an engine reports it.
+    pub fn write_zeroes_by_hand(
+        &self,
+        offset: u64,
+        len: u64,
+        bounce: &mut crate::io::bounce::BouncePool,
+    ) -> i32 {
+        use std::os::fd::AsRawFd;
+        match &self.disk {
+            Disk::Local(l) => {
+                crate::io::sys::zero_fallback(l.file.as_raw_fd(), offset, len, bounce)
+            }
+            Disk::Remote(_) => -libc::EOPNOTSUPP,
+        }
+    }
+
+    /// Write `data` at `offset` of a raw image file whose direct-I/O block (`block`) it does
+    /// not fill: read, modify and write the blocks around it, synchronously; `durable`:
+    /// synced before it returns.
+    pub fn write_sub_block(
+        &self,
+        offset: u64,
+        data: &[u8],
+        block: u64,
+        durable: bool,
+    ) -> io::Result<()> {
+        let Disk::Local(l) = &self.disk else {
+            return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+        };
+        crate::io::aligned::write_unaligned(&l.file, offset, data, block)?;
+        if durable {
+            l.file.sync_data()?;
+        }
+        Ok(())
     }
 }

@@ -16,13 +16,14 @@
 //! `durable` (metadata written back later, releases after it is durable), `handover` (giving
 //! the image to another process during a live migration and taking it back), `grow` (online
 //! resize), `report` (counters for stats and logs), `create` (`vublk create`), `engine` (the
-//! per-queue engines), `remote` (remote disks: opening them through their drivers, and what
+//! per-queue engines), `fills` (the fill protocol's waits), `remote` (remote disks: opening them through their drivers, and what
 //! they do instead of a file), `lock` (QEMU's image locks), `fuzz` (fuzzing entry points).
 
 pub mod chain;
 pub mod create;
 pub mod durable;
 pub mod engine;
+mod fills;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
 mod grow;
@@ -56,10 +57,6 @@ use crate::offload::Pool;
 use chain::Layer;
 use parallels::ParallelsImage;
 use qcow2::{CowInstall, Qcow2Image};
-
-/// How long a wait for a fill sleeps before the waiter's own progress runs again: the fill
-/// waited for is often the waiter's own (see [`Image::fence_fills`]).
-const FILL_WAIT: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// A data-path failure of an image format (host side: never the guest's fault).
 #[derive(Debug, thiserror::Error)]
@@ -359,37 +356,6 @@ impl Image {
         }
     }
 
-    /// Engines for `queues` queues, each bound to this image ([`Self::bind`]): io_uring or
-    /// threads (as `choice` says) for a local image, the driver's for a remote one.
-    pub fn queue_engines(&self, queues: u16, choice: EngineChoice) -> io::Result<Vec<Engine>> {
-        let mut engines = match &self.disk {
-            Disk::Remote(r) => r.queue_engines(queues)?,
-            Disk::Local(_) => (0..queues)
-                .map(|_| engine::local(choice))
-                .collect::<io::Result<_>>()?,
-        };
-        for e in &mut engines {
-            self.bind(e);
-        }
-        Ok(engines)
-    }
-
-    /// Point `engine` at this image (a queue's engine after the image was replaced: a
-    /// live migration's take-over): its files by layer, or its remote handle.
-    pub fn bind(&self, engine: &mut Engine) {
-        use std::os::fd::AsRawFd;
-        match &self.disk {
-            Disk::Local(l) => {
-                let mut fds = vec![l.file.as_raw_fd()];
-                if let Kind::Qcow2(d) = &l.kind {
-                    fds.extend(d.backing.iter().map(|b| b.file.as_raw_fd()));
-                }
-                engine.bind_files(&fds);
-            }
-            Disk::Remote(r) => r.bind(engine),
-        }
-    }
-
     /// Map a guest read of [offset, offset + len) (inside the image). Some(host offset)
     /// when it is one run of the image file (zero-copy, like raw); else None, with the
     /// pieces in `plan`.
@@ -556,46 +522,6 @@ impl Image {
         Ok(())
     }
 
-    /// Before a write or zeroing through the format, which writes in place without ranges
-    /// and may free clusters: keep new fills (first writes of fresh clusters through the
-    /// engine) from starting, and wait for those in flight. `progress` runs between short
-    /// waits: the fill may be the caller's own, which ends only when the caller reaps it.
-    /// Drop the gate once the write through the format is done. None: this format has no
-    /// fills.
-    pub fn fence_fills(&self, mut progress: impl FnMut()) -> Option<FillGate> {
-        let (_, d) = self.qcow2()?;
-        let gate = d.q.raise_fill_gate();
-        while !gate.wait_drained(std::time::Duration::ZERO) {
-            progress();
-            gate.wait_drained(FILL_WAIT);
-        }
-        Some(gate)
-    }
-
-    /// An in-place overwrite of [start, end) of the file (a planned write with
-    /// [`EngineWrite::overwrite`]): while fills are in flight, their L2 entries are visible
-    /// before their data lands, so the range is held against them, waiting for a fill of it
-    /// to end (`progress` runs between short waits, as for [`Self::fence_fills`]). Hand the
-    /// ticket to [`Self::end_write`] when the write completed. None: nothing to hold.
-    pub fn hold_overwrite(
-        &self,
-        start: u64,
-        end: u64,
-        mut progress: impl FnMut(),
-    ) -> Option<WriteTicket> {
-        let (_, d) = self.qcow2()?;
-        if !d.q.fills_in_flight() {
-            return None;
-        }
-        loop {
-            if let Some(k) = d.q.try_hold_overwrite(start, end) {
-                return Some(WriteTicket(Ticket::Overwrite(k)));
-            }
-            progress();
-            d.q.wait_fill_change(FILL_WAIT);
-        }
-    }
-
     /// The pool for writes through the format of this kind, if there is one.
     pub fn pool(&self, offload: Offload) -> Option<&Pool> {
         match (self.qcow2(), offload) {
@@ -723,53 +649,6 @@ impl Image {
                 )
             }
         }
-    }
-
-    /// Discard [offset, offset + len) of a block device (BLKDISCARD), synchronously: the
-    /// result as an engine reports it (0, or a negative errno).
-    pub fn discard_block_device(&self, offset: u64, len: u64) -> i32 {
-        use std::os::fd::AsRawFd;
-        match &self.disk {
-            Disk::Local(l) => crate::io::sys::blk_discard(l.file.as_raw_fd(), offset, len),
-            Disk::Remote(_) => -libc::EOPNOTSUPP,
-        }
-    }
-
-    /// Zero [offset, offset + len) of the image file by writing zeroes (through `bounce`),
-    /// where the file system cannot zero a range: the result as an engine reports it.
-    pub fn write_zeroes_by_hand(
-        &self,
-        offset: u64,
-        len: u64,
-        bounce: &mut crate::io::bounce::BouncePool,
-    ) -> i32 {
-        use std::os::fd::AsRawFd;
-        match &self.disk {
-            Disk::Local(l) => {
-                crate::io::sys::zero_fallback(l.file.as_raw_fd(), offset, len, bounce)
-            }
-            Disk::Remote(_) => -libc::EOPNOTSUPP,
-        }
-    }
-
-    /// Write `data` at `offset` of a raw image file whose direct-I/O block (`block`) it does
-    /// not fill: read, modify and write the blocks around it, synchronously; `durable`:
-    /// synced before it returns.
-    pub fn write_sub_block(
-        &self,
-        offset: u64,
-        data: &[u8],
-        block: u64,
-        durable: bool,
-    ) -> io::Result<()> {
-        let Disk::Local(l) = &self.disk else {
-            return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
-        };
-        crate::io::aligned::write_unaligned(&l.file, offset, data, block)?;
-        if durable {
-            l.file.sync_data()?;
-        }
-        Ok(())
     }
 
     /// Write back format metadata (without syncing: FLUSH syncs after it).

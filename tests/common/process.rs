@@ -456,3 +456,26 @@ pub fn ctl(sock: &Path, method: &str, args: &[&str]) -> (bool, serde_json::Value
     let v = serde_json::from_str(&out).unwrap_or(serde_json::Value::Null);
     (o.status.success(), v, err)
 }
+
+/// A vublk with `queues` queues, `--control-socket DIR/ctl.sock` and `extra` options, serving
+/// `img`; returns it and the control socket's path.
+pub fn start_with_control(
+    dir: &TestDir,
+    img: &Path,
+    queues: u32,
+    extra: &[&str],
+) -> (Backend, PathBuf) {
+    let sock = dir.join("ctl.sock");
+    let mut args = vec!["--control-socket".to_string(), sock.display().to_string()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let b = Backend::start(
+        dir,
+        img,
+        &BackendOpts {
+            num_queues: Some(queues),
+            extra_args: args,
+            ..BackendOpts::default()
+        },
+    );
+    (b, sock)
+}

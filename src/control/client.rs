@@ -1,0 +1,140 @@
+//! The client side: `vublk ctl`'s methods as requests, and one request sent and answered.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::reply;
+
+/// `vublk ctl`: send one request, print the result (exit 0) or the error message (exit 1).
+pub fn client(socket: &Path, method: &str, params: Value) -> Result<Value, String> {
+    let mut s = UnixStream::connect(socket)
+        .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
+    s.set_read_timeout(Some(Duration::from_secs(300)))
+        .map_err(|e| e.to_string())?;
+    let req = json!({"jsonrpc": "2.0", "method": method, "params": params, "id": 1});
+    reply(&mut s, req).map_err(|e| format!("sending the request: {e}"))?;
+    let mut line = String::new();
+    BufReader::new(s)
+        .read_line(&mut line)
+        .map_err(|e| format!("reading the answer: {e}"))?;
+    let v: Value =
+        serde_json::from_str(&line).map_err(|e| format!("not a JSON-RPC answer ({e})"))?;
+    if let Some(e) = v.get("error") {
+        return Err(e
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("error")
+            .to_owned());
+    }
+    Ok(v.get("result").cloned().unwrap_or(Value::Null))
+}
+
+/// The request `vublk ctl METHOD ...` sends: the method's name and its parameters.
+pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String> {
+    use crate::args::CtlMethod as M;
+    let name = |n: &str| n.to_owned();
+    Ok(match m {
+        M::Version => (name("version"), Value::Null),
+        M::Status => (name("status"), Value::Null),
+        M::Stats { histograms } => (
+            name("stats"),
+            if *histograms {
+                json!({"histograms": true})
+            } else {
+                Value::Null
+            },
+        ),
+        M::Flush => (name("flush"), Value::Null),
+        M::Resize { size } => (
+            name("resize"),
+            match size {
+                Some(s) => json!({ "size": s }),
+                None => Value::Null,
+            },
+        ),
+        M::GetThrottle => (name("get-throttle"), Value::Null),
+        M::SetThrottle(t) => {
+            let mut p = serde_json::Map::new();
+            for (k, v) in [
+                ("iops", t.iops),
+                ("bps", t.bps),
+                ("read_iops", t.read_iops),
+                ("write_iops", t.write_iops),
+                ("read_bps", t.read_bps),
+                ("write_bps", t.write_bps),
+            ] {
+                if let Some(v) = v {
+                    p.insert(k.into(), v.into());
+                }
+            }
+            (name("set-throttle"), Value::Object(p))
+        }
+        M::Top { .. } => return Err("top is not a request".into()),
+        M::Bitmap(b) => bitmap_request(b)?,
+        M::Other(words) => {
+            let (method, args) = words.split_first().ok_or_else(|| "no method".to_owned())?;
+            (method.clone(), params_from_args(args)?)
+        }
+    })
+}
+
+/// A `bitmap-*` method's request (sizes given with K, M, G become bytes here).
+fn bitmap_request(b: &crate::args::BitmapMethod) -> Result<(String, Value), String> {
+    use crate::args::BitmapMethod as B;
+    let one = |m: &str, name: &str| (m.to_owned(), json!({ "name": name }));
+    Ok(match b {
+        B::BitmapAdd {
+            name,
+            granularity,
+            persistent,
+            disabled,
+        } => {
+            let g = crate::args::parse_size(granularity).ok_or_else(|| {
+                format!("--granularity {granularity:?}: bytes, or with K, M or G")
+            })?;
+            (
+                "bitmap-add".to_owned(),
+                json!({"name": name, "granularity": g, "persistent": persistent, "disabled": disabled}),
+            )
+        }
+        B::BitmapRemove { name } => one("bitmap-remove", name),
+        B::BitmapClear { name } => one("bitmap-clear", name),
+        B::BitmapEnable { name } => one("bitmap-enable", name),
+        B::BitmapDisable { name } => one("bitmap-disable", name),
+        B::BitmapMerge { target, sources } => (
+            "bitmap-merge".to_owned(),
+            json!({"target": target, "sources": sources}),
+        ),
+        B::BitmapList => ("bitmap-list".to_owned(), Value::Null),
+        B::BitmapRanges { name, offset, max } => (
+            "bitmap-ranges".to_owned(),
+            json!({"name": name, "offset": offset, "max": max}),
+        ),
+    })
+}
+
+/// Parameters of a method the client does not know (`vublk ctl OTHER --name value ...`):
+/// `--name value` pairs become `{"name": value}` (dashes as underscores; integers as
+/// numbers).
+fn params_from_args(args: &[String]) -> Result<Value, String> {
+    let mut m = serde_json::Map::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let Some(name) = a.strip_prefix("--") else {
+            return Err(format!(
+                "unexpected argument {a:?} (parameters are --name value)"
+            ));
+        };
+        let v = it.next().ok_or_else(|| format!("{a}: needs a value"))?;
+        let val = v
+            .parse::<u64>()
+            .map(Value::from)
+            .unwrap_or_else(|_| Value::from(v.as_str()));
+        m.insert(name.replace('-', "_"), val);
+    }
+    Ok(Value::Object(m))
+}
