@@ -29,6 +29,7 @@ tools=(
 	"rbd ceph-common"
 	"ss iproute2"
 	"nbdkit nbdkit"
+	"nbdinfo libnbd-bin"
 	"systemd-socket-activate systemd"
 	"dpkg-shlibdeps dpkg-dev"
 )

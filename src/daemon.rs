@@ -279,7 +279,10 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
     }
     for (name, g) in &cfg.bitmaps {
         // Names and granularities were checked with the options.
-        match dev.bitmaps.add(name, *g, false, true) {
+        match dev
+            .bitmaps
+            .add(name, *g, false, true, &|l| dev.save_bitmaps(l))
+        {
             Ok(()) => info!(
                 "bitmap {name:?} ({g}-byte granularity, in memory) records from the first request"
             ),

@@ -214,13 +214,8 @@ impl Device {
         let slots = usize::from(params.queue_size);
         let rmw_possible = params.cache == CacheMode::None
             && params.align.offset > params.logical_block_size as usize;
-        let no_persistence = match image.format() {
-            crate::image::Format::Qcow2 => {
-                "not kept in qcow2 files yet: bitmaps live in memory only for now"
-            }
-            _ => "this disk keeps bitmaps in memory only (persistent bitmaps need a qcow2 image)",
-        };
-        let bitmaps = crate::bitmaps::Bitmaps::new(image.size_bytes(), Some(no_persistence.into()));
+        let bitmaps = crate::bitmaps::Bitmaps::new(image.size_bytes(), image.bitmaps_memory_only());
+        bitmaps.adopt(image.persistent_bitmaps());
         Device {
             bitmaps,
             write_ranges: rmw_possible.then(RangeLocks::default),
@@ -248,6 +243,14 @@ impl Device {
             capacity_sectors: self.capacity_sectors.load(Ordering::Acquire),
             ..self.limits
         }
+    }
+
+    /// Write the persistent bitmaps `list` to the image (the control methods' `Save`).
+    pub fn save_bitmaps(&self, list: &[crate::bitmaps::Persistent]) -> Result<(), String> {
+        self.image
+            .get()
+            .save_bitmaps(list)
+            .map_err(|e| crate::logging::error_chain(&e))
     }
 
     /// Grow the disk online to `new_bytes` (see [`Image::grow`]) and tell the frontend.

@@ -385,6 +385,18 @@ fn handover(fmt: &str) {
             .arg(&img)
             .arg((64 * MIB).to_string()),
     );
+    // qcow2: a persistent bitmap goes along (the destination reports the source's dirty
+    // granules and its own).
+    let bitmap = fmt == "qcow2";
+    if bitmap {
+        run_ok(
+            std::process::Command::new("qemu-img")
+                .args(["bitmap", "--add"])
+                .arg(&img)
+                .arg("b0"),
+        );
+    }
+    let ctl_b = dir_b.join("ctl.sock");
     let a = Backend::start(&dir_a, &img, &BackendOpts::default());
     let mut fe_a = frontend(&a.socket);
     let g_a = guest();
@@ -394,7 +406,11 @@ fn handover(fmt: &str) {
         &dir_b,
         &img,
         &BackendOpts {
-            extra_args: vec!["--incoming".into()],
+            extra_args: vec![
+                "--incoming".into(),
+                "--control-socket".into(),
+                ctl_b.display().to_string(),
+            ],
             ..BackendOpts::default()
         },
     );
@@ -455,6 +471,26 @@ fn handover(fmt: &str) {
         .map(|i| ((20 + i) * 128 + 8, 0xb0 + i as u8))
         .collect();
     write_blocks(&mut fe_b, &g_b, &kick_b, n, &b_blocks);
+    // The bitmap's 64 KiB granules: every block A and B wrote.
+    let granules: Vec<(u64, u64)> = {
+        let set: std::collections::BTreeSet<u64> = a_blocks
+            .iter()
+            .chain(&b_blocks)
+            .map(|&(sector, _)| sector * 512 / 65536)
+            .collect();
+        merged(set.into_iter().map(|g| (g * 65536, 65536)))
+    };
+    if bitmap {
+        let (ok, v, err) = ctl(&ctl_b, "bitmap-ranges", &["b0"]);
+        assert!(ok, "{err}");
+        let got: Vec<(u64, u64)> = v["extents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e[0].as_u64().unwrap(), e[1].as_u64().unwrap()))
+            .collect();
+        assert_eq!(got, granules, "B's b0: A's writes and B's");
+    }
 
     // A's frontend goes away and A exits: it must write nothing now.
     drop(fe_a);
@@ -467,6 +503,32 @@ fn handover(fmt: &str) {
             .args(["check", "-q", "-f", fmt])
             .arg(&img),
     );
+    if bitmap {
+        // In the file, valid: qemu-img lists it (not in use), qemu-nbd reads the same bits.
+        let info = run_ok(
+            std::process::Command::new("qemu-img")
+                .args(["info", "--output=json"])
+                .arg(&img),
+        );
+        assert!(
+            info.contains("\"b0\"") && !info.contains("in-use"),
+            "{info}"
+        );
+        let map = run_ok(
+            std::process::Command::new("nbdinfo")
+                .args(["--map=qemu:dirty-bitmap:b0", "--", "[", "qemu-nbd", "-r"])
+                .args(["-f", "qcow2", "-B", "b0"])
+                .arg(&img)
+                .arg("]"),
+        );
+        let dirty = merged(
+            map.lines()
+                .map(|l| l.split_whitespace().collect::<Vec<_>>())
+                .filter(|f| f.len() >= 4 && f[3] == "dirty")
+                .map(|f| (f[0].parse().unwrap(), f[1].parse().unwrap())),
+        );
+        assert_eq!(dirty, granules, "b0 in the file after both stopped");
+    }
     let raw = dir_a.join("converted.raw");
     run_ok(
         std::process::Command::new("qemu-img")
@@ -482,4 +544,16 @@ fn handover(fmt: &str) {
             d[0]
         );
     }
+}
+
+/// Extents with the adjacent ones joined.
+fn merged(extents: impl Iterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (o, l) in extents {
+        match out.last_mut() {
+            Some(last) if last.0 + last.1 == o => last.1 += l,
+            _ => out.push((o, l)),
+        }
+    }
+    out
 }

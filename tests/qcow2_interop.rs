@@ -1141,68 +1141,6 @@ fn writes_preserve_internal_snapshots() {
     check_clean(&img);
 }
 
-/// A persistent dirty bitmap (`qemu-img bitmap --add`, as libvirt and backup tools use for
-/// incremental backups) cannot track vublk's writes: a read-write open clears the autoclear
-/// bits before anything is written, so QEMU treats the bitmaps as inconsistent afterwards and
-/// no incremental backup trusts a bitmap that missed writes. A read-only open leaves them.
-#[test]
-fn persistent_dirty_bitmaps_are_marked_inconsistent_by_a_writer() {
-    let Some(dir) = setup(QCOW2_BY_VUBLK, "qcow2-bitmaps") else {
-        return;
-    };
-    let img = dir.join("bm.qcow2");
-    qemu_img_create(&img, "qcow2", "16M");
-    run(Command::new("qemu-img")
-        .args(["bitmap", "--add"])
-        .arg(&img)
-        .arg("bm0"));
-    let autoclear = |p: &Path| {
-        let b = std::fs::read(p).unwrap();
-        u64::from_be_bytes(b[88..96].try_into().unwrap())
-    };
-    let info = |p: &Path| {
-        let o = Command::new("qemu-img")
-            .args(["info", "--output=json"])
-            .arg(p)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        (
-            String::from_utf8_lossy(&o.stdout).into_owned(),
-            String::from_utf8_lossy(&o.stderr).into_owned(),
-        )
-    };
-    assert_eq!(autoclear(&img) & 1, 1, "qemu-img set the bitmaps bit");
-    assert!(info(&img).0.contains("\"bm0\""));
-
-    // Read-only: nothing changes.
-    serve_read_only_once(&dir, &img);
-    assert_eq!(
-        autoclear(&img) & 1,
-        1,
-        "a read-only open changed the header"
-    );
-
-    let (backend, mut c) = serve(&dir, &img, &[]);
-    for k in 0..128u64 {
-        assert_eq!(c.write_at(0, k * 65536, &[0x5au8; 65536]), 0);
-    }
-    disconnect_and_stop(&backend, c);
-    assert_eq!(autoclear(&img), 0, "the autoclear bits are still set");
-    let (json, stderr) = info(&img);
-    assert!(
-        stderr.contains("bitmaps are now considered inconsistent") && !json.contains("\"bm0\""),
-        "QEMU still trusts the bitmap:\n{json}\n{stderr}"
-    );
-    assert!(
-        backend
-            .log_contents()
-            .contains("dirty bitmaps are now marked inconsistent"),
-        "{}",
-        backend.log_contents()
-    );
-}
-
 /// A sparse qcow2 file made only of its header's claims: 512-byte clusters, a 512-byte disk,
 /// an empty refcount table, and `snapshots` internal snapshots whose L1 tables claim
 /// `l1_bytes` each, one after another from 1 MiB past the snapshot table (holes).

@@ -131,6 +131,22 @@ impl DirtyBitmap {
         word(&chunks, bit / 64).is_some_and(|w| w.load(Ordering::Acquire) & (1 << (bit % 64)) != 0)
     }
 
+    /// Words of the bitmap (64 granules each, as they lie in memory).
+    pub fn words(&self) -> u64 {
+        self.bits_for(self.size()).div_ceil(64)
+    }
+
+    /// Copy the words from `first` on into `out` as little-endian bytes (qcow2's layout:
+    /// bit k of byte i is granule 8i + k), zeroes past the end.
+    pub fn copy_le(&self, first: u64, out: &mut [u8]) {
+        let chunks = self.chunks.locked().clone();
+        for (i, dst) in out.chunks_mut(8).enumerate() {
+            let v = word(&chunks, first + i as u64).map_or(0, |w| w.load(Ordering::Acquire));
+            let b = v.to_le_bytes();
+            dst.copy_from_slice(&b[..dst.len()]);
+        }
+    }
+
     /// Clear every bit.
     pub fn clear(&self) {
         for c in self.chunks.locked().iter() {
@@ -240,14 +256,14 @@ impl View {
 
     /// Mark [offset, offset + len) dirty if the bitmap records: a relaxed load per word, and
     /// an atomic OR only where a bit is still clear (a rewritten region costs no store).
-    pub fn mark(&mut self, offset: u64, len: u64) {
+    /// Returns the words [first, last] where a bit was newly set (None: nothing changed).
+    pub fn mark(&mut self, offset: u64, len: u64) -> Option<(u64, u64)> {
         let b = &self.bitmap;
         if !b.recording() {
-            return;
+            return None;
         }
-        let Some((first, last)) = b.granules(offset, len) else {
-            return;
-        };
+        let (first, last) = b.granules(offset, len)?;
+        let mut changed: Option<(u64, u64)> = None;
         if (last / 64) / CHUNK_WORDS as u64 >= self.chunks.len() as u64 {
             // The bitmap grew after this view was taken: take it again.
             self.chunks = b.chunks.locked().clone();
@@ -261,12 +277,16 @@ impl View {
                 ((1u64 << in_word) - 1) << (bit % 64)
             };
             if let Some(w) = word(&self.chunks, bit / 64) {
-                if w.load(Ordering::Relaxed) & mask != mask {
-                    w.fetch_or(mask, Ordering::AcqRel);
+                if w.load(Ordering::Relaxed) & mask != mask
+                    && w.fetch_or(mask, Ordering::AcqRel) & mask != mask
+                {
+                    let i = bit / 64;
+                    changed = Some(changed.map_or((i, i), |(f, _)| (f, i)));
                 }
             }
             bit += in_word;
         }
+        changed
     }
 }
 

@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use super::{BitmapError, Bitmaps, DEFAULT_GRANULARITY};
+use super::{BitmapError, Bitmaps, Save, DEFAULT_GRANULARITY};
 
 /// Most extents one `bitmap-ranges` answer carries (the control socket bounds its lines).
 pub const MAX_EXTENTS: u64 = 1024;
@@ -76,8 +76,9 @@ fn number(m: &serde_json::Map<String, Value>, key: &str) -> Result<Option<u64>, 
     }
 }
 
-/// Answer the bitmap method `method`.
-pub fn call(method: &str, params: &Value, set: &Bitmaps) -> Result<Value, CallError> {
+/// Answer the bitmap method `method`; `save` writes the persistent bitmaps to the image
+/// after a change to one of them.
+pub fn call(method: &str, params: &Value, set: &Bitmaps, save: Save) -> Result<Value, CallError> {
     match method {
         "bitmap-add" => {
             let m = object(
@@ -89,7 +90,7 @@ pub fn call(method: &str, params: &Value, set: &Bitmaps) -> Result<Value, CallEr
             let g = number(&m, "granularity")?.unwrap_or(DEFAULT_GRANULARITY);
             let persistent = flag(&m, "persistent")?;
             let disabled = flag(&m, "disabled")?;
-            set.add(&name, g, persistent, !disabled)?;
+            set.add(&name, g, persistent, !disabled, save)?;
             log::info!(
                 "bitmap {name:?} added ({g}-byte granularity, {}{})",
                 if persistent {
@@ -105,10 +106,10 @@ pub fn call(method: &str, params: &Value, set: &Bitmaps) -> Result<Value, CallEr
             let m = object(params, method, &["name"])?;
             let name = string(&m, "name")?;
             match method {
-                "bitmap-remove" => set.remove(&name)?,
-                "bitmap-clear" => set.clear(&name)?,
-                "bitmap-enable" => set.set_recording(&name, true)?,
-                _ => set.set_recording(&name, false)?,
+                "bitmap-remove" => set.remove(&name, save)?,
+                "bitmap-clear" => set.clear(&name, save)?,
+                "bitmap-enable" => set.set_recording(&name, true, save)?,
+                _ => set.set_recording(&name, false, save)?,
             }
             log::info!("bitmap {name:?}: {}", &method["bitmap-".len()..]);
             Ok(json!({"name": name}))
@@ -131,7 +132,7 @@ pub fn call(method: &str, params: &Value, set: &Bitmaps) -> Result<Value, CallEr
                     ))
                 }
             };
-            set.merge(&target, &sources)?;
+            set.merge(&target, &sources, save)?;
             Ok(json!({"target": target, "sources": sources}))
         }
         "bitmap-list" => {
@@ -165,7 +166,8 @@ mod tests {
     #[test]
     fn parameters_are_checked() {
         let s = Bitmaps::new(1 << 30, Some("in memory only".into()));
-        let bad = |m: &str, p: Value| call(m, &p, &s).unwrap_err().to_string();
+        let save = |_: &[super::super::Persistent]| -> Result<(), String> { Ok(()) };
+        let bad = |m: &str, p: Value| call(m, &p, &s, &save).unwrap_err().to_string();
         assert!(bad("bitmap-add", json!({})).contains("name: missing"));
         assert!(bad("bitmap-add", json!({"name": 3})).contains("name: a string"));
         assert!(bad("bitmap-add", json!({"name": "a", "x": 1})).contains("unknown parameter"));
@@ -183,6 +185,7 @@ mod tests {
             "bitmap-add",
             &json!({"name": "a", "granularity": 1 << 20}),
             &s,
+            &save,
         )
         .unwrap();
         assert_eq!(s.list()[0].granularity, 1 << 20);

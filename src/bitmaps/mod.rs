@@ -52,6 +52,8 @@ pub enum BitmapError {
     NotPersistent(String),
     #[error("this disk has the most bitmaps it can keep ({MAX_BITMAPS})")]
     TooMany,
+    #[error("writing the persistent bitmaps to the image: {0}")]
+    Save(String),
 }
 
 /// What `bitmap-list` says of a bitmap.
@@ -94,8 +96,32 @@ pub struct Bitmaps {
 #[derive(Debug, Default)]
 pub struct Recorder {
     generation: u64,
-    views: Vec<View>,
+    /// Each enabled bitmap's view, and whether it is kept in the image file.
+    views: Vec<(View, bool)>,
+    /// Words of persistent bitmaps newly set since the last [`Recorder::take_marks`]: they
+    /// reach the file before the requests that set them complete.
+    marks: Vec<Mark>,
 }
+
+/// Words [first, last] of a persistent bitmap that changed in memory and must reach the file.
+#[derive(Debug, Clone)]
+pub struct Mark {
+    pub bitmap: Arc<DirtyBitmap>,
+    pub first_word: u64,
+    pub last_word: u64,
+}
+
+/// A persistent bitmap as the image file keeps it.
+#[derive(Debug, Clone)]
+pub struct Persistent {
+    pub bitmap: Arc<DirtyBitmap>,
+    /// Its writer stopped without writing it back (its bits mean nothing).
+    pub inconsistent: bool,
+}
+
+/// Writes the disk's persistent bitmaps to its file after a change (the directory, and each
+/// bitmap's bits as memory holds them now); `Err`: why it could not.
+pub type Save<'a> = &'a dyn Fn(&[Persistent]) -> Result<(), String>;
 
 /// A bitmap name as the control socket may give it.
 pub fn check_name(name: &str) -> Result<(), BitmapError> {
@@ -130,13 +156,69 @@ impl Bitmaps {
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// Add a clean bitmap.
+    /// The persistent bitmaps of `entries`, for a [`Save`].
+    fn persistent_of(entries: &[Entry]) -> Vec<Persistent> {
+        entries
+            .iter()
+            .filter(|x| x.persistent)
+            .map(|x| Persistent {
+                bitmap: x.bitmap.clone(),
+                inconsistent: x.inconsistent,
+            })
+            .collect()
+    }
+
+    /// The persistent bitmaps now.
+    pub fn persistent(&self) -> Vec<Persistent> {
+        Self::persistent_of(&self.entries.locked())
+    }
+
+    /// Take the image's persistent bitmaps (at open, and when the image is taken over from
+    /// another process): they replace the persistent bitmaps kept so far; memory-only ones
+    /// stay. Nothing changes when the set holds exactly these already.
+    pub fn adopt(&self, loaded: Vec<Persistent>) {
+        let mut e = self.entries.locked();
+        let same = {
+            let mine: Vec<&Entry> = e.iter().filter(|x| x.persistent).collect();
+            mine.len() == loaded.len()
+                && mine
+                    .iter()
+                    .zip(&loaded)
+                    .all(|(a, b)| Arc::ptr_eq(&a.bitmap, &b.bitmap))
+        };
+        if same {
+            return;
+        }
+        e.retain(|x| !x.persistent);
+        // A memory-only bitmap of the same name gives way to the file's.
+        e.retain(|x| !loaded.iter().any(|l| l.bitmap.name() == x.bitmap.name()));
+        for l in loaded {
+            e.push(Entry {
+                bitmap: l.bitmap,
+                persistent: true,
+                inconsistent: l.inconsistent,
+            });
+        }
+        drop(e);
+        self.changed();
+    }
+
+    /// Save the persistent bitmaps of `e` if `persistent` (the changed bitmap is one).
+    fn save_if(e: &[Entry], persistent: bool, save: Save) -> Result<(), BitmapError> {
+        if !persistent {
+            return Ok(());
+        }
+        save(&Self::persistent_of(e)).map_err(BitmapError::Save)
+    }
+
+    /// Add a clean bitmap (a persistent one is in the file when this returns).
     pub fn add(
         &self,
         name: &str,
         granularity: u64,
         persistent: bool,
         recording: bool,
+        save: Save,
     ) -> Result<(), BitmapError> {
         check_name(name)?;
         check_granularity(granularity)?;
@@ -158,27 +240,34 @@ impl Bitmaps {
             persistent,
             inconsistent: false,
         });
+        if let Err(err) = Self::save_if(&e, persistent, save) {
+            e.pop();
+            return Err(err);
+        }
         drop(e);
         self.changed();
         Ok(())
     }
 
-    /// Remove a bitmap.
-    pub fn remove(&self, name: &str) -> Result<(), BitmapError> {
+    /// Remove a bitmap (a persistent one is gone from the file when this returns).
+    pub fn remove(&self, name: &str, save: Save) -> Result<(), BitmapError> {
         let mut e = self.entries.locked();
         let i = e
             .iter()
             .position(|x| x.bitmap.name() == name)
             .ok_or_else(|| BitmapError::NotFound(name.to_owned()))?;
-        e.remove(i);
+        let gone = e.remove(i);
+        if let Err(err) = Self::save_if(&e, gone.persistent, save) {
+            e.insert(i, gone);
+            return Err(err);
+        }
         drop(e);
         self.changed();
         Ok(())
     }
 
-    /// The bitmap `name`, if it is consistent.
-    fn usable(&self, name: &str) -> Result<Arc<DirtyBitmap>, BitmapError> {
-        let e = self.entries.locked();
+    /// The bitmap `name`, if it is consistent, and whether it is persistent.
+    fn usable_in(e: &[Entry], name: &str) -> Result<(Arc<DirtyBitmap>, bool), BitmapError> {
         let x = e
             .iter()
             .find(|x| x.bitmap.name() == name)
@@ -186,27 +275,42 @@ impl Bitmaps {
         if x.inconsistent {
             return Err(BitmapError::Inconsistent(name.to_owned()));
         }
-        Ok(x.bitmap.clone())
+        Ok((x.bitmap.clone(), x.persistent))
     }
 
-    /// Clear a bitmap (writes completing after this returns are recorded).
-    pub fn clear(&self, name: &str) -> Result<(), BitmapError> {
-        self.usable(name)?.clear();
-        Ok(())
+    fn usable(&self, name: &str) -> Result<Arc<DirtyBitmap>, BitmapError> {
+        Self::usable_in(&self.entries.locked(), name).map(|(b, _)| b)
     }
 
-    /// Start or stop recording.
-    pub fn set_recording(&self, name: &str, on: bool) -> Result<(), BitmapError> {
-        self.usable(name)?.set_recording(on);
-        Ok(())
+    /// Clear a bitmap (writes completing after this returns are recorded; a persistent
+    /// bitmap is clear in the file when this returns).
+    pub fn clear(&self, name: &str, save: Save) -> Result<(), BitmapError> {
+        let e = self.entries.locked();
+        let (b, persistent) = Self::usable_in(&e, name)?;
+        b.clear();
+        Self::save_if(&e, persistent, save)
+    }
+
+    /// Start or stop recording (kept in the file for a persistent bitmap: its "auto" flag).
+    pub fn set_recording(&self, name: &str, on: bool, save: Save) -> Result<(), BitmapError> {
+        let e = self.entries.locked();
+        let (b, persistent) = Self::usable_in(&e, name)?;
+        let was = b.recording();
+        b.set_recording(on);
+        let r = Self::save_if(&e, persistent && was != on, save);
+        if r.is_err() {
+            b.set_recording(was);
+        }
+        r
     }
 
     /// Set in `target` every bit set in any of `sources`.
-    pub fn merge(&self, target: &str, sources: &[String]) -> Result<(), BitmapError> {
-        let t = self.usable(target)?;
+    pub fn merge(&self, target: &str, sources: &[String], save: Save) -> Result<(), BitmapError> {
+        let e = self.entries.locked();
+        let (t, persistent) = Self::usable_in(&e, target)?;
         let srcs = sources
             .iter()
-            .map(|s| self.usable(s))
+            .map(|s| Self::usable_in(&e, s).map(|(b, _)| b))
             .collect::<Result<Vec<_>, _>>()?;
         for s in &srcs {
             if s.granularity() != t.granularity() {
@@ -223,7 +327,7 @@ impl Bitmaps {
                 t.merge_from(s);
             }
         }
-        Ok(())
+        Self::save_if(&e, persistent, save)
     }
 
     /// Every bitmap, in the order they were added.
@@ -283,19 +387,41 @@ impl Recorder {
             self.views = e
                 .iter()
                 .filter(|x| !x.inconsistent)
-                .map(|x| x.bitmap.view())
+                .map(|x| (x.bitmap.view(), x.persistent))
                 .collect();
             self.generation = g;
         }
-        for v in &mut self.views {
-            v.mark(offset, len);
+        for (v, persistent) in &mut self.views {
+            if let Some((first_word, last_word)) = v.mark(offset, len) {
+                if *persistent {
+                    self.marks.push(Mark {
+                        bitmap: v.bitmap().clone(),
+                        first_word,
+                        last_word,
+                    });
+                }
+            }
         }
+    }
+
+    /// Are there newly set words of persistent bitmaps to write to the file?
+    pub fn has_marks(&self) -> bool {
+        !self.marks.is_empty()
+    }
+
+    /// The newly set words of persistent bitmaps, for the file.
+    pub fn take_marks(&mut self) -> Vec<Mark> {
+        std::mem::take(&mut self.marks)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn nosave(_: &[Persistent]) -> Result<(), String> {
+        Ok(())
+    }
 
     #[test]
     fn names_and_granularities_are_checked() {
@@ -305,29 +431,32 @@ mod tests {
         );
         for bad in ["", "a\nb", "tab\there", &"x".repeat(1024)] {
             assert!(matches!(
-                s.add(bad, 65536, false, true),
+                s.add(bad, 65536, false, true, &nosave),
                 Err(BitmapError::BadName(_))
             ));
         }
         for g in [0, 256, 3 << 10, 1 << 32] {
             assert_eq!(
-                s.add("b", g, false, true),
+                s.add("b", g, false, true, &nosave),
                 Err(BitmapError::BadGranularity(g))
             );
         }
         assert!(matches!(
-            s.add("b", 65536, true, true),
+            s.add("b", 65536, true, true, &nosave),
             Err(BitmapError::NotPersistent(_))
         ));
-        s.add("b", 512, false, true).unwrap();
-        s.add("c", 1 << 31, false, false).unwrap();
+        s.add("b", 512, false, true, &nosave).unwrap();
+        s.add("c", 1 << 31, false, false, &nosave).unwrap();
         assert_eq!(
-            s.add("b", 512, false, true),
+            s.add("b", 512, false, true, &nosave),
             Err(BitmapError::Exists("b".into()))
         );
-        assert_eq!(s.remove("x"), Err(BitmapError::NotFound("x".into())));
+        assert_eq!(
+            s.remove("x", &nosave),
+            Err(BitmapError::NotFound("x".into()))
+        );
         assert!(matches!(
-            s.merge("b", &["c".into()]),
+            s.merge("b", &["c".into()], &nosave),
             Err(BitmapError::GranularityMismatch { .. })
         ));
     }
@@ -337,15 +466,15 @@ mod tests {
         let s = Bitmaps::new(1 << 30, None);
         let mut r = Recorder::default();
         r.mark(&s, 0, 4096);
-        s.add("b", 65536, false, true).unwrap();
+        s.add("b", 65536, false, true, &nosave).unwrap();
         r.mark(&s, 1 << 20, 4096);
         let l = s.list();
         assert_eq!(l[0].dirty_bytes, 65536);
-        s.set_recording("b", false).unwrap();
+        s.set_recording("b", false, &nosave).unwrap();
         r.mark(&s, 2 << 20, 4096);
         assert_eq!(s.list()[0].dirty_bytes, 65536);
         assert!(!s.list()[0].recording);
-        s.remove("b").unwrap();
+        s.remove("b", &nosave).unwrap();
         r.mark(&s, 3 << 20, 4096);
         assert!(s.list().is_empty());
     }
@@ -353,11 +482,11 @@ mod tests {
     #[test]
     fn growth_covers_new_space_for_old_and_new_bitmaps() {
         let s = Bitmaps::new(1 << 20, None);
-        s.add("a", 512, false, true).unwrap();
+        s.add("a", 512, false, true, &nosave).unwrap();
         let mut r = Recorder::default();
         r.mark(&s, 0, 512);
         s.grow(1 << 30);
-        s.add("b", 512, false, true).unwrap();
+        s.add("b", 512, false, true, &nosave).unwrap();
         r.mark(&s, (1 << 30) - 512, 512);
         for i in s.list() {
             assert_eq!(i.size_bytes, 1 << 30);

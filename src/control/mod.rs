@@ -524,11 +524,12 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
         }
         m if m.starts_with("bitmap-") => {
             use crate::bitmaps::control::CallError;
-            crate::bitmaps::control::call(m, &params, &dev.bitmaps).map_err(|e| match e {
-                CallError::Params(m) => (INVALID_PARAMS, m),
-                CallError::Refused(e) => (REFUSED, e.to_string()),
-                CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
-            })
+            crate::bitmaps::control::call(m, &params, &dev.bitmaps, &|l| dev.save_bitmaps(l))
+                .map_err(|e| match e {
+                    CallError::Params(m) => (INVALID_PARAMS, m),
+                    CallError::Refused(e) => (REFUSED, e.to_string()),
+                    CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
+                })
         }
         _ => Err((METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
     }

@@ -17,8 +17,10 @@
 //! the image to another process during a live migration and taking it back), `grow` (online
 //! resize), `report` (counters for stats and logs), `create` (`vublk create`), `engine` (the
 //! per-queue engines), `fills` (the fill protocol's waits), `remote` (remote disks: opening them through their drivers, and what
-//! they do instead of a file), `lock` (QEMU's image locks), `fuzz` (fuzzing entry points).
+//! they do instead of a file), `lock` (QEMU's image locks), `bitmaps` (which disks keep dirty
+//! bitmaps in their file, and the calls that keep them there), `fuzz` (fuzzing entry points).
 
+mod bitmaps;
 pub mod chain;
 pub mod create;
 pub mod durable;

@@ -24,6 +24,18 @@ impl QueueWorker {
     /// leaves nothing the guest was told is written only in its memory).
     pub(super) fn publish_used(&mut self, state: &mut VringState) {
         let index = self.index;
+        if self.recorder.has_marks() {
+            // Changed-block tracking: bits newly set in persistent bitmaps reach the file
+            // before the requests that set them complete.
+            let marks = self.recorder.take_marks();
+            if let Err(e) = self.image.persist_marks(&marks) {
+                log_limited!(
+                    log::Level::Error,
+                    "queue {index}: writing dirty bitmap bits to the image: {}",
+                    crate::logging::error_chain(&e)
+                );
+            }
+        }
         if self.deferred_used.is_empty() {
             return;
         }

@@ -36,6 +36,15 @@ impl QueueWorker {
             }
         };
         q.set_next_used(used);
+        // The frontend's base (SET_VRING_BASE) is what the previous backend had taken; after
+        // a clean stop it equals the used index. A difference is worth a line in the log.
+        let base = q.next_avail();
+        if base != used {
+            log::info!(
+                "queue {}: starting at used index {used}; the frontend's base is {base}",
+                self.index
+            );
+        }
         let Some(t) = self.inflight.as_mut() else {
             return;
         };
@@ -86,6 +95,9 @@ impl QueueWorker {
                 if self.inbox.is_none() {
                     self.inbox = new_inbox(self.index, &image, &self.engine);
                 }
+                // The file's persistent bitmaps as the other process left them (once for
+                // all queues: the set keeps the same ones).
+                self.dev.bitmaps.adopt(image.persistent_bitmaps());
                 self.image = image;
             }
             Err(e) => {

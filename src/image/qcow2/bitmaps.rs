@@ -24,11 +24,11 @@ pub const MAX_DIRECTORY_BYTES: u64 = 64 << 20;
 /// Granularity bits the specification allows (512 bytes to 2 GiB).
 const MIN_GRANULARITY_BITS: u8 = 9;
 const MAX_GRANULARITY_BITS: u8 = 31;
-const FLAG_IN_USE: u32 = 1;
-const FLAG_AUTO: u32 = 2;
+pub(super) const FLAG_IN_USE: u32 = 1;
+pub(super) const FLAG_AUTO: u32 = 2;
 const FLAG_EXTRA_DATA_COMPATIBLE: u32 = 4;
-const TYPE_DIRTY_TRACKING: u8 = 1;
-const ENTRY_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+pub(super) const TYPE_DIRTY_TRACKING: u8 = 1;
+pub(super) const ENTRY_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 const ENTRY_ALL_ONES: u64 = 1;
 
 /// The bitmaps extension: where the directory is.
@@ -52,6 +52,8 @@ pub struct Entry {
     pub auto: bool,
     /// Unknown extra data that forbids using the bitmap.
     pub unusable: bool,
+    /// The entry as the directory holds it (header, extra data, name; no padding).
+    pub raw: Vec<u8>,
 }
 
 fn be16(b: &[u8], o: usize) -> u16 {
@@ -160,6 +162,7 @@ pub fn parse_directory(
             in_use: flags & FLAG_IN_USE != 0,
             auto: flags & FLAG_AUTO != 0,
             unusable: extra != 0 && flags & FLAG_EXTRA_DATA_COMPATIBLE == 0,
+            raw: dir[pos..name_at + name_size].to_vec(),
         });
         pos = (name_at + name_size).next_multiple_of(8);
     }

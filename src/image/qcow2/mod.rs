@@ -15,11 +15,14 @@
 //! - `write`: writes and zeroing through the format.
 //! - `compress`: compressed clusters and the compressed-write cache.
 //! - `writeback`: metadata write-back in dependency order, flush and close.
+//! - `bitmaps`, `bitmap_store`: persistent dirty bitmaps, read and kept current.
 //!
 //! # Locks
 //!
 //! Taken in this order, never the reverse (a thread holding a later one never waits for an
 //! earlier one):
+//! 0. `stored`: the persistent bitmaps as the file holds them (`bitmap_store`); held while
+//!    they are saved (which allocates) and while the data path writes newly set bits.
 //! 1. `write` ([`WriteState`], "the allocation lock"): refcounts, the free-space cursor, the
 //!    end of the allocations, preallocation state, and every change of an L1 or L2 entry.
 //!    Held across metadata I/O, never across guest data I/O (except the synchronous
@@ -33,6 +36,7 @@
 //!    `fills`, and the background preallocation's mailbox.
 
 mod alloc;
+mod bitmap_store;
 pub mod bitmaps;
 mod compress;
 mod cow;
@@ -126,6 +130,10 @@ pub enum Qcow2Error {
     Metadata(&'static str),
     #[error("qcow2 image has {0}, more than vublk (like QEMU) accepts")]
     Limit(&'static str),
+    #[error("qcow2 persistent bitmaps cannot be read ({0}): serve it with --read-only, or remove them (qemu-img bitmap --remove) or repair it (qemu-img check -r all)")]
+    Bitmaps(String),
+    #[error("qcow2 persistent bitmaps cannot be written")]
+    SaveBitmaps(#[source] ImageError),
 }
 
 /// How the image is served, fixed at open.
@@ -262,6 +270,8 @@ pub struct Qcow2Image {
     /// one at a time, in the order they copied. Taken after the allocation lock.
     write_back_io: Mutex<()>,
     pub stats: Qcow2Stats,
+    /// The persistent dirty bitmaps as the file holds them (`bitmap_store`).
+    stored: Mutex<bitmap_store::Stored>,
 }
 
 impl std::fmt::Debug for Qcow2Image {

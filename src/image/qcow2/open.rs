@@ -14,7 +14,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 
-use super::header::{be64, Header, SnapshotEntry};
+use super::header::{self, be64, Header, SnapshotEntry};
 use super::map::{compressed_span, L1_OFFSET_MASK, L2_COMPRESSED, L2_OFFSET_MASK};
 use super::metadata::MetadataMap;
 use super::refcount::RefChange;
@@ -26,7 +26,7 @@ use super::{
 use crate::image::prealloc::{Background, Prealloc};
 use crate::io::aligned::read_aligned;
 use crate::io::Storage;
-use crate::locks::RwLocked;
+use crate::locks::{Locked, RwLocked};
 
 /// Most internal snapshots an image may have (QEMU's limit).
 const MAX_SNAPSHOTS: u32 = 65536;
@@ -133,8 +133,17 @@ impl Qcow2Image {
             None
         };
         let metadata = metadata_clusters(file, &h, &l1, write.as_ref(), file_size)?;
-        if writable && h.autoclear_features != 0 {
-            clear_autoclear(file, h.autoclear_features)?;
+        let loaded = super::bitmap_store::load(file, &h, &first, file_size);
+        if let Some(why) = &loaded.problem {
+            if writable {
+                return Err(Qcow2Error::Bitmaps(why.clone()));
+            }
+            log::warn!("qcow2: the image's persistent bitmaps are not shown: {why}");
+        }
+        let bitmaps_known = loaded.problem.is_none();
+        let stored = loaded.stored;
+        if writable && stored.is_empty() && h.autoclear_features != 0 {
+            clear_autoclear(file)?;
         }
         let cache_bytes = opts
             .l2_cache_bytes
@@ -167,12 +176,31 @@ impl Qcow2Image {
             unpublished: Default::default(),
             write_back_io: Mutex::new(()),
             stats: Qcow2Stats::default(),
+            stored: Mutex::new(stored),
         };
+        for host in img.stored.locked().clusters(cluster_size) {
+            img.note_metadata(host);
+        }
         // A crash leaves the clusters reserved ahead (`alloc::reserve`) with refcount 1 and
         // nothing referencing them: given back below, unless something other than the
         // active L2 tables may reference clusters (internal snapshots, bitmaps).
-        let reclaim = h.nb_snapshots == 0 && !h.has_extension(&first, super::header::EXT_BITMAPS);
+        // The bitmaps' clusters are known (and marked as metadata) when their directory
+        // was read.
+        let reclaim = h.nb_snapshots == 0
+            && (!h.has_extension(&first, super::header::EXT_BITMAPS) || bitmaps_known);
         img.find_data_end(file, reclaim)?;
+        let rewrite = {
+            let st = img.stored.locked();
+            !st.is_empty()
+                && (!st.fully_allocated() || h.autoclear_features != header::AUTOCLEAR_BITMAPS)
+        };
+        if writable && rewrite {
+            // Every bitmap kept by this process gets all its data clusters (the data path
+            // then only writes into them), and the autoclear bit stays set.
+            let list = img.persistent_bitmaps();
+            img.save_bitmaps(file, &list)
+                .map_err(Qcow2Error::SaveBitmaps)?;
+        }
         if let (Some(p), Ok(mut ws)) = (opts.prealloc, img.lock_write()) {
             let mut state = Prealloc::new(ws.covered, p.size, p.align, p.file_align);
             // The data ends at the last allocated cluster; a tail after it (left by a crash
@@ -358,23 +386,16 @@ fn read_table(file: &dyn Storage, offset: u64, len: u64) -> Result<Vec<u64>, Qco
     Ok(table)
 }
 
-/// Before anything is written: clear the autoclear feature bits, none of which vublk
-/// maintains (qcow2 spec: a writer clears those it does not maintain before its first
-/// write). With bit 0 gone, QEMU treats the image's persistent dirty bitmaps as
-/// inconsistent, so an incremental backup never trusts a bitmap that missed vublk's writes.
-fn clear_autoclear(file: &dyn Storage, bits: u64) -> Result<(), Qcow2Error> {
-    use super::header::{off, AUTOCLEAR_BITMAPS};
+/// Before anything is written, in an image without bitmaps: clear the autoclear feature
+/// bits (qcow2 spec: a writer clears those it does not maintain before its first write;
+/// bit 0 without a bitmaps extension is an error anyway). Images with bitmaps get the bits
+/// they keep from `save_bitmaps`.
+fn clear_autoclear(file: &dyn Storage) -> Result<(), Qcow2Error> {
+    use super::header::off;
     // One aligned block (the file may be O_DIRECT); nothing else runs during the open.
     crate::io::aligned::write_unaligned(file, off::AUTOCLEAR_FEATURES as u64, &[0u8; 8], 4096)
         .and_then(|()| file.sync_data())
-        .map_err(Qcow2Error::WriteHeader)?;
-    if bits & AUTOCLEAR_BITMAPS != 0 {
-        log::warn!(
-            "qcow2: the image's persistent dirty bitmaps are now marked inconsistent (vublk \
-             does not maintain them): an incremental backup must start from a full one"
-        );
-    }
-    Ok(())
+        .map_err(Qcow2Error::WriteHeader)
 }
 
 /// Clusters holding metadata. Ranges are clamped to the file, and tables of several clusters

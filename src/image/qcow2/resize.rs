@@ -9,7 +9,7 @@ use super::{ImageError, Qcow2Image, MAX_L1_BYTES};
 use crate::io::aligned::{write_all_aligned, write_unaligned};
 use crate::io::bounce::AlignedBuf;
 use crate::io::Storage;
-use crate::locks::RwLocked;
+use crate::locks::{Locked, RwLocked};
 
 impl Qcow2Image {
     /// Grow the guest-visible size to `new` bytes (larger than now; the caller checks).
@@ -24,7 +24,16 @@ impl Qcow2Image {
     /// (after the next sync, as every release is). A crash before the header write leaks the
     /// new table's clusters at most.
     pub fn resize(&self, file: &dyn Storage, new: u64) -> Result<(), ImageError> {
+        let mut st = self.stored.locked();
         let mut ws = self.lock_write()?;
+        let (bitmaps, inconsistent) = Self::stored_bitmaps(&st);
+        if inconsistent {
+            return Err(ImageError::Unsupported(
+                "the image has inconsistent persistent bitmaps: remove them first \
+                 (vublk ctl bitmap-remove)"
+                    .into(),
+            ));
+        }
         let per_l1 = 1u64 << (self.cluster_bits + self.l2_bits);
         let needed = new.div_ceil(per_l1);
         if needed * 8 > MAX_L1_BYTES {
@@ -80,8 +89,18 @@ impl Qcow2Image {
         fields[l1s..l1s + 4].copy_from_slice(&(l1_size as u32).to_be_bytes());
         let l1o = off::L1_TABLE_OFFSET - off::SIZE;
         fields[l1o..l1o + 8].copy_from_slice(&offset.to_be_bytes());
-        write_unaligned(file, off::SIZE as u64, &fields, chunk).map_err(ImageError::Io)?;
-        file.sync_data().map_err(ImageError::Io)?;
+        if bitmaps {
+            // The bitmaps' tables sized for the new disk, switched to in the same header
+            // write as the size (a header naming tables of the wrong size is refused).
+            let list = st.persistent();
+            let patch = |h: &mut Vec<u8>| {
+                h[off::SIZE..off::SIZE + fields.len()].copy_from_slice(&fields);
+            };
+            self.save_locked(&mut st, &mut ws, file, &list, new, &patch)?;
+        } else {
+            write_unaligned(file, off::SIZE as u64, &fields, chunk).map_err(ImageError::Io)?;
+            file.sync_data().map_err(ImageError::Io)?;
+        }
         {
             let mut l1 = self.l1.write_locked();
             l1.resize(l1_size as usize, 0);
