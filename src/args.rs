@@ -205,6 +205,13 @@ pub struct Args {
     #[arg(long = "bitmap", value_name = "NAME[:GRANULARITY]")]
     pub bitmaps: Vec<String>,
 
+    /// Keep a persistent dirty bitmap NAME in the qcow2 image file: added at start (recording)
+    /// unless the file has a bitmap of that name, which is then kept as it is (repeatable;
+    /// GRANULARITY as for --bitmap, used when adding). Refused for disks that keep bitmaps in
+    /// memory only. See docs/changed-block-tracking.md.
+    #[arg(long = "persistent-bitmap", value_name = "NAME[:GRANULARITY]")]
+    pub persistent_bitmaps: Vec<String>,
+
     /// Pin queue N's thread to the N-th CPU of LIST (comma-separated CPUs and ranges, e.g.
     /// `2,3` or `0-3`; cycled when there are more queues than CPUs). Default: unpinned.
     #[arg(long, value_name = "LIST")]

@@ -61,6 +61,9 @@ pub struct Config {
     pub stuck_request: Duration,
     /// `--bitmap`: (name, granularity) of the in-memory bitmaps to start with.
     pub bitmaps: Vec<(String, u64)>,
+    /// `--persistent-bitmap`: (name, granularity) of the bitmaps the image file must keep
+    /// (added at start where the file has none of that name).
+    pub persistent_bitmaps: Vec<(String, u64)>,
     /// `--queue-cpus`, in queue order (empty: unpinned).
     pub queue_cpus: Vec<usize>,
     /// `--throttle-*`.
@@ -317,25 +320,40 @@ impl Config {
             ));
         }
         let mut bitmaps: Vec<(String, u64)> = Vec::new();
-        for b in &args.bitmaps {
-            let (name, g) = match b.rsplit_once(':') {
-                Some((n, g)) => {
-                    let g = crate::args::parse_size(g).ok_or_else(|| {
-                        bad(format!(
-                            "--bitmap {b}: GRANULARITY: bytes, or with K, M or G"
-                        ))
-                    })?;
-                    (n, g)
-                }
-                None => (b.as_str(), crate::bitmaps::DEFAULT_GRANULARITY),
-            };
-            crate::bitmaps::check_name(name)
-                .and_then(|()| crate::bitmaps::check_granularity(g))
-                .map_err(|e| bad(format!("--bitmap {b}: {e}")))?;
-            if bitmaps.iter().any(|(n, _)| n == name) {
-                return Err(bad(format!("--bitmap {name}: given twice")));
+        let mut persistent_bitmaps: Vec<(String, u64)> = Vec::new();
+        for (opt, given, out) in [
+            ("--bitmap", &args.bitmaps, &mut bitmaps),
+            (
+                "--persistent-bitmap",
+                &args.persistent_bitmaps,
+                &mut persistent_bitmaps,
+            ),
+        ] {
+            for b in given {
+                let (name, g) = match b.rsplit_once(':') {
+                    Some((n, g)) => {
+                        let g = crate::args::parse_size(g).ok_or_else(|| {
+                            bad(format!("{opt} {b}: GRANULARITY: bytes, or with K, M or G"))
+                        })?;
+                        (n, g)
+                    }
+                    None => (b.as_str(), crate::bitmaps::DEFAULT_GRANULARITY),
+                };
+                crate::bitmaps::check_name(name)
+                    .and_then(|()| crate::bitmaps::check_granularity(g))
+                    .map_err(|e| bad(format!("{opt} {b}: {e}")))?;
+                out.push((name.to_owned(), g));
             }
-            bitmaps.push((name.to_owned(), g));
+        }
+        for (i, (name, _)) in bitmaps.iter().chain(&persistent_bitmaps).enumerate() {
+            if bitmaps
+                .iter()
+                .chain(&persistent_bitmaps)
+                .take(i)
+                .any(|(n, _)| n == name)
+            {
+                return Err(bad(format!("bitmap {name}: given twice")));
+            }
         }
         if args.stuck_request_secs > 86400 {
             return Err(bad(format!(
@@ -380,6 +398,7 @@ impl Config {
             control_idle_timeout: Duration::from_secs(u64::from(args.control_idle_timeout)),
             stuck_request: Duration::from_secs(u64::from(args.stuck_request_secs)),
             bitmaps,
+            persistent_bitmaps,
             metrics_addr: args.metrics_addr.clone(),
             num_queues: args.num_queues as u16,
             queue_size: args.queue_size as u16,

@@ -289,6 +289,26 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
             Err(e) => warn!("--bitmap {name}: {e}"),
         }
     }
+    for (name, g) in &cfg.persistent_bitmaps {
+        if cfg.incoming {
+            // The image is read at the take-over: its bitmaps are the source's.
+            info!("bitmap {name:?}: the image file's, as the source leaves it");
+            continue;
+        }
+        if dev
+            .bitmaps
+            .persistent()
+            .iter()
+            .any(|p| p.bitmap.name() == name)
+        {
+            info!("bitmap {name:?}: kept from the image file");
+            continue;
+        }
+        dev.bitmaps
+            .add(name, *g, true, true, &|l| dev.save_bitmaps(l))
+            .map_err(|e| DaemonError::Usage(format!("--persistent-bitmap {name}: {e}")))?;
+        info!("bitmap {name:?} ({g}-byte granularity) added to the image file");
+    }
     if let Err(e) = dev.spawn_watchdog(cfg.stuck_request) {
         warn!("no stuck-request watchdog ({e})");
     }

@@ -408,3 +408,62 @@ fn bitmaps_qemu_left_in_use_are_inconsistent_until_removed() {
     assert_eq!(nbd_dirty_map(&img, "fresh"), [(5 * MIB, K64)]);
     run_ok(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
 }
+
+/// The header is rewritten when the first bitmap comes and the last one goes: the other
+/// extensions (the backing format) and the backing file name survive both, and the autoclear
+/// bit follows the extension.
+#[test]
+fn an_overlay_keeps_its_backing_file_as_bitmaps_come_and_go() {
+    if !have_tools() {
+        return;
+    }
+    let dir = TestDir::new("bitmaps-qcow2-overlay");
+    let base = dir.join("base.raw");
+    create_sparse_image(&base, 64 * MIB);
+    let img = dir.join("overlay.qcow2");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+            .arg(&base)
+            .arg(&img),
+    );
+    let backing = |img: &Path| {
+        let v: Value = serde_json::from_str(&run_ok(
+            Command::new("qemu-img")
+                .args(["info", "--output=json"])
+                .arg(img),
+        ))
+        .unwrap();
+        (
+            v["backing-filename"].as_str().unwrap_or("").to_owned(),
+            v["backing-filename-format"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned(),
+        )
+    };
+    let want = (base.display().to_string(), "raw".to_owned());
+    assert_eq!(backing(&img), want);
+    let autoclear = |p: &Path| std::fs::read(p).unwrap()[95] & 1;
+    for (round, add) in [(0, true), (1, false)] {
+        let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+        if add {
+            ok(&sock, "bitmap-add", &["p", "--persistent"]);
+            let mut c = connect_queues(&backend.socket, 1);
+            assert_eq!(c.write_at(0, 3 * MIB, &[4u8; 4096]), 0);
+            drop(c);
+        } else {
+            ok(&sock, "bitmap-remove", &["p"]);
+        }
+        assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+        assert_eq!(backing(&img), want, "round {round}");
+        run_ok(Command::new("qemu-img").args(["check", "-q"]).arg(&img));
+        if add {
+            assert_eq!(autoclear(&img), 1);
+            assert_eq!(nbd_dirty_map(&img, "p"), [(3 * MIB, K64)]);
+        } else {
+            assert_eq!(autoclear(&img), 0);
+            assert!(qemu_bitmaps(&img).is_empty());
+        }
+    }
+}

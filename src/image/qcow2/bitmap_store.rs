@@ -210,6 +210,9 @@ fn directory_entry(b: &DirtyBitmap, table_offset: u64, table_size: u32) -> Vec<u
 /// are kept in their order, the backing file name moves after the list. Err: no room.
 fn rebuild_header(old: &[u8], h: &Header, dir: Option<(u32, u64, u64)>) -> Result<Vec<u8>, String> {
     let fixed = h.header_length as usize;
+    if !(header::V3_LEN..=old.len().saturating_sub(8)).contains(&fixed) {
+        return Err(format!("a header length of {fixed} bytes"));
+    }
     let mut exts: Vec<(u32, &[u8])> = Vec::new();
     let mut pos = fixed;
     loop {
@@ -483,5 +486,68 @@ impl Qcow2Image {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::image::qcow2::header::{Compression, EXT_BACKING_FORMAT};
+
+    fn header_with_backing() -> (Vec<u8>, Header) {
+        let mut h = Header::new_v3(16, 1 << 30, Compression::Zlib);
+        let mut b = vec![0u8; 4096];
+        let at = h.header_length as usize;
+        put32(&mut b, at, EXT_BACKING_FORMAT);
+        put32(&mut b, at + 4, 3);
+        b[at + 8..at + 11].copy_from_slice(b"raw");
+        // End marker at at + 16; the name after it.
+        h.backing_file_offset = (at + 24) as u64;
+        h.backing_file_size = 8;
+        h.write_to(&mut b);
+        b[at + 24..at + 32].copy_from_slice(b"base.raw");
+        (b, h)
+    }
+
+    #[test]
+    fn the_extension_comes_and_goes_and_the_rest_stays() {
+        let (old, h) = header_with_backing();
+        let new = rebuild_header(&old, &h, Some((2, 80, 3 << 16))).unwrap();
+        let nh = Header::parse(&new).unwrap();
+        assert_eq!(nh.autoclear_features, AUTOCLEAR_BITMAPS);
+        assert_eq!(nh.backing_file(&new).unwrap().as_deref(), Some("base.raw"));
+        assert_eq!(
+            nh.extension_data(&new, EXT_BACKING_FORMAT),
+            Some(&b"raw"[..])
+        );
+        let e = reader::parse_extension(nh.extension_data(&new, EXT_BITMAPS).unwrap()).unwrap();
+        assert_eq!(
+            (e.count, e.directory_size, e.directory_offset),
+            (2, 80, 3 << 16)
+        );
+        let gone = rebuild_header(&new, &nh, None).unwrap();
+        let gh = Header::parse(&gone).unwrap();
+        assert_eq!(gh.autoclear_features, 0);
+        assert!(gh.extension_data(&gone, EXT_BITMAPS).is_none());
+        assert_eq!(gh.backing_file(&gone).unwrap().as_deref(), Some("base.raw"));
+    }
+
+    #[test]
+    fn hostile_headers_are_refused_without_a_panic() {
+        let (old, h) = header_with_backing();
+        let mut rng = 0x1234_5678_9abc_def0u64;
+        for i in 0..20_000 {
+            let mut b = old.clone();
+            for _ in 0..1 + i % 4 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let at = (rng % 200) as usize;
+                b[at] = (rng >> 32) as u8;
+            }
+            let hh = Header::parse(&b).unwrap_or_else(|_| h.clone());
+            let _ = rebuild_header(&b, &hh, Some((1, 40, 1 << 16)));
+            let _ = rebuild_header(&b[..(rng % 300) as usize], &hh, None);
+        }
     }
 }
