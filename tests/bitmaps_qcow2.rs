@@ -467,3 +467,33 @@ fn an_overlay_keeps_its_backing_file_as_bitmaps_come_and_go() {
         }
     }
 }
+
+/// `--persistent-bitmap`: added to the file at the first start, kept (with its bits) at the
+/// next; refused where bitmaps live in memory only.
+#[test]
+fn persistent_bitmap_option_adds_once_and_keeps() {
+    if !have_tools() {
+        return;
+    }
+    let dir = TestDir::new("bitmaps-qcow2-option");
+    let img = dir.join("img.qcow2");
+    qemu_img_create(&img, "qcow2", "64M");
+    for (round, at) in [(0u64, MIB), (1, 7 * MIB)] {
+        let (backend, sock) =
+            start_with_control(&dir, &img, 1, &["--persistent-bitmap", "b9:4096"]);
+        let mut c = connect_queues(&backend.socket, 1);
+        assert_eq!(c.write_at(0, at, &[5u8; 4096]), 0);
+        drop(c);
+        assert_eq!(
+            listed(&sock)[0],
+            ("b9".to_owned(), true, true, false, 4096 * (round + 1))
+        );
+        assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    }
+    assert_eq!(nbd_dirty_map(&img, "b9"), [(MIB, 4096), (7 * MIB, 4096)]);
+    let raw = dir.join("img.raw");
+    create_sparse_image(&raw, 64 * MIB);
+    let (code, log) = vublk_refuses(&dir, &raw, &["--persistent-bitmap", "b9"]);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(log.contains("memory only"), "{log}");
+}
