@@ -215,7 +215,7 @@ impl Device {
         let rmw_possible = params.cache == CacheMode::None
             && params.align.offset > params.logical_block_size as usize;
         let bitmaps = crate::bitmaps::Bitmaps::new(image.size_bytes(), image.bitmaps_memory_only());
-        bitmaps.adopt(image.persistent_bitmaps());
+        bitmaps.adopt(image.persistent_bitmaps(), image.bitmaps_memory_only());
         Device {
             bitmaps,
             write_ranges: rmw_possible.then(RangeLocks::default),

@@ -490,6 +490,9 @@ fn handover(fmt: &str) {
             .map(|e| (e[0].as_u64().unwrap(), e[1].as_u64().unwrap()))
             .collect();
         assert_eq!(got, granules, "B's b0: A's writes and B's");
+        // B took a qcow2 image: it can keep more bitmaps in it.
+        let (ok, _, err) = ctl(&ctl_b, "bitmap-add", &["b1", "--persistent"]);
+        assert!(ok, "bitmap-add --persistent on the destination: {err}");
     }
 
     // A's frontend goes away and A exits: it must write nothing now.
@@ -511,7 +514,7 @@ fn handover(fmt: &str) {
                 .arg(&img),
         );
         assert!(
-            info.contains("\"b0\"") && !info.contains("in-use"),
+            info.contains("\"b0\"") && info.contains("\"b1\"") && !info.contains("in-use"),
             "{info}"
         );
         let map = run_ok(

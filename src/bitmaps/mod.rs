@@ -89,7 +89,8 @@ pub struct Bitmaps {
     /// The disk size new bitmaps cover.
     size: AtomicU64,
     /// Why persistent bitmaps cannot be kept for this disk (None: they can).
-    no_persistence: Option<String>,
+    /// (Set again when the image is taken over: a migration destination learns it then.)
+    no_persistence: Mutex<Option<String>>,
 }
 
 /// A queue's view of the bitmaps, for the data path.
@@ -148,7 +149,7 @@ impl Bitmaps {
             entries: Mutex::new(Vec::new()),
             generation: AtomicU64::new(1),
             size: AtomicU64::new(size),
-            no_persistence,
+            no_persistence: Mutex::new(no_persistence),
         }
     }
 
@@ -176,7 +177,8 @@ impl Bitmaps {
     /// Take the image's persistent bitmaps (at open, and when the image is taken over from
     /// another process): they replace the persistent bitmaps kept so far; memory-only ones
     /// stay. Nothing changes when the set holds exactly these already.
-    pub fn adopt(&self, loaded: Vec<Persistent>) {
+    pub fn adopt(&self, loaded: Vec<Persistent>, memory_only: Option<String>) {
+        *self.no_persistence.locked() = memory_only;
         let mut e = self.entries.locked();
         let same = {
             let mine: Vec<&Entry> = e.iter().filter(|x| x.persistent).collect();
@@ -223,8 +225,8 @@ impl Bitmaps {
         check_name(name)?;
         check_granularity(granularity)?;
         if persistent {
-            if let Some(why) = &self.no_persistence {
-                return Err(BitmapError::NotPersistent(why.clone()));
+            if let Some(why) = self.memory_only() {
+                return Err(BitmapError::NotPersistent(why));
             }
         }
         let mut e = self.entries.locked();
@@ -367,8 +369,8 @@ impl Bitmaps {
     }
 
     /// Why this disk's bitmaps live in memory only (None: they can be kept in its file).
-    pub fn memory_only(&self) -> Option<&str> {
-        self.no_persistence.as_deref()
+    pub fn memory_only(&self) -> Option<String> {
+        self.no_persistence.locked().clone()
     }
 
     /// Is any bitmap kept at all?

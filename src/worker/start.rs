@@ -97,7 +97,9 @@ impl QueueWorker {
                 }
                 // The file's persistent bitmaps as the other process left them (once for
                 // all queues: the set keeps the same ones).
-                self.dev.bitmaps.adopt(image.persistent_bitmaps());
+                self.dev
+                    .bitmaps
+                    .adopt(image.persistent_bitmaps(), image.bitmaps_memory_only());
                 self.image = image;
             }
             Err(e) => {
