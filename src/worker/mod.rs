@@ -450,7 +450,10 @@ impl QueueWorker {
         }
         let mem = self.mem.memory().into_inner();
         let mut state = vring.get_mut();
-        if !self.started && state.get_queue().ready() {
+        // A queue starts once it is set up and enabled: not again between a stop's drain
+        // (SET_VRING_ENABLE 0, which disables it) and GET_VRING_BASE, where a start would take
+        // back an image just handed over.
+        if !self.started && state.get_queue().ready() && state.is_enabled() {
             self.start(state.get_queue_mut(), &mem);
         } else if self.started {
             // The image could not be taken at the start: try again now and then.

@@ -37,11 +37,12 @@ impl QueueWorker {
         };
         q.set_next_used(used);
         // The frontend's base (SET_VRING_BASE) is what the previous backend had taken; after
-        // a clean stop it equals the used index. A difference is worth a line in the log.
+        // a clean stop (or a migration) it equals the used index. After a crash it may be
+        // ahead (requests taken and not completed: the inflight region has them).
         let base = q.next_avail();
         if base != used {
-            log::info!(
-                "queue {}: starting at used index {used}; the frontend's base is {base}",
+            log::warn!(
+                "queue {}: the used index is {used}, the frontend's base {base}",
                 self.index
             );
         }

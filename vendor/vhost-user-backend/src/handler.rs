@@ -533,10 +533,19 @@ where
             // Note: I'm not sure why QEMU's vhost-user library sets the 'user' index here,
             // _probably_ to make sure that the VQ is already configured. A better solution would
             // be to receive the 'used' index in SET_VRING_BASE, as is done when using packed VQs.
-            let idx = vring
-                .queue_used_idx()
-                .map_err(|_| VhostUserError::BackendInternalError)?;
-            vring.set_queue_next_used(idx);
+            //
+            // Not for a started queue, though: its backend owns `next_used` and may be putting
+            // entries on the used ring at this very moment (a frontend sends SET_VRING_ADDR to
+            // a running queue to switch the logging of the used ring on or off for a live
+            // migration). Setting `next_used` back to an index read just before an entry was
+            // published would make the next entry overwrite that one: a completion lost for
+            // the driver, and a used index behind the requests taken for good.
+            if !vring.get_ref().get_queue().ready() {
+                let idx = vring
+                    .queue_used_idx()
+                    .map_err(|_| VhostUserError::BackendInternalError)?;
+                vring.set_queue_next_used(idx);
+            }
 
             // Where the backend logs its writes to the used ring.
             let log = flags
@@ -1234,6 +1243,50 @@ mod tests {
 
         let backend = backend.lock().unwrap();
         assert_eq!(backend.vring_logs(), [(0, Some(0x102000)), (1, None)]);
+    }
+
+    #[test]
+    fn test_set_vring_addr_keeps_next_used_of_a_started_queue() {
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
+        let backend = Arc::new(Mutex::new(MockVhostBackend::new()));
+        let mut handler = VhostUserHandler::new(backend, mem).unwrap();
+        let table = [VhostUserMemoryRegion::new(
+            0x100000,
+            0x10000,
+            0x7000_0000,
+            0,
+        )];
+        handler
+            .set_mem_table(&table, vec![guest_memory_file(0x10000)], None)
+            .unwrap();
+        let (desc, avail, used) = (0x7000_0000, 0x7000_1000, 0x7000_2000);
+        let vring = handler.vrings[0].clone();
+        vring.set_queue_size(8);
+        let used_idx = |h: &VhostUserHandler<_>, idx: u16| {
+            h.atomic_mem
+                .memory()
+                .write_obj(idx, GuestAddress(0x102002))
+                .unwrap();
+        };
+        let next_used = || vring.get_ref().get_queue().next_used();
+
+        // Not started: the used index comes from the ring.
+        used_idx(&handler, 3);
+        let flags = VhostUserVringAddrFlags::empty();
+        handler
+            .set_vring_addr(0, flags, desc, used, avail, 0)
+            .unwrap();
+        assert_eq!(next_used(), 3);
+
+        // Started, and ahead of what the ring showed when the frontend switched logging on:
+        // the backend's index stays.
+        vring.set_queue_ready(true);
+        vring.set_queue_next_used(7);
+        let flags = VhostUserVringAddrFlags::VHOST_VRING_F_LOG;
+        handler
+            .set_vring_addr(0, flags, desc, used, avail, 0x102000)
+            .unwrap();
+        assert_eq!(next_used(), 7);
     }
 
     #[test]
