@@ -33,7 +33,7 @@ pub(super) struct Stored {
     dir: Option<(u64, u64)>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct StoredEntry {
     bitmap: Arc<DirtyBitmap>,
     /// An inconsistent bitmap (in use by a writer that stopped, unknown extra data, or a file
@@ -153,6 +153,13 @@ fn load_entry(
 }
 
 impl Stored {
+    /// The entry of `bitmap`, kept (inconsistent) or this process's.
+    fn find(&self, bitmap: &Arc<DirtyBitmap>, kept: bool) -> Option<&StoredEntry> {
+        self.entries
+            .iter()
+            .find(|e| e.kept.is_some() == kept && Arc::ptr_eq(&e.bitmap, bitmap))
+    }
+
     /// The bitmaps, for the device's set.
     pub(super) fn persistent(&self) -> Vec<Persistent> {
         self.entries
@@ -319,20 +326,10 @@ impl Qcow2Image {
         let mut dir_bytes: Vec<u8> = Vec::new();
         for p in list {
             let raw = if p.inconsistent {
-                let Some(old) = st
-                    .entries
-                    .iter()
-                    .find(|e| e.kept.is_some() && Arc::ptr_eq(&e.bitmap, &p.bitmap))
-                else {
+                let Some(old) = st.find(&p.bitmap, true) else {
                     continue;
                 };
-                entries.push(StoredEntry {
-                    bitmap: old.bitmap.clone(),
-                    kept: old.kept.clone(),
-                    table_offset: old.table_offset,
-                    table_size: old.table_size,
-                    data: old.data.clone(),
-                });
+                entries.push(old.clone());
                 old.kept.clone().unwrap_or_default()
             } else {
                 let e = self.write_bitmap(ws, file, &p.bitmap, disk)?;
@@ -464,14 +461,10 @@ impl Qcow2Image {
         let mut buf = vec![0u8; blk as usize];
         let mut written: Vec<(usize, u64)> = Vec::new();
         for m in marks {
-            let Some(i) = st
-                .entries
-                .iter()
-                .position(|e| e.kept.is_none() && Arc::ptr_eq(&e.bitmap, &m.bitmap))
-            else {
+            let Some(e) = st.find(&m.bitmap, false) else {
                 continue;
             };
-            let e = &st.entries[i];
+            let i = Arc::as_ptr(&e.bitmap) as usize;
             for block in (m.first_word * 8) / blk..=(m.last_word * 8 + 7) / blk {
                 if written.contains(&(i, block)) {
                     continue;
