@@ -339,6 +339,16 @@ fn run(name: &str, fmt: &str, qsd: bool) -> Option<(Outcome, PathBuf, PathBuf, S
     } else {
         let image = run.path.join(format!("disk.{fmt}"));
         common::qemu_img_create(&image, fmt, &DISK_BYTES.to_string());
+        if fmt == "qcow2" {
+            // A persistent dirty bitmap goes along with the image (`verify`).
+            let st = Command::new("qemu-img")
+                .args(["bitmap", "--add"])
+                .arg(&image)
+                .arg("b0")
+                .status()
+                .unwrap();
+            assert!(st.success());
+        }
         image
     };
     let socks = ["a", "b"]
@@ -494,6 +504,7 @@ fn verify(name: &str, fmt: &str, o: &Outcome, image: &Path, pattern: &Path, run:
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
+        check_bitmap(image, run);
         let raw = run.path.join("converted.raw");
         let st = Command::new("qemu-img")
             .args(["convert", "-f", "qcow2", "-O", "raw"])
@@ -566,4 +577,69 @@ fn qsd_comparison_run() {
         return;
     };
     verify("qsd", "raw", &o, &image, &pattern, &run);
+}
+
+/// The persistent bitmap b0 came through both migrations valid (not in use) and records every
+/// cluster the guest wrote: each cluster with data in the fresh image (`qemu-img map`) is
+/// dirty in it (`qemu-nbd -B b0` under `nbdinfo --map`; 64 KiB granules, 64 KiB clusters).
+fn check_bitmap(image: &Path, run: &ScratchDir) {
+    let out = |c: &mut Command| {
+        let o = c.output().unwrap();
+        assert!(
+            o.status.success(),
+            "{c:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let info = out(Command::new("qemu-img")
+        .args(["info", "--output=json"])
+        .arg(image));
+    assert!(
+        info.contains("\"b0\"") && !info.contains("in-use"),
+        "b0 after the migrations:\n{info}"
+    );
+    let map: serde_json::Value = serde_json::from_str(&out(Command::new("qemu-img")
+        .args(["map", "--output=json", "-f", "qcow2"])
+        .arg(image)))
+    .unwrap();
+    let g = 65536u64;
+    let mut written = std::collections::BTreeSet::new();
+    for e in map.as_array().unwrap() {
+        if e["data"].as_bool() == Some(true) {
+            let (o, l) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+            written.extend(o / g..(o + l).div_ceil(g));
+        }
+    }
+    let nbd = out(Command::new("nbdinfo")
+        .args([
+            "--map=qemu:dirty-bitmap:b0",
+            "--",
+            "[",
+            "qemu-nbd",
+            "-r",
+            "-f",
+            "qcow2",
+        ])
+        .args(["-B", "b0"])
+        .arg(image)
+        .arg("]"));
+    let mut dirty = std::collections::BTreeSet::new();
+    for l in nbd.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() >= 4 && f[3] == "dirty" {
+            let (o, l): (u64, u64) = (f[0].parse().unwrap(), f[1].parse().unwrap());
+            dirty.extend(o / g..(o + l).div_ceil(g));
+        }
+    }
+    assert!(!written.is_empty());
+    let missing: Vec<u64> = written.difference(&dirty).take(10).copied().collect();
+    assert!(
+        missing.is_empty(),
+        "clusters the guest wrote and b0 lacks (first 10, in 64 KiB units): {missing:?} \
+         ({} written, {} dirty; run in {})",
+        written.len(),
+        dirty.len(),
+        run.path.display()
+    );
 }
