@@ -39,31 +39,6 @@ fn have_tools() -> bool {
     true
 }
 
-/// The dirty extents of bitmap `name` in `img` as QEMU reads them: `qemu-nbd -r -B NAME`
-/// under `nbdinfo --map=qemu:dirty-bitmap:NAME` (nbdinfo starts and stops the server).
-fn nbd_dirty_map(img: &Path, name: &str) -> Vec<(u64, u64)> {
-    let out = run_ok(
-        Command::new("nbdinfo")
-            .arg(format!("--map=qemu:dirty-bitmap:{name}"))
-            .args(["--", "[", "qemu-nbd", "-r", "-f", "qcow2", "-B", name])
-            .arg(img)
-            .arg("]"),
-    );
-    let mut v: Vec<(u64, u64)> = Vec::new();
-    for line in out.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 4 || f[3] != "dirty" {
-            continue;
-        }
-        let (o, l): (u64, u64) = (f[0].parse().unwrap(), f[1].parse().unwrap());
-        match v.last_mut() {
-            Some(last) if last.0 + last.1 == o => last.1 += l,
-            _ => v.push((o, l)),
-        }
-    }
-    v
-}
-
 /// The bitmaps `qemu-img info` lists: (name, flags, granularity).
 fn qemu_bitmaps(img: &Path) -> Vec<(String, Vec<String>, u64)> {
     let out = run_ok(

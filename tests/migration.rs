@@ -517,19 +517,7 @@ fn handover(fmt: &str) {
             info.contains("\"b0\"") && info.contains("\"b1\"") && !info.contains("in-use"),
             "{info}"
         );
-        let map = run_ok(
-            std::process::Command::new("nbdinfo")
-                .args(["--map=qemu:dirty-bitmap:b0", "--", "[", "qemu-nbd", "-r"])
-                .args(["-f", "qcow2", "-B", "b0"])
-                .arg(&img)
-                .arg("]"),
-        );
-        let dirty = merged(
-            map.lines()
-                .map(|l| l.split_whitespace().collect::<Vec<_>>())
-                .filter(|f| f.len() >= 4 && f[3] == "dirty")
-                .map(|f| (f[0].parse().unwrap(), f[1].parse().unwrap())),
-        );
+        let dirty = nbd_dirty_map(&img, "b0");
         assert_eq!(dirty, granules, "b0 in the file after both stopped");
     }
     let raw = dir_a.join("converted.raw");

@@ -650,26 +650,9 @@ fn check_bitmap(image: &Path, run: &ScratchDir) {
             written.extend(o / g..(o + l).div_ceil(g));
         }
     }
-    let nbd = out(Command::new("nbdinfo")
-        .args([
-            "--map=qemu:dirty-bitmap:b0",
-            "--",
-            "[",
-            "qemu-nbd",
-            "-r",
-            "-f",
-            "qcow2",
-        ])
-        .args(["-B", "b0"])
-        .arg(image)
-        .arg("]"));
     let mut dirty = std::collections::BTreeSet::new();
-    for l in nbd.lines() {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if f.len() >= 4 && f[3] == "dirty" {
-            let (o, l): (u64, u64) = (f[0].parse().unwrap(), f[1].parse().unwrap());
-            dirty.extend(o / g..(o + l).div_ceil(g));
-        }
+    for (o, l) in common::nbd_dirty_map(image, "b0") {
+        dirty.extend(o / g..(o + l).div_ceil(g));
     }
     assert!(!written.is_empty());
     let missing: Vec<u64> = written.difference(&dirty).take(10).copied().collect();

@@ -89,3 +89,29 @@ pub fn convert_to_raw(path: &Path, fmt: &str, raw: &Path) {
             .arg(raw),
     );
 }
+
+/// The dirty extents (adjacent ones joined) of the persistent bitmap `name` in the qcow2
+/// image `img`, as QEMU reads them: `qemu-nbd -r -B NAME` under
+/// `nbdinfo --map=qemu:dirty-bitmap:NAME` (nbdinfo starts and stops the server).
+pub fn nbd_dirty_map(img: &Path, name: &str) -> Vec<(u64, u64)> {
+    let out = run_ok(
+        std::process::Command::new("nbdinfo")
+            .arg(format!("--map=qemu:dirty-bitmap:{name}"))
+            .args(["--", "[", "qemu-nbd", "-r", "-f", "qcow2", "-B", name])
+            .arg(img)
+            .arg("]"),
+    );
+    let mut v: Vec<(u64, u64)> = Vec::new();
+    for line in out.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 4 || f[3] != "dirty" {
+            continue;
+        }
+        let (o, l): (u64, u64) = (f[0].parse().unwrap(), f[1].parse().unwrap());
+        match v.last_mut() {
+            Some(last) if last.0 + last.1 == o => last.1 += l,
+            _ => v.push((o, l)),
+        }
+    }
+    v
+}
