@@ -18,7 +18,8 @@
 //! resize), `report` (counters for stats and logs), `create` (`vublk create`), `engine` (the
 //! per-queue engines), `fills` (the fill protocol's waits), `remote` (remote disks: opening them through their drivers, and what
 //! they do instead of a file), `lock` (QEMU's image locks), `bitmaps` (which disks keep dirty
-//! bitmaps in their file, and the calls that keep them there), `fuzz` (fuzzing entry points).
+//! bitmaps in their file, and the calls that keep them there), `reader` (synchronous reads
+//! off the data path, and the disk's allocation: backups), `fuzz` (fuzzing entry points).
 
 mod bitmaps;
 pub mod chain;
@@ -39,6 +40,7 @@ pub mod prealloc;
 mod probe;
 pub mod qcow2;
 mod raw;
+mod reader;
 mod remote;
 mod report;
 
@@ -53,6 +55,7 @@ pub use piece::Piece;
 pub use probe::{probe, probe_bytes};
 pub use qcow2::FillGate;
 pub use raw::{open_raw, OpenError, RawImage};
+pub use reader::{Allocation, Reader};
 
 use crate::locks::Locked;
 use crate::offload::Pool;

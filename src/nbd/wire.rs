@@ -14,10 +14,18 @@ pub const FLAG_C_FIXED_NEWSTYLE: u32 = 1 << 0;
 pub const FLAG_C_NO_ZEROES: u32 = 1 << 1;
 
 /// Options and option replies.
+pub const OPT_EXPORT_NAME: u32 = 1;
+pub const OPT_ABORT: u32 = 2;
+pub const OPT_LIST: u32 = 3;
+pub const OPT_INFO: u32 = 6;
 pub const OPT_GO: u32 = 7;
 pub const OPT_STRUCTURED_REPLY: u32 = 8;
+pub const OPT_LIST_META_CONTEXT: u32 = 9;
+pub const OPT_SET_META_CONTEXT: u32 = 10;
 pub const REP_ACK: u32 = 1;
+pub const REP_SERVER: u32 = 2;
 pub const REP_INFO: u32 = 3;
+pub const REP_META_CONTEXT: u32 = 4;
 pub const REP_FLAG_ERROR: u32 = 1 << 31;
 pub const REP_ERR_UNSUP: u32 = REP_FLAG_ERROR | 1;
 pub const REP_ERR_POLICY: u32 = REP_FLAG_ERROR | 2;
@@ -29,6 +37,7 @@ pub const REP_ERR_SHUTDOWN: u32 = REP_FLAG_ERROR | 7;
 pub const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_FLAG_ERROR | 8;
 pub const REP_ERR_TOO_BIG: u32 = REP_FLAG_ERROR | 9;
 pub const INFO_EXPORT: u16 = 0;
+pub const INFO_NAME: u16 = 1;
 pub const INFO_BLOCK_SIZE: u16 = 3;
 
 /// Transmission flags of an export.
@@ -46,9 +55,19 @@ pub const CMD_WRITE: u16 = 1;
 pub const CMD_DISC: u16 = 2;
 pub const CMD_FLUSH: u16 = 3;
 pub const CMD_TRIM: u16 = 4;
+pub const CMD_CACHE: u16 = 5;
 pub const CMD_WRITE_ZEROES: u16 = 6;
+pub const CMD_BLOCK_STATUS: u16 = 7;
 pub const CMD_FLAG_FUA: u16 = 1 << 0;
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
+/// BLOCK_STATUS: one descriptor per context is enough.
+pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
+
+/// base:allocation's flags.
+pub const STATE_HOLE: u32 = 1 << 0;
+pub const STATE_ZERO: u32 = 1 << 1;
+/// qemu:dirty-bitmap:NAME's flag.
+pub const STATE_DIRTY: u32 = 1 << 0;
 
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
@@ -62,6 +81,7 @@ pub const REPLY_FLAG_DONE: u16 = 1 << 0;
 pub const REPLY_TYPE_NONE: u16 = 0;
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
+pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
 pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) | 2;
 
@@ -143,6 +163,13 @@ pub fn decode_reply(b: &[u8]) -> Result<Option<(ReplyHeader, usize)>, String> {
         m => Err(format!("bad reply magic {m:#010x}")),
     }
 }
+
+/// NBD error codes (a server's replies).
+pub const EPERM: u32 = 1;
+pub const EIO: u32 = 5;
+pub const EINVAL: u32 = 22;
+pub const EOVERFLOW: u32 = 75;
+pub const ESHUTDOWN: u32 = 108;
 
 /// The errno an NBD error code stands for (the protocol's values are Linux's; anything
 /// else is EIO).
