@@ -407,6 +407,9 @@ pub enum CtlMethod {
     /// Dirty bitmaps (changed-block tracking: docs/changed-block-tracking.md).
     #[command(flatten)]
     Bitmap(BitmapMethod),
+    /// Backups: a point-in-time NBD export and checkpoints (docs/backups.md).
+    #[command(flatten)]
+    Backup(BackupMethod),
     /// Any other method (a newer daemon's): sent as it is, `--name value` pairs as its
     /// parameters.
     #[command(external_subcommand)]
@@ -456,6 +459,54 @@ pub enum BitmapMethod {
         #[arg(long, value_name = "MAX", default_value_t = 1024)]
         max: u64,
     },
+}
+
+/// The `backup-*` control methods.
+#[derive(Debug, Subcommand)]
+pub enum BackupMethod {
+    /// Freeze a point-in-time view of the disk, start checkpoint NAME (a bitmap recording
+    /// from that moment) and export the view read-only over NBD, in one step between two
+    /// guest requests; answers with the NBD URI.
+    BackupBegin {
+        /// The checkpoint to start (a bitmap; persistent on qcow2 images).
+        #[arg(long, value_name = "NAME")]
+        checkpoint: String,
+        /// Stop checkpoint FROM recording at the same moment, and export it as
+        /// qemu:dirty-bitmap:FROM: the changes between FROM's view and this one.
+        #[arg(long, value_name = "FROM")]
+        incremental: Option<String>,
+        /// Serve the export on this UNIX socket (it must not exist).
+        #[arg(
+            long,
+            value_name = "PATH",
+            conflicts_with = "listen",
+            required_unless_present = "listen"
+        )]
+        socket: Option<String>,
+        /// Serve the export on this loopback TCP address (port 0: any free port).
+        #[arg(long, value_name = "ADDR:PORT")]
+        listen: Option<String>,
+        /// The export's name (default: the checkpoint's).
+        #[arg(long, value_name = "EXPORTNAME")]
+        export: Option<String>,
+        /// Where the copy-before-write scratch file goes (default: the image's directory).
+        #[arg(long, value_name = "DIR")]
+        scratch: Option<String>,
+        /// The most scratch bytes the backup may use before it fails (the guest's writes
+        /// go on); default: until the file system is full.
+        #[arg(long, value_name = "SIZE")]
+        scratch_max: Option<String>,
+        /// The checkpoint bitmap's granularity.
+        #[arg(long, value_name = "SIZE", default_value = "64K")]
+        granularity: String,
+    },
+    /// Stop a backup's export and drop its view (the checkpoint stays).
+    BackupEnd {
+        #[arg(long, value_name = "NAME")]
+        checkpoint: String,
+    },
+    /// Running backups: export URI, clients, bytes read, bytes copied, scratch used, failure.
+    BackupList,
 }
 
 /// `vublk ctl set-throttle` limits (per second; 0 = unlimited; a negative number is

@@ -48,6 +48,27 @@ pub struct VhostUserBlkBackend {
     acked_features: AtomicU64,
 }
 
+impl crate::device::QueuePause for VhostUserBlkBackend {
+    fn paused(&self, f: &mut dyn FnMut()) {
+        // Every queue's worker, in queue order (nobody else holds two), busy-poll loops
+        // told to let go first; then what each has launched completes.
+        for a in &self.poll_abort {
+            a.store(true, Ordering::Relaxed);
+        }
+        let mut held: Vec<MutexGuard<'_, QueueWorker>> = (0..self.workers.len())
+            .filter_map(|i| self.worker(i))
+            .collect();
+        for w in &mut held {
+            w.settle();
+        }
+        f();
+        drop(held);
+        for a in &self.poll_abort {
+            a.store(false, Ordering::Relaxed);
+        }
+    }
+}
+
 impl VhostUserBlkBackend {
     pub fn new(dev: Arc<Device>, workers: Vec<QueueWorker>, poll: Poller) -> Self {
         let poll_abort: Vec<Arc<AtomicBool>> = workers

@@ -419,6 +419,9 @@ fn serve_loop(
         }
         first = false;
         let backend = Arc::new(VhostUserBlkBackend::new(dev.clone(), workers, cfg.poll));
+        // Before any request: a backup's begin pauses this connection's queues.
+        let pause: Arc<dyn crate::device::QueuePause> = backend.clone();
+        dev.set_queue_pause(Some(Arc::downgrade(&pause)));
         let mut daemon = VhostUserDaemon::new("vublk".into(), backend.clone(), mem)
             .map_err(DaemonError::Vhost)?;
         let handlers = daemon.get_epoll_handlers();
@@ -474,6 +477,7 @@ fn serve_loop(
             .store(false, std::sync::atomic::Ordering::Relaxed);
         dev.frontend_channel.locked().0 = None;
         backend.drain_all();
+        dev.set_queue_pause(None);
         backend.log_stats();
         let stop = {
             let mut p = phase.locked();

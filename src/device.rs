@@ -159,6 +159,17 @@ pub struct Device {
     resizing: std::sync::Mutex<()>,
     /// The dirty bitmaps (changed-block tracking), marked by every queue.
     pub bitmaps: crate::bitmaps::Bitmaps,
+    /// The running backups, whose views every queue's writes copy into first.
+    pub backups: crate::backup::Backups,
+    /// What pauses the queues of the connected frontend (None: none is connected).
+    pause: std::sync::Mutex<Option<std::sync::Weak<dyn QueuePause>>>,
+}
+
+/// Pausing every queue between two requests: the connected frontend's backend.
+pub trait QueuePause: Send + Sync {
+    /// Run `f` while no request is in flight and none starts (requests already taken
+    /// complete first, their completions published).
+    fn paused(&self, f: &mut dyn FnMut());
 }
 
 impl Device {
@@ -218,6 +229,8 @@ impl Device {
         bitmaps.adopt(image.persistent_bitmaps(), image.bitmaps_memory_only());
         Device {
             bitmaps,
+            backups: crate::backup::Backups::default(),
+            pause: std::sync::Mutex::new(None),
             write_ranges: rmw_possible.then(RangeLocks::default),
             zero_stats: ZeroStats::default(),
             image: ImageSlot::new(image, reopen),
@@ -242,6 +255,36 @@ impl Device {
         DeviceLimits {
             capacity_sectors: self.capacity_sectors.load(Ordering::Acquire),
             ..self.limits
+        }
+    }
+
+    /// The queues of a connected frontend are paused through `p` from now on (None: no
+    /// frontend is connected). Set before the first request of a connection, cleared after
+    /// its last.
+    pub fn set_queue_pause(&self, p: Option<std::sync::Weak<dyn QueuePause>>) {
+        *self.pause.locked() = p;
+    }
+
+    /// Run `f` between two guest requests: every queue of the connected frontend paused,
+    /// nothing in flight (see [`QueuePause`]); with no frontend, at once (and no frontend
+    /// connects meanwhile).
+    pub fn with_queues_paused<R>(&self, f: impl FnOnce() -> R) -> R {
+        let p = self.pause.locked();
+        let Some(backend) = p.as_ref().and_then(|w| w.upgrade()) else {
+            return f();
+        };
+        let mut f = Some(f);
+        let mut out = None;
+        backend.paused(&mut || {
+            if let Some(f) = f.take() {
+                out = Some(f());
+            }
+        });
+        drop(p);
+        match out {
+            Some(r) => r,
+            // Not run by the backend (it cannot fail to; but never lose the call).
+            None => f.map(|f| f()).expect("the closure ran or is still here"),
         }
     }
 

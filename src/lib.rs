@@ -7,6 +7,8 @@
 //! - `assets`: the generated files a package installs (man page, shell completions, the
 //!   vhost-user backend descriptor), from the same definitions the binary uses.
 //! - `backend`: the `VhostUserBackend` impl: features, config space, event dispatch.
+//! - `backup`: backups of the running disk: a point-in-time view by copy-before-write,
+//!   exported over NBD, begun between two guest requests with its checkpoint.
 //! - `bitmaps`: changed-block tracking: the disk's dirty bitmaps, marked by every queue
 //!   without a shared lock, and their `bitmap-*` control methods.
 //! - `config`: validated configuration; every option conflict is rejected here.
@@ -24,7 +26,8 @@
 //! - `locks`: mutexes and read-write locks taken ignoring poisoning, in one place.
 //! - `logging`: rate-limited logging for the data path, error chains on one line.
 //! - `metrics`: the Prometheus / OpenMetrics endpoint (`--metrics-addr`), read at each scrape.
-//! - `nbd`: NBD, vublk's own: the protocol (URIs, handshake, wire) and the client driver.
+//! - `nbd`: NBD, vublk's own: the protocol (URIs, handshake, wire), the client driver, and
+//!   the read-only server that exports backups.
 //! - `offload`: thread pools for work too slow for a queue thread; results come back through
 //!   the queue's completion eventfd.
 //! - `rbd`: the Ceph RBD driver: its options (always built), and with the feature `rbd`
@@ -46,6 +49,7 @@
 pub mod args;
 pub mod assets;
 pub mod backend;
+pub mod backup;
 pub mod bitmaps;
 pub mod config;
 pub mod control;

@@ -22,7 +22,7 @@ pub enum CallError {
     Unknown(String),
 }
 
-fn object(
+pub(crate) fn object(
     params: &Value,
     method: &str,
     allowed: &[&str],
@@ -49,7 +49,7 @@ fn object(
     Ok(m)
 }
 
-fn string(m: &serde_json::Map<String, Value>, key: &str) -> Result<String, CallError> {
+pub(crate) fn string(m: &serde_json::Map<String, Value>, key: &str) -> Result<String, CallError> {
     match m.get(key) {
         Some(Value::String(s)) => Ok(s.clone()),
         Some(_) => Err(CallError::Params(format!("{key}: a string"))),
@@ -57,7 +57,7 @@ fn string(m: &serde_json::Map<String, Value>, key: &str) -> Result<String, CallE
     }
 }
 
-fn flag(m: &serde_json::Map<String, Value>, key: &str) -> Result<bool, CallError> {
+pub(crate) fn flag(m: &serde_json::Map<String, Value>, key: &str) -> Result<bool, CallError> {
     match m.get(key) {
         None => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
@@ -65,7 +65,10 @@ fn flag(m: &serde_json::Map<String, Value>, key: &str) -> Result<bool, CallError
     }
 }
 
-fn number(m: &serde_json::Map<String, Value>, key: &str) -> Result<Option<u64>, CallError> {
+pub(crate) fn number(
+    m: &serde_json::Map<String, Value>,
+    key: &str,
+) -> Result<Option<u64>, CallError> {
     match m.get(key) {
         None => Ok(None),
         Some(Value::Number(n)) => n

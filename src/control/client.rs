@@ -75,6 +75,7 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
         }
         M::Top { .. } => return Err("top is not a request".into()),
         M::Bitmap(b) => bitmap_request(b)?,
+        M::Backup(b) => backup_request(b)?,
         M::Other(words) => {
             let (method, args) = words.split_first().ok_or_else(|| "no method".to_owned())?;
             (method.clone(), params_from_args(args)?)
@@ -114,6 +115,54 @@ fn bitmap_request(b: &crate::args::BitmapMethod) -> Result<(String, Value), Stri
             "bitmap-ranges".to_owned(),
             json!({"name": name, "offset": offset, "max": max}),
         ),
+    })
+}
+
+/// A `backup-*` method's request.
+fn backup_request(b: &crate::args::BackupMethod) -> Result<(String, Value), String> {
+    use crate::args::BackupMethod as B;
+    Ok(match b {
+        B::BackupBegin {
+            checkpoint,
+            incremental,
+            socket,
+            listen,
+            export,
+            scratch,
+            scratch_max,
+            granularity,
+        } => {
+            let mut p = serde_json::Map::new();
+            p.insert("checkpoint".into(), json!(checkpoint));
+            let g = crate::args::parse_size(granularity).ok_or_else(|| {
+                format!("--granularity {granularity:?}: bytes, or with K, M or G")
+            })?;
+            p.insert("granularity".into(), json!(g));
+            // Paths as the daemon sees them (its working directory is not ours).
+            let abs = |p: &Option<String>| {
+                p.as_ref().map(|p| {
+                    std::path::absolute(p).map_or_else(|_| p.clone(), |a| a.display().to_string())
+                })
+            };
+            let (socket, scratch) = (&abs(socket), &abs(scratch));
+            for (k, v) in [
+                ("incremental", incremental),
+                ("socket", socket),
+                ("listen", listen),
+                ("export", export),
+                ("scratch", scratch),
+                ("scratch-max", scratch_max),
+            ] {
+                if let Some(v) = v {
+                    p.insert(k.into(), json!(v));
+                }
+            }
+            ("backup-begin".to_owned(), Value::Object(p))
+        }
+        B::BackupEnd { checkpoint } => {
+            ("backup-end".to_owned(), json!({ "checkpoint": checkpoint }))
+        }
+        B::BackupList => ("backup-list".to_owned(), Value::Null),
     })
 }
 

@@ -531,6 +531,14 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                     CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
                 })
         }
+        m if m.starts_with("backup-") => {
+            use crate::backup::control::CallError;
+            crate::backup::control::call(m, &params, dev, &ctx.image_path).map_err(|e| match e {
+                CallError::Params(m) => (INVALID_PARAMS, m),
+                CallError::Refused(e) => (REFUSED, e),
+                CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
+            })
+        }
         _ => Err((METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
     }
 }

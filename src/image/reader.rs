@@ -64,6 +64,19 @@ impl Image {
         })
     }
 
+    /// The format's allocation unit (a qcow2 or parallels cluster; 0 for raw and remote
+    /// disks): guest ranges inside one unit share its metadata.
+    pub fn allocation_unit(&self) -> u64 {
+        match &self.disk {
+            Disk::Local(l) => match &l.kind {
+                Kind::Raw => 0,
+                Kind::Qcow2(d) => d.q.cluster_size(),
+                Kind::Parallels(p) => p.cluster_size,
+            },
+            Disk::Remote(_) => 0,
+        }
+    }
+
     /// What [offset, offset + len) holds, as runs (length, allocation) covering at least
     /// its first byte and at most `len` bytes (the caller asks again for the rest).
     pub fn allocation(&self, offset: u64, len: u64) -> Result<Vec<(u64, Allocation)>, ImageError> {

@@ -379,6 +379,25 @@ impl QueueWorker {
         }
     }
 
+    /// Wait for every request launched and complete it, publishing the completions (and
+    /// their bitmap marks), but keep the queue running: requests waiting for the I/O
+    /// limits stay waiting (a backup's begin, between two guest requests).
+    pub fn settle(&mut self) {
+        let Some(vring) = self.vring.clone() else {
+            return;
+        };
+        loop {
+            self.reap_and_complete(&vring);
+            if self.in_flight() <= self.throttled.len() {
+                break;
+            }
+            if !self.wait_for_completion() {
+                break;
+            }
+        }
+        self.publish_and_signal(&vring);
+    }
+
     /// Wait for every in-flight request and complete it (queue stop, disconnect, shutdown).
     pub fn drain(&mut self) {
         let Some(vring) = self.vring.clone() else {

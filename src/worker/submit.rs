@@ -77,6 +77,9 @@ impl QueueWorker {
     /// Submit a parsed request's operations; Some(used length) when it finished at once.
     pub(super) fn launch(&mut self, req: Req) -> Option<u32> {
         let id = req.id;
+        if self.dev.backups.any() {
+            self.copy_before_write(req);
+        }
         match self.submit_request(req) {
             Ok(true) => {
                 // On the engine, unless a pool thread has it.
@@ -98,6 +101,25 @@ impl QueueWorker {
                 let pending = self.slots.busy(id).map_or(0, |r| r.pending);
                 (pending == 0).then(|| self.finish(id))
             }
+        }
+    }
+
+    /// A running backup's view keeps what this request is about to change (see `backup`).
+    fn copy_before_write(&mut self, req: Req) {
+        let backups = &self.dev.backups;
+        match req.kind {
+            RequestType::Out => backups.before_write(req.offset, req.len),
+            RequestType::WriteZeroes => {
+                for r in &self.slots.get(req.id).req.ranges {
+                    backups.before_write(r.offset_bytes, r.len_bytes);
+                }
+            }
+            RequestType::Discard if self.dev.params.discard_unmap => {
+                for r in &self.slots.get(req.id).req.ranges {
+                    backups.before_write(r.offset_bytes, r.len_bytes);
+                }
+            }
+            _ => {}
         }
     }
 

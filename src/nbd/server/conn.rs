@@ -181,6 +181,12 @@ fn read(
         buf.resize(n, 0);
         let at = offset + done as u64;
         if let Err(e) = export.read(at, buf) {
+            crate::log_limited!(
+                log::Level::Warn,
+                "NBD export {}: read of {n} bytes at {at} failed: {}",
+                export.name(),
+                e.message
+            );
             if done > 0 && !r.structured {
                 // Part of a simple reply's data is out: it cannot be an error any more.
                 return Err(io::Error::other(e.message));

@@ -1,0 +1,561 @@
+//! Backups of a running disk (docs/backups.md): `backup-begin` between two guest requests,
+//! the point-in-time view over NBD read with stock tools (nbdcopy, qemu-img convert,
+//! nbdinfo) while a libblkio writer keeps writing, incremental backups from the export's
+//! `qemu:dirty-bitmap:`, `base:allocation` against `qemu-img map`, a scratch that fills, and
+//! hostile NBD clients.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+const STOP: Duration = Duration::from_secs(10);
+const SIZE: u64 = 32 * MIB;
+
+fn have_tools() -> bool {
+    ["nbdcopy", "nbdinfo", "qemu-img"].iter().all(|t| {
+        Command::new(t)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+/// Skip (saying why) unless vublk and the NBD tools are here.
+fn skip(what: &str) -> bool {
+    if skip_unless_vublk(what) {
+        return true;
+    }
+    if !have_tools() {
+        return skip_or_fail::<()>("nbdcopy, nbdinfo or qemu-img missing (libnbd-bin, qemu-utils)")
+            .is_none();
+    }
+    false
+}
+
+fn ok(sock: &Path, method: &str, args: &[&str]) -> Value {
+    let (ok, v, err) = ctl(sock, method, args);
+    assert!(ok, "vublk ctl {method} {args:?}: {err}");
+    v
+}
+
+/// The client, shared by the writer thread and the test (which pauses the writer by holding
+/// it: no request is in flight then).
+struct Shared(Client);
+// SAFETY: the client is only used by whoever holds the mutex.
+unsafe impl Send for Shared {}
+
+/// A writer of random data at random places, one request at a time, logging what it wrote.
+struct Writer {
+    client: Arc<Mutex<Shared>>,
+    stop: Arc<AtomicBool>,
+    log: Arc<Mutex<Vec<(u64, u64)>>>,
+    writes: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    fn start(client: Client, seed: u64) -> Writer {
+        let client = Arc::new(Mutex::new(Shared(client)));
+        let stop = Arc::new(AtomicBool::new(false));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let writes = Arc::new(AtomicU64::new(0));
+        let (c, s, l, w) = (client.clone(), stop.clone(), log.clone(), writes.clone());
+        let thread = std::thread::spawn(move || {
+            let mut x = seed | 1;
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            while !s.load(Ordering::Relaxed) {
+                let len = 4096 * (1 + next() % 16);
+                let offset = (next() % ((SIZE - len) / 512)) * 512;
+                let byte = (next() % 255 + 1) as u8;
+                let mut g = c.lock().unwrap();
+                let r = g.0.write_at(0, offset, &vec![byte; len as usize]);
+                assert_eq!(r, 0, "guest write at {offset} failed: {}", errno_name(r));
+                l.lock().unwrap().push((offset, len));
+                drop(g);
+                w.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        });
+        Writer {
+            client,
+            stop,
+            log,
+            writes,
+            thread: Some(thread),
+        }
+    }
+
+    /// Run `f` with the writer paused (between two of its requests) and its client.
+    fn paused<R>(&self, f: impl FnOnce(&mut Client) -> R) -> R {
+        let mut g = self.client.lock().unwrap();
+        f(&mut g.0)
+    }
+
+    /// Let the writer do at least `n` more writes.
+    fn run_for(&self, n: u64) {
+        let start = self.writes.load(Ordering::Relaxed);
+        while self.writes.load(Ordering::Relaxed) < start + n {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn take_log(&self) -> Vec<(u64, u64)> {
+        std::mem::take(&mut *self.log.lock().unwrap())
+    }
+
+    fn stop(mut self) -> Client {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+        let m = Arc::try_unwrap(self.client).ok().unwrap();
+        m.into_inner().unwrap().0
+    }
+}
+
+/// `nbdcopy URI out` (a raw file of the export).
+fn nbdcopy(uri: &str, out: &Path) -> std::process::Output {
+    Command::new("nbdcopy")
+        .args([uri, &out.display().to_string()])
+        .output()
+        .unwrap()
+}
+
+fn write_file(path: &Path, data: &[u8]) {
+    std::fs::write(path, data).unwrap();
+}
+
+/// `qemu-img compare` of two raw files: identical.
+fn assert_compare(a: &Path, b: &Path) {
+    let o = Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .args([a, b])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "qemu-img compare {} {}: {}{}",
+        a.display(),
+        b.display(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// `nbdinfo --map=CONTEXT URI`: (offset, length, type) per line.
+fn nbd_map(uri: &str, context: &str) -> Vec<(u64, u64, u32)> {
+    let out = run_ok(
+        Command::new("nbdinfo")
+            .arg(format!("--map={context}"))
+            .arg(uri),
+    );
+    out.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some((
+                f.first()?.parse().ok()?,
+                f.get(1)?.parse().ok()?,
+                f.get(2)?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// Begin a backup; its URI.
+fn begin(sock: &Path, args: &[&str]) -> String {
+    let v = ok(sock, "backup-begin", args);
+    v["uri"].as_str().unwrap().to_owned()
+}
+
+/// A full backup of a disk under a writer: the export equals the disk at the begin, read
+/// while the writer goes on.
+fn full_backup_under_writes(img: &Path, fmt_args: &[&str], tool: &str) {
+    let dir = TestDir::new(&format!("backup-full-{tool}"));
+    let (backend, sock) = start_with_control(&dir, img, 2, fmt_args);
+    let writer = Writer::start(connect_queues(&backend.socket, 2), 7);
+    writer.run_for(200);
+    let nbd = dir.join("nbd.sock");
+    let nbd_s = nbd.display().to_string();
+    let (reference, uri) = writer.paused(|c| {
+        let r = c.read_all(1);
+        let uri = begin(&sock, &["--checkpoint", "c1", "--socket", &nbd_s]);
+        (r, uri)
+    });
+    assert!(uri.starts_with("nbd+unix:///c1?socket="), "{uri}");
+    // The writer changes the disk while the export is read.
+    writer.run_for(300);
+    let refp = dir.join("ref.raw");
+    write_file(&refp, &reference);
+    let out = dir.join("backup.raw");
+    if tool == "nbdcopy" {
+        let o = nbdcopy(&uri, &out);
+        assert!(
+            o.status.success(),
+            "nbdcopy: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    } else {
+        run_ok(
+            Command::new("qemu-img")
+                .args(["convert", "-f", "raw", "-O", "raw", &uri])
+                .arg(&out),
+        );
+    }
+    assert_compare(&out, &refp);
+    let list = ok(&sock, "backup-list", &[]);
+    let b = &list["backups"][0];
+    assert_eq!(b["checkpoint"], "c1");
+    assert!(b["bytes_read"].as_u64().unwrap() >= SIZE, "{list}");
+    assert!(b["copied_bytes"].as_u64().unwrap() > 0, "{list}");
+    assert!(b["failed"].is_null(), "{list}");
+    let end = ok(&sock, "backup-end", &["--checkpoint", "c1"]);
+    assert_eq!(end["checkpoint"], "c1");
+    // The checkpoint stays, recording.
+    let bl = ok(&sock, "bitmap-list", &[]);
+    assert_eq!(bl["bitmaps"][0]["name"], "c1", "{bl}");
+    assert_eq!(bl["bitmaps"][0]["recording"], true, "{bl}");
+    let c = writer.stop();
+    drop(c);
+    assert!(
+        !nbd.exists(),
+        "the export's socket is removed at backup-end"
+    );
+    backend.sigterm_and_wait(STOP);
+}
+
+#[test]
+fn a_full_backup_of_a_raw_disk_is_its_state_at_the_begin() {
+    if skip("backups") {
+        return;
+    }
+    let dir = TestDir::new("backup-raw");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, SIZE, 5);
+    full_backup_under_writes(&img, &[], "nbdcopy");
+}
+
+#[test]
+fn a_full_backup_of_a_qcow2_overlay_is_its_state_at_the_begin() {
+    if skip("backups") {
+        return;
+    }
+    let dir = TestDir::new("backup-qcow2");
+    let base = dir.join("base.raw");
+    create_pattern_image(&base, SIZE, 9);
+    let img = dir.join("top.qcow2");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-f", "qcow2", "-F", "raw", "-b"])
+            .arg(&base)
+            .arg(&img),
+    );
+    full_backup_under_writes(&img, &[], "qemu-img");
+}
+
+/// The granules of the writes in `log`.
+fn granules(log: &[(u64, u64)], g: u64) -> BTreeSet<u64> {
+    log.iter()
+        .flat_map(|&(o, l)| (o / g)..=((o + l - 1) / g))
+        .collect()
+}
+
+#[test]
+fn incremental_backups_over_five_checkpoints_miss_no_write_and_add_none() {
+    if skip("backups") {
+        return;
+    }
+    let dir = TestDir::new("backup-incr");
+    let img = dir.join("img.qcow2");
+    qemu_img_create(&img, "qcow2", &SIZE.to_string());
+    let (backend, sock) = start_with_control(&dir, &img, 2, &[]);
+    let writer = Writer::start(connect_queues(&backend.socket, 2), 11);
+    writer.run_for(100);
+    let g = 64 << 10;
+    // Full backup at c1.
+    let nbd = dir.join("nbd.sock");
+    let nbd_s = nbd.display().to_string();
+    let (reference, uri) = writer.paused(|c| {
+        let r = c.read_all(1);
+        let uri = begin(&sock, &["--checkpoint", "c1", "--socket", &nbd_s]);
+        writer.take_log();
+        (r, uri)
+    });
+    let mut copy = dir.join("copy.raw");
+    let o = nbdcopy(&uri, &copy);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    write_file(&dir.join("ref1.raw"), &reference);
+    assert_compare(&copy, &dir.join("ref1.raw"));
+    ok(&sock, "backup-end", &["--checkpoint", "c1"]);
+    for i in 2..=5 {
+        writer.run_for(150);
+        let (prev, cur) = (format!("c{}", i - 1), format!("c{i}"));
+        let (reference, uri, written) = writer.paused(|c| {
+            let r = c.read_all(1);
+            let uri = begin(
+                &sock,
+                &[
+                    "--checkpoint",
+                    &cur,
+                    "--incremental",
+                    &prev,
+                    "--socket",
+                    &nbd_s,
+                ],
+            );
+            (r, uri, writer.take_log())
+        });
+        writer.run_for(100);
+        // What changed between prev's view and this one, by the export's bitmap.
+        let map = nbd_map(&uri, &format!("qemu:dirty-bitmap:{prev}"));
+        assert_eq!(map.iter().map(|e| e.1).sum::<u64>(), SIZE, "{map:?}");
+        let dirty: Vec<(u64, u64)> = map
+            .iter()
+            .filter(|e| e.2 & 1 != 0)
+            .map(|e| (e.0, e.1))
+            .collect();
+        // Apply only those extents, read from the export, to the previous copy.
+        let full = dir.join(&format!("full{i}.raw"));
+        let o = nbdcopy(&uri, &full);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let full_data = read_file(&full);
+        let mut data = read_file(&copy);
+        for &(o, l) in &dirty {
+            data[o as usize..(o + l) as usize]
+                .copy_from_slice(&full_data[o as usize..(o + l) as usize]);
+        }
+        let next = dir.join(&format!("copy{i}.raw"));
+        write_file(&next, &data);
+        let refp = dir.join(&format!("ref{i}.raw"));
+        write_file(&refp, &reference);
+        // No missed write: the copy equals the disk at the begin.
+        assert_compare(&next, &refp);
+        // No extent outside what was written, at the granularity.
+        let want = granules(&written, g);
+        let got = granules(&dirty, g);
+        assert_eq!(
+            got, want,
+            "checkpoint {prev}: dirty granules differ from those written"
+        );
+        ok(&sock, "backup-end", &["--checkpoint", &cur]);
+        copy = next;
+    }
+    writer.stop();
+    backend.sigterm_and_wait(STOP);
+    // The checkpoints are persistent bitmaps in the image: c1..c4 stopped, c5 recording.
+    let info = run_ok(
+        Command::new("qemu-img")
+            .args(["info", "--output=json"])
+            .arg(&img),
+    );
+    for i in 1..=5 {
+        assert!(info.contains(&format!("\"c{i}\"")), "c{i} missing: {info}");
+    }
+}
+
+#[test]
+fn base_allocation_matches_qemu_img_map() {
+    if skip("backups") {
+        return;
+    }
+    for fmt in ["raw", "qcow2"] {
+        let dir = TestDir::new(&format!("backup-map-{fmt}"));
+        let img = dir.join(&format!("img.{fmt}"));
+        qemu_img_create(&img, fmt, &SIZE.to_string());
+        // Data here and there, a zeroed cluster, a discarded one.
+        for (off, cmd) in [
+            (0u64, "write -P 1 0 64k"),
+            (5 * MIB, "write -P 2 5M 192k"),
+            (9 * MIB, "write -z 9M 128k"),
+            (20 * MIB, "write -P 3 20M 1M"),
+            (20 * MIB, "discard 20M 64k"),
+            (SIZE - 65536, "write -P 4 32704k 64k"),
+        ] {
+            let _ = off;
+            run_ok(
+                Command::new("qemu-io")
+                    .args(["-f", fmt, "-c", cmd])
+                    .arg(&img),
+            );
+        }
+        let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+        let nbd = dir.join("nbd.sock");
+        let uri = begin(
+            &sock,
+            &["--checkpoint", "m", "--socket", &nbd.display().to_string()],
+        );
+        let map = nbd_map(&uri, "base:allocation");
+        let q: Value = serde_json::from_str(&run_ok(
+            Command::new("qemu-img")
+                .args(["map", "--output=json", "-U", "-f", fmt])
+                .arg(&img),
+        ))
+        .unwrap();
+        // Per 4 KiB block: (zero, data) from each.
+        let blocks = (SIZE / 4096) as usize;
+        let mut ours = vec![(false, false); blocks];
+        for (o, l, t) in &map {
+            for b in (o / 4096)..((o + l) / 4096) {
+                ours[b as usize] = (t & 2 != 0, t & 1 == 0);
+            }
+        }
+        let mut theirs = vec![(false, false); blocks];
+        for e in q.as_array().unwrap() {
+            let (o, l) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+            for b in (o / 4096)..((o + l) / 4096) {
+                theirs[b as usize] = (e["zero"] == true, e["data"] == true);
+            }
+        }
+        let diff = (0..blocks).find(|&b| ours[b] != theirs[b]);
+        assert_eq!(
+            diff,
+            None,
+            "{fmt}: block {:?} (zero, data): ours {:?} qemu-img {:?}\nnbdinfo: {map:?}\nqemu-img map: {q}",
+            diff,
+            diff.map(|b| ours[b]),
+            diff.map(|b| theirs[b])
+        );
+        ok(&sock, "backup-end", &["--checkpoint", "m"]);
+        backend.sigterm_and_wait(STOP);
+    }
+}
+
+#[test]
+fn a_full_scratch_fails_the_backup_and_not_the_guest() {
+    if skip("backups") {
+        return;
+    }
+    let dir = TestDir::new("backup-scratch");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, SIZE, 3);
+    let (backend, sock) = start_with_control(&dir, &img, 2, &[]);
+    let writer = Writer::start(connect_queues(&backend.socket, 2), 13);
+    let nbd = dir.join("nbd.sock");
+    let uri = writer.paused(|_| {
+        begin(
+            &sock,
+            &[
+                "--checkpoint",
+                "s",
+                "--socket",
+                &nbd.display().to_string(),
+                "--scratch-max",
+                "1M",
+            ],
+        )
+    });
+    // Heavy writes: far more than 1 MiB of distinct granules.
+    writer.run_for(400);
+    let list = ok(&sock, "backup-list", &[]);
+    let failed = list["backups"][0]["failed"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(failed.contains("scratch is full"), "{list}");
+    let o = nbdcopy(&uri, &dir.join("out.raw"));
+    assert!(!o.status.success(), "nbdcopy of a failed backup succeeded");
+    // The guest's writes all completed (the writer asserts each), and read back.
+    let log = writer.take_log();
+    let mut c = writer.stop();
+    let mut model = read_file(&img);
+    let _ = &mut model;
+    for (o, l) in log.iter().rev().take(20) {
+        let got = c.read_at(1, *o, *l as usize).unwrap();
+        // The newest write to each place is what reads back: check the last ones only where
+        // no later write overlaps.
+        let later = log
+            .iter()
+            .rev()
+            .take_while(|x| !std::ptr::eq(*x, &(*o, *l)))
+            .any(|x| x.0 < o + l && o < &(x.0 + x.1));
+        if !later {
+            assert!(
+                got.iter().all(|&b| b == got[0] && b != 0),
+                "write at {o} lost"
+            );
+        }
+    }
+    ok(&sock, "backup-end", &["--checkpoint", "s"]);
+    drop(c);
+    backend.sigterm_and_wait(STOP);
+}
+
+#[test]
+fn hostile_nbd_clients_do_not_stop_the_export_or_the_disk() {
+    if skip("backups") {
+        return;
+    }
+    use std::io::{Read, Write};
+    let dir = TestDir::new("backup-hostile");
+    let img = dir.join("img.raw");
+    create_pattern_image(&img, SIZE, 4);
+    let (backend, sock) = start_with_control(&dir, &img, 2, &[]);
+    let writer = Writer::start(connect_queues(&backend.socket, 2), 17);
+    let nbd = dir.join("nbd.sock");
+    let (reference, uri) = writer.paused(|c| {
+        let r = c.read_all(1);
+        (
+            r,
+            begin(
+                &sock,
+                &["--checkpoint", "h", "--socket", &nbd.display().to_string()],
+            ),
+        )
+    });
+    // 100 idle connections, garbage, a huge option, a client that never reads its replies.
+    let idle: Vec<_> = (0..100)
+        .filter_map(|_| std::os::unix::net::UnixStream::connect(&nbd).ok())
+        .collect();
+    for junk in [vec![0xffu8; 4096], {
+        let mut v = vec![0u8; 18];
+        v.extend_from_slice(&[0, 0, 0, 1]);
+        v.extend_from_slice(b"IHAVEOPT");
+        v.extend_from_slice(&7u32.to_be_bytes());
+        v.extend_from_slice(&u32::MAX.to_be_bytes());
+        v
+    }] {
+        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(&nbd) {
+            let _ = s.write_all(&junk);
+            s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+            let mut b = [0u8; 256];
+            while matches!(s.read(&mut b), Ok(n) if n > 0) {}
+        }
+    }
+    // The disk goes on meanwhile.
+    writer.run_for(100);
+    drop(idle);
+    // Places come free as the idle clients' threads end; then a real client reads it all.
+    let out = dir.join("out.raw");
+    let mut done = false;
+    for _ in 0..50 {
+        if nbdcopy(&uri, &out).status.success() {
+            done = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(done, "nbdcopy never succeeded after the hostile clients");
+    write_file(&dir.join("ref.raw"), &reference);
+    assert_compare(&out, &dir.join("ref.raw"));
+    let list = ok(&sock, "backup-list", &[]);
+    assert!(
+        list["backups"][0]["clients_refused"].as_u64().unwrap() > 0,
+        "{list}"
+    );
+    ok(&sock, "backup-end", &["--checkpoint", "h"]);
+    writer.stop();
+    backend.assert_running();
+    backend.sigterm_and_wait(STOP);
+}
