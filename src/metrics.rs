@@ -198,6 +198,56 @@ impl Collector for Vublk {
             MetricType::Counter,
             [(vec![], z.zero_writes.load(Ordering::Relaxed))],
         )?;
+        // Backups: per checkpoint.
+        let backups = dev.backups.list();
+        let per_backup = |pick: fn(&crate::backup::BackupInfo) -> u64| {
+            backups
+                .iter()
+                .map(|b| (vec![("checkpoint", b.checkpoint.clone())], pick(b)))
+                .collect::<Vec<_>>()
+        };
+        family(
+            &mut enc,
+            "vublk_backups",
+            "Backups running",
+            MetricType::Gauge,
+            [(vec![], backups.len() as u64)],
+        )?;
+        family(
+            &mut enc,
+            "vublk_backup_read_bytes",
+            "Bytes of a backup's export read by its clients",
+            MetricType::Counter,
+            per_backup(|b| b.bytes_read),
+        )?;
+        family(
+            &mut enc,
+            "vublk_backup_size_bytes",
+            "Size of a backup's point-in-time view",
+            MetricType::Gauge,
+            per_backup(|b| b.size),
+        )?;
+        family(
+            &mut enc,
+            "vublk_backup_copied_bytes",
+            "Bytes a backup copied before guest writes changed them",
+            MetricType::Counter,
+            per_backup(|b| b.copied_bytes),
+        )?;
+        family(
+            &mut enc,
+            "vublk_backup_scratch_bytes",
+            "Scratch bytes a backup uses",
+            MetricType::Gauge,
+            per_backup(|b| b.scratch_used),
+        )?;
+        family(
+            &mut enc,
+            "vublk_backup_failed",
+            "1 when a backup failed (backup-list says why)",
+            MetricType::Gauge,
+            per_backup(|b| u64::from(b.failed.is_some())),
+        )?;
         // Latency: the queues' histograms summed, per request type.
         let total = QueueSnapshot::total(&queues);
         let mut m = enc.encode_descriptor(

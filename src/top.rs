@@ -152,6 +152,35 @@ pub fn text_frame(rows: &[Row]) -> String {
     out
 }
 
+/// One line per running backup in a `stats` answer: progress (bytes read of the size),
+/// bytes copied before writes, scratch used, clients, and why it failed.
+pub fn backup_lines(v: &Value) -> Vec<String> {
+    let empty = Vec::new();
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    v["backups"]
+        .as_array()
+        .unwrap_or(&empty)
+        .iter()
+        .map(|b| {
+            let (read, size) = (num(&b["bytes_read"]), num(&b["size"]).max(1));
+            let mut l = format!(
+                "backup {}: read {:.1} of {:.1} MiB ({:.0}%), copied {:.1} MiB, scratch {:.1} MiB, {} client(s)",
+                b["checkpoint"].as_str().unwrap_or("?"),
+                mib(read),
+                mib(size),
+                100.0 * read as f64 / size as f64,
+                mib(num(&b["copied_bytes"])),
+                mib(num(&b["scratch_used"])),
+                b["clients"].as_array().map_or(0, Vec::len),
+            );
+            if let Some(f) = b["failed"].as_str() {
+                l.push_str(&format!(", FAILED: {f}"));
+            }
+            l
+        })
+        .collect()
+}
+
 /// `vublk ctl top`.
 pub fn run(socket: &Path, once: bool, interval: Duration) -> Result<(), String> {
     use std::io::IsTerminal;
@@ -160,6 +189,9 @@ pub fn run(socket: &Path, once: bool, interval: Duration) -> Result<(), String> 
         std::thread::sleep(interval);
         let b = sample(socket)?;
         print!("{}", text_frame(&rows(&a.v, &b.v, b.at - a.at)));
+        for l in backup_lines(&b.v) {
+            println!("{l}");
+        }
         return Ok(());
     }
     if !std::io::stdout().is_terminal() {
@@ -238,6 +270,10 @@ fn live(socket: &Path, interval: Duration) -> Result<(), String> {
                         socket.display(),
                         interval.as_secs_f64()
                     );
+                    for l in backup_lines(&next.v) {
+                        status.push_str(" | ");
+                        status.push_str(&l);
+                    }
                     prev = next;
                 }
                 Err(e) => {

@@ -174,13 +174,14 @@ fn begin(params: &Value, dev: &Device, image_path: &Path) -> Result<Value, CallE
             ))
         }
     };
+    // Default: next to a local image; /var/tmp (on disk, unlike /tmp often) for a remote one.
+    let local = dev.image.get().file().is_some();
     let scratch = opt_string(&m, "scratch")?
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            image_path
-                .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+        .unwrap_or_else(|| match image_path.parent() {
+            Some(p) if local && !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ if local => PathBuf::from("."),
+            _ => PathBuf::from("/var/tmp"),
         });
     let scratch_max = size(&m, "scratch-max")?;
     let g = size(&m, "granularity")?.unwrap_or(crate::bitmaps::DEFAULT_GRANULARITY);

@@ -569,6 +569,7 @@ pub fn stats(dev: &Device, histograms: bool) -> Value {
             "unmapped_bytes": ld(&z.unmapped_bytes),
             "image": dev.image.get().counters(),
         },
+        "backups": dev.backups.list(),
     })
 }
 
