@@ -160,7 +160,7 @@ pub struct Device {
     /// The dirty bitmaps (changed-block tracking), marked by every queue.
     pub bitmaps: crate::bitmaps::Bitmaps,
     /// The running backups, whose views every queue's writes copy into first.
-    pub backups: crate::backup::Backups,
+    pub backups: std::sync::Arc<crate::backup::Backups>,
     /// What pauses the queues of the connected frontend (None: none is connected).
     pause: std::sync::Mutex<Option<std::sync::Weak<dyn QueuePause>>>,
 }
@@ -229,7 +229,7 @@ impl Device {
         bitmaps.adopt(image.persistent_bitmaps(), image.bitmaps_memory_only());
         Device {
             bitmaps,
-            backups: crate::backup::Backups::default(),
+            backups: std::sync::Arc::default(),
             pause: std::sync::Mutex::new(None),
             write_ranges: rmw_possible.then(RangeLocks::default),
             zero_stats: ZeroStats::default(),

@@ -33,10 +33,17 @@ impl From<crate::bitmaps::control::CallError> for CallError {
     }
 }
 
-/// The copy granule: 64 KiB, or the format's cluster when that is larger (a copy must hold
-/// every guest range that shares a host cluster).
-fn granule_of(unit: u64) -> u64 {
-    unit.max(64 << 10).next_power_of_two()
+/// The copy granule. A format with clusters: the cluster (a copy must hold every guest range
+/// that shares a host cluster, which a write elsewhere in it may move). A raw file: 4 KiB,
+/// so that a small guest write copies little (BENCHMARKS.md, "Backups"), but no finer than
+/// 2^28 granules (32 MiB of marks). A remote disk: 64 KiB (its reads cost a round trip).
+fn granule_of(unit: u64, local: bool, size: u64) -> u64 {
+    let floor = (size >> 28).max(1).next_power_of_two();
+    match (unit, local) {
+        (0, true) => (4u64 << 10).max(floor),
+        (0, false) => (64u64 << 10).max(floor),
+        (u, _) => u.max(floor).next_power_of_two(),
+    }
 }
 
 /// An export that answers nothing until its view is frozen.
@@ -219,8 +226,11 @@ fn begin(params: &Value, dev: &Device, image_path: &Path) -> Result<Value, CallE
             "the image is not active here (live migration)".into(),
         ));
     }
+    dev.backups
+        .ensure_pool()
+        .map_err(|e| CallError::Refused(format!("the copy threads: {e}")))?;
     let size = dev.size_bytes();
-    let granule = granule_of(image.allocation_unit());
+    let granule = granule_of(image.allocation_unit(), local, size);
     let view = Arc::new(
         View::new(image, size, granule, &scratch, scratch_max)
             .map_err(|e| CallError::Refused(format!("scratch in {}: {e}", scratch.display())))?,

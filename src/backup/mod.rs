@@ -25,12 +25,18 @@ pub use view::View;
 /// Backups running at once at most.
 pub const MAX_BACKUPS: usize = 4;
 
+/// Threads of the pool that copies before writes (made at the first backup).
+pub const COPY_THREADS: usize = 4;
+
 /// The running backups of one disk.
 #[derive(Debug, Default)]
 pub struct Backups {
     /// How many are in `list` (read by every write before anything else).
     active: AtomicUsize,
     list: RwLock<Vec<Arc<Backup>>>,
+    /// Where the queues' copies before writes run, so that a queue keeps its other
+    /// requests going while one waits for its copy.
+    pool: std::sync::OnceLock<crate::offload::Pool>,
 }
 
 /// One running backup.
@@ -105,6 +111,34 @@ impl Backups {
         for b in self.list.read_locked().iter() {
             b.view.before_write(offset, len);
         }
+    }
+
+    /// Does a write of [offset, offset + len) have anything to copy first?
+    #[inline]
+    pub fn needs_copy(&self, offset: u64, len: u64) -> bool {
+        self.active.load(Ordering::Acquire) > 0
+            && self
+                .list
+                .read_locked()
+                .iter()
+                .any(|b| b.view.needs_copy(offset, len))
+    }
+
+    /// Run a copy on the backup pool; the job back if there is no pool.
+    pub fn submit(&self, job: crate::offload::Job) -> Result<(), crate::offload::Job> {
+        match self.pool.get() {
+            Some(p) => p.submit(job),
+            None => Err(job),
+        }
+    }
+
+    /// Make the copy pool if there is none yet (at a backup's begin).
+    fn ensure_pool(&self) -> std::io::Result<()> {
+        if self.pool.get().is_none() {
+            let p = crate::offload::Pool::new(COPY_THREADS, "vublk-copy")?;
+            let _ = self.pool.set(p);
+        }
+        Ok(())
     }
 
     /// Is a backup running?

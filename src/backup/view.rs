@@ -3,10 +3,13 @@
 //! the same offset: the file is sparse, and a granule of zeroes is not written at all); the
 //! view reads copied granules from the scratch, the others from the disk.
 //!
-//! Each granule has a lock (a set of busy granules): a copy holds it from reading the disk
-//! until the granule is marked copied, and a read of the view holds the granules it reads
-//! from the disk until it has them, so a read never sees a guest write half-way. Locks are
-//! taken in ascending order (a copy holds one at a time), so they cannot deadlock.
+//! A guest write to a granule starts only once the granule's copy is in the scratch and
+//! marked copied. Copies of one granule exclude each other through a lock per granule (a set
+//! of busy granules; a copy holds one at a time). Reads of the view take no lock: they read
+//! each granule as its mark says, and a granule read from the disk that is marked copied
+//! afterwards is read again from the scratch (a guest write may have changed it during the
+//! read, never before the mark). So a read never sees a guest write, and a copy never waits
+//! for a reader.
 //!
 //! The guest never fails because of the view: when the scratch is full (`--scratch-max`, or
 //! the file system) or a read or write fails, the view is marked failed with the reason,
@@ -222,6 +225,15 @@ impl View {
             .map_err(|e| format!("reading the disk: {}", crate::logging::error_chain(&e)))
     }
 
+    /// Has a write of [offset, offset + len) granules still to copy?
+    pub fn needs_copy(&self, offset: u64, len: u64) -> bool {
+        if self.failed.load(Ordering::Acquire) || len == 0 || offset >= self.size {
+            return false;
+        }
+        let end = offset.saturating_add(len).min(self.size);
+        (offset / self.granule..=(end - 1) / self.granule).any(|g| !self.is_copied(g))
+    }
+
     /// Before a guest write of [offset, offset + len): copy what the view still needs.
     pub fn before_write(&self, offset: u64, len: u64) {
         if self.failed.load(Ordering::Acquire) || len == 0 || offset >= self.size {
@@ -290,7 +302,9 @@ impl View {
             return Err(format!("the backup failed: {why}"));
         }
         let (first, last) = (offset / self.granule, (end - 1) / self.granule);
-        let _held = self.hold(first, last);
+        // No lock: granules are read as their bits say now, and those read from the disk
+        // are checked again afterwards (below).
+        let mut from_disk: Vec<(u64, u64)> = Vec::new();
         let mut g = first;
         while g <= last {
             let copied = self.is_copied(g);
@@ -303,20 +317,24 @@ impl View {
             let run_end = ((h + 1) * self.granule).min(end);
             let part = &mut dst[(run_start - offset) as usize..(run_end - offset) as usize];
             if copied {
-                self.scratch
-                    .read_exact_at(part, run_start)
-                    .map_err(|e| format!("reading the scratch file: {e}"))?;
+                self.read_scratch(part, run_start)?;
             } else {
-                let a = run_start / 512 * 512;
-                let b = run_end
-                    .next_multiple_of(512)
-                    .min(self.size.next_multiple_of(512));
-                let mut buf = AlignedBuf::new((b - a) as usize, 4096).map_err(|e| e.to_string())?;
-                self.read_disk(a, &mut buf)?;
-                let skip = (run_start - a) as usize;
-                part.copy_from_slice(&buf.as_slice()[skip..skip + part.len()]);
+                self.read_disk_into(part, run_start, run_end)?;
+                from_disk.push((g, h));
             }
             g = h + 1;
+        }
+        // A granule copied while it was read from the disk may have been overwritten by the
+        // guest meanwhile (its write starts only once the copy is in the scratch, marked):
+        // read it again from the scratch.
+        for (g, h) in from_disk {
+            for x in g..=h {
+                if self.is_copied(x) {
+                    let s = (x * self.granule).max(offset);
+                    let e = ((x + 1) * self.granule).min(end);
+                    self.read_scratch(&mut dst[(s - offset) as usize..(e - offset) as usize], s)?;
+                }
+            }
         }
         // A failure while this read ran may have let a guest write through uncopied.
         if let Some(why) = self.failure() {
@@ -325,41 +343,80 @@ impl View {
         Ok(())
     }
 
-    /// What [offset, offset + len) of the view holds: copied granules are data, the rest is
-    /// what the disk's format says.
+    fn read_scratch(&self, part: &mut [u8], at: u64) -> Result<(), String> {
+        self.scratch
+            .read_exact_at(part, at)
+            .map_err(|e| format!("reading the scratch file: {e}"))
+    }
+
+    /// Read [start, end) of the disk into `part`: straight into it when it is aligned (the
+    /// NBD server's buffers are), else through an aligned copy.
+    fn read_disk_into(&self, part: &mut [u8], start: u64, end: u64) -> Result<(), String> {
+        if (part.as_ptr() as usize) % 4096 == 0 && start % 512 == 0 && part.len() % 512 == 0 {
+            return self
+                .with_reader(|r| r.read_into(&self.image, start, part))
+                .map_err(|e| format!("reading the disk: {e}"))?
+                .map_err(|e| format!("reading the disk: {}", crate::logging::error_chain(&e)));
+        }
+        let a = start / 512 * 512;
+        let b = end
+            .next_multiple_of(512)
+            .min(self.size.next_multiple_of(512));
+        let mut buf = AlignedBuf::new((b - a) as usize, 4096).map_err(|e| e.to_string())?;
+        self.read_disk(a, &mut buf)?;
+        let skip = (start - a) as usize;
+        part.copy_from_slice(&buf.as_slice()[skip..skip + part.len()]);
+        Ok(())
+    }
+
+    /// What [offset, offset + len) of the view holds, as runs covering at least its first
+    /// byte: what the disk's format says, with granules copied to the scratch as data. One
+    /// question to the disk per call, and runs of the same kind joined (a client asks again
+    /// after each answer's first run, and a question can cost a walk over the whole file:
+    /// SEEK_HOLE on tmpfs).
     pub fn allocation(&self, offset: u64, len: u64) -> Result<Vec<(u64, Allocation)>, String> {
         let end = offset.saturating_add(len).min(self.size);
         if offset >= end {
             return Ok(Vec::new());
         }
-        let g = offset / self.granule;
-        if self.is_copied(g) {
-            // Data (it was zeroes, maybe: reading it tells; data is always a safe answer).
-            let mut h = g + 1;
-            while h * self.granule < end && self.is_copied(h) {
-                h += 1;
-            }
-            return Ok(vec![(
-                (h * self.granule).min(end) - offset,
-                Allocation::Data,
-            )]);
-        }
-        // Uncopied granules from here on, read from the disk as it is: hold them meanwhile.
-        let mut h = g;
-        while (h + 1) * self.granule < end && !self.is_copied(h + 1) && h - g < 4096 {
-            h += 1;
-        }
-        let stop = ((h + 1) * self.granule).min(end);
-        let _held = self.hold(g, h);
-        if (g..=h).any(|x| self.is_copied(x)) {
-            // Copied meanwhile: data is a safe answer.
-            return Ok(vec![(stop - offset, Allocation::Data)]);
-        }
-        let runs = self
+        let disk = self
             .image
-            .allocation(offset, stop - offset)
+            .allocation(offset, end - offset)
             .map_err(|e| format!("the disk's allocation: {}", crate::logging::error_chain(&e)))?;
-        Ok(runs)
+        // Marks read after the disk answered: a granule not copied by now was not written
+        // before the answer, which is then the view's.
+        let mut out: Vec<(u64, Allocation)> = Vec::new();
+        let push = |out: &mut Vec<(u64, Allocation)>, n: u64, a: Allocation| match out.last_mut() {
+            Some(l) if l.1 == a => l.0 += n,
+            _ => out.push((n, a)),
+        };
+        let mut pos = offset;
+        for (n, a) in disk {
+            let run_end = (pos + n).min(end);
+            if a == Allocation::Data {
+                push(&mut out, run_end - pos, a);
+                pos = run_end;
+                continue;
+            }
+            while pos < run_end {
+                let g = pos / self.granule;
+                let e = ((g + 1) * self.granule).min(run_end);
+                push(
+                    &mut out,
+                    e - pos,
+                    if self.is_copied(g) {
+                        Allocation::Data
+                    } else {
+                        a
+                    },
+                );
+                pos = e;
+            }
+            if out.len() >= 4096 {
+                break;
+            }
+        }
+        Ok(out)
     }
 }
 

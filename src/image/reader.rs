@@ -185,15 +185,24 @@ impl Reader {
         offset: u64,
         buf: &mut AlignedBuf,
     ) -> Result<(), ImageError> {
+        self.read_into(image, offset, buf.as_mut_slice())
+    }
+
+    /// [`Reader::read`] into any buffer that starts 4 KiB-aligned in memory.
+    pub fn read_into(
+        &mut self,
+        image: &Image,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), ImageError> {
+        if (dst.as_ptr() as usize) % 4096 != 0 {
+            return Err(ImageError::Io(io::Error::from_raw_os_error(libc::EINVAL)));
+        }
         let mut done = 0usize;
-        let total = buf.len();
+        let total = dst.len();
         while done < total {
             let n = (total - done).min(MAX_READ);
-            let r = self.read_part(
-                image,
-                offset + done as u64,
-                &mut buf.as_mut_slice()[done..done + n],
-            );
+            let r = self.read_part(image, offset + done as u64, &mut dst[done..done + n]);
             self.iov.clear();
             r?;
             done += n;

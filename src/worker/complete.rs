@@ -23,6 +23,10 @@ impl QueueWorker {
         if kind == Some(OpKind::Offload) {
             self.offloaded = self.offloaded.saturating_sub(1);
         }
+        if kind == Some(OpKind::Copied) {
+            self.offloaded = self.offloaded.saturating_sub(1);
+            return self.copied(id);
+        }
         let short_reads_are_zeroes = self.image.short_reads_are_zeroes();
         let slot = self.slots.get_mut(id)?;
         let SlotState::Busy(r) = &mut slot.state else {

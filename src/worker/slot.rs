@@ -24,6 +24,9 @@ pub(super) enum OpKind {
     ReadPart = 7,
     /// A write done on a pool thread (result 0 or a negative errno).
     Offload = 8,
+    /// A backup's copy before the request's write, done on the backup pool: the request's
+    /// own operations start now.
+    Copied = 9,
 }
 
 impl OpKind {
@@ -37,6 +40,7 @@ impl OpKind {
             6 => OpKind::PunchZero,
             7 => OpKind::ReadPart,
             8 => OpKind::Offload,
+            9 => OpKind::Copied,
             _ => return None,
         })
     }

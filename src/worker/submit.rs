@@ -76,10 +76,27 @@ impl QueueWorker {
 
     /// Submit a parsed request's operations; Some(used length) when it finished at once.
     pub(super) fn launch(&mut self, req: Req) -> Option<u32> {
-        let id = req.id;
-        if self.dev.backups.any() {
-            self.copy_before_write(req);
+        if self.dev.backups.any() && self.copy_before_write(req) {
+            // On the backup pool; `copied` submits it when the copy is done.
+            return None;
         }
+        self.submit_launched(req)
+    }
+
+    /// A request whose copy before write (see `launch`) is done: submit it now. Some((head,
+    /// used length)) when it finished at once.
+    pub(super) fn copied(&mut self, id: SlotId) -> Option<(u16, u32)> {
+        let slot = self.slots.get(id);
+        let r = slot.busy()?;
+        r.pending = 0;
+        let head = r.head;
+        let req = Req::new(id, head, &slot.req);
+        self.submit_launched(req).map(|used| (head, used))
+    }
+
+    /// Submit a parsed request's operations (its copies before write done).
+    fn submit_launched(&mut self, req: Req) -> Option<u32> {
+        let id = req.id;
         match self.submit_request(req) {
             Ok(true) => {
                 // On the engine, unless a pool thread has it.
@@ -104,23 +121,63 @@ impl QueueWorker {
         }
     }
 
-    /// A running backup's view keeps what this request is about to change (see `backup`).
-    fn copy_before_write(&mut self, req: Req) {
-        let backups = &self.dev.backups;
-        match req.kind {
-            RequestType::Out => backups.before_write(req.offset, req.len),
-            RequestType::WriteZeroes => {
-                for r in &self.slots.get(req.id).req.ranges {
-                    backups.before_write(r.offset_bytes, r.len_bytes);
-                }
-            }
-            RequestType::Discard if self.dev.params.discard_unmap => {
-                for r in &self.slots.get(req.id).req.ranges {
-                    backups.before_write(r.offset_bytes, r.len_bytes);
-                }
-            }
-            _ => {}
+    /// A running backup's view keeps what this request is about to change (see `backup`):
+    /// where a range still has granules to copy, the copy goes to the backup pool and the
+    /// request waits for it (true). Without an inbox for the pool to report to, the copy is
+    /// done here, synchronously.
+    fn copy_before_write(&mut self, req: Req) -> bool {
+        let ranges: Vec<(u64, u64)> = match req.kind {
+            RequestType::Out => vec![(req.offset, req.len)],
+            RequestType::WriteZeroes => self.ranges_of(req.id),
+            RequestType::Discard if self.dev.params.discard_unmap => self.ranges_of(req.id),
+            _ => return false,
+        };
+        let backups = self.dev.backups.clone();
+        if !ranges.iter().any(|&(o, l)| backups.needs_copy(o, l)) {
+            return false;
         }
+        if self.inbox.is_none() {
+            self.inbox = self
+                .engine
+                .event_fd()
+                .and_then(|fd| crate::offload::Inbox::new(fd).ok());
+        }
+        let Some(inbox) = self.inbox.clone() else {
+            for (o, l) in ranges {
+                backups.before_write(o, l);
+            }
+            return false;
+        };
+        let ud = user_data(req.id, OpKind::Copied, 0);
+        let job: crate::offload::Job = Box::new(move || {
+            for (o, l) in ranges {
+                backups.before_write(o, l);
+            }
+            inbox.post(crate::io::Completion {
+                user_data: ud,
+                result: 0,
+            });
+        });
+        if let Err(job) = self.dev.backups.submit(job) {
+            // No pool thread left: here, then (the job posts its completion).
+            job();
+        }
+        if let Some(r) = self.slots.busy(req.id) {
+            r.pending = 1;
+        }
+        self.offloaded += 1;
+        self.watch().wait(req.id.get(), Wait::Pool);
+        true
+    }
+
+    fn ranges_of(&mut self, id: SlotId) -> Vec<(u64, u64)> {
+        self.slots
+            .get(id)
+            .req
+            .ranges
+            .iter()
+            .map(|r| (r.offset_bytes, r.len_bytes))
+            .collect()
     }
 
     /// Push the request's operations. Ok(false) when there is nothing to wait for.

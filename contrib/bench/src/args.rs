@@ -96,6 +96,13 @@ pub struct Opts {
     #[arg(long)]
     pub parallels_fill: bool,
 
+    /// Instead of workloads: a backup of the running disk, vublk (`backup-begin`) against
+    /// qemu-storage-daemon (QEMU's copy-before-write fleecing under its NBD server): the
+    /// guest's 4 KiB random write IOPS without and during the backup, and the backup's read
+    /// MB/s through `qemu-img convert` (a fully written raw image of --size per run).
+    #[arg(long)]
+    pub backup: bool,
+
     /// Instead of workloads: measure the all-zero scanner on host buffers.
     #[arg(long)]
     pub zero_scan: bool,

@@ -12,7 +12,7 @@
 //! - `alternate`: runs alternating round by round; `report`: medians, the Markdown report,
 //!   `--report`.
 //! - `modes`: the other modes, one a module (`--zero-scan`, `--zero-fill`, `--fresh-file`,
-//!   `--compress-fill`, `--parallels-fill`, `--hop`, `--seed-check`).
+//!   `--compress-fill`, `--parallels-fill`, `--hop`, `--seed-check`, `--backup`).
 
 mod alternate;
 mod args;
@@ -72,6 +72,10 @@ fn main() -> ExitCode {
     }
     if opts.fresh_file {
         modes::fresh_file::run(&opts, &work);
+        return ExitCode::SUCCESS;
+    }
+    if opts.backup {
+        modes::backup::run(&opts, &backends, &vublk, &work);
         return ExitCode::SUCCESS;
     }
     if opts.zero_fill {

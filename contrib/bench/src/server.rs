@@ -99,10 +99,15 @@ pub fn start_server(
     cmd.stdin(Stdio::null())
         .stdout(log.try_clone().expect("dup"))
         .stderr(log);
+    spawn(cmd, socket, backend.name())
+}
+
+/// Run `cmd` (its output already directed) and wait until it listens on `socket`.
+pub fn spawn(mut cmd: Command, socket: PathBuf, name: &str) -> Server {
     let t0 = Instant::now();
     let mut child = cmd
         .spawn()
-        .unwrap_or_else(|e| panic!("starting {}: {e}", backend.name()));
+        .unwrap_or_else(|e| panic!("starting {name}: {e}"));
     // Poll for a listening socket (a connect that succeeds), not a fixed sleep.
     let deadline = t0 + Duration::from_secs(20);
     loop {
@@ -110,13 +115,9 @@ pub fn start_server(
             break;
         }
         if let Ok(Some(st)) = child.try_wait() {
-            panic!("{} exited during start-up: {st}", backend.name());
+            panic!("{name} exited during start-up: {st}");
         }
-        assert!(
-            Instant::now() < deadline,
-            "{} did not listen",
-            backend.name()
-        );
+        assert!(Instant::now() < deadline, "{name} did not listen");
         std::thread::sleep(Duration::from_micros(200));
     }
     let startup = t0.elapsed();

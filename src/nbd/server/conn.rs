@@ -5,10 +5,13 @@
 //! be followed any more).
 
 use std::io::{self, Read, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use super::handshake::Session;
 use super::{ClientStats, Export, ExportError, CHUNK, MAX_REQUEST};
+use crate::io::bounce::AlignedBuf;
+use crate::locks::Locked;
 use crate::nbd::handshake::Stream;
 use crate::nbd::wire::*;
 
@@ -75,6 +78,20 @@ fn err(code: u32, message: &str) -> ExportError {
     }
 }
 
+/// Threads reading the disk for one client with structured replies (its READs are answered
+/// in any order, each with its own buffer of at most [`CHUNK`] bytes). Three: a backup
+/// read about as fast as qemu-storage-daemon's on a shared disk while the guest keeps twice
+/// its write rate (BENCHMARKS.md, "Backups": more readers read faster and take the disk
+/// from the guest).
+const READERS: usize = 3;
+
+/// One READ for a reader thread.
+struct ReadJob {
+    handle: u64,
+    offset: u64,
+    len: u32,
+}
+
 /// Serve requests until the client disconnects or breaks the protocol.
 pub fn transmission(
     s: &mut Stream,
@@ -83,7 +100,94 @@ pub fn transmission(
     stats: &ClientStats,
     total_read: &AtomicU64,
 ) -> io::Result<()> {
-    let mut buf: Vec<u8> = Vec::new();
+    if !session.structured {
+        // Simple replies cannot be interleaved: one request after the other.
+        let mut out = s.try_clone()?;
+        let mut buf = Buffer::default();
+        return serve(
+            s,
+            export,
+            session,
+            stats,
+            &mut |job: ReadJob| {
+                let mut r = Replier {
+                    s: &mut out,
+                    structured: false,
+                };
+                read(&mut r, export, job, &mut buf, stats, total_read)
+            },
+            &Mutex::new(s.try_clone()?),
+        );
+    }
+    let out = Mutex::new(s.try_clone()?);
+    let (tx, rx) = std::sync::mpsc::sync_channel::<ReadJob>(READERS);
+    let rx = Mutex::new(rx);
+    let broken = AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        for _ in 0..READERS {
+            sc.spawn(|| {
+                let mut buf = Buffer::default();
+                loop {
+                    let job = match rx.locked().recv() {
+                        Ok(j) => j,
+                        Err(_) => return,
+                    };
+                    if broken.load(Ordering::Relaxed) {
+                        continue;
+                    }
+                    // The lock is held per chunk only, not while the disk is read.
+                    if read_structured(&out, export, job, &mut buf, stats, total_read).is_err() {
+                        broken.store(true, Ordering::Relaxed);
+                        out.locked().shutdown();
+                    }
+                }
+            });
+        }
+        let r = serve(
+            s,
+            export,
+            session,
+            stats,
+            &mut |job| {
+                if broken.load(Ordering::Relaxed) {
+                    return Err(io::Error::new(io::ErrorKind::BrokenPipe, "client gone"));
+                }
+                tx.send(job)
+                    .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "readers gone"))
+            },
+            &out,
+        );
+        drop(tx);
+        r
+    })
+}
+
+/// A reader's buffer, 4 KiB-aligned (the disk is read straight into it).
+#[derive(Default)]
+struct Buffer(Option<AlignedBuf>);
+
+impl Buffer {
+    fn get(&mut self, n: usize) -> io::Result<&mut [u8]> {
+        if self.0.as_ref().is_none_or(|b| b.len() < n) {
+            self.0 = Some(AlignedBuf::new(n.next_multiple_of(4096).max(65536), 4096)?);
+        }
+        match self.0.as_mut() {
+            Some(b) => Ok(&mut b.as_mut_slice()[..n]),
+            None => Err(io::Error::from_raw_os_error(libc::ENOMEM)),
+        }
+    }
+}
+
+/// Read requests and answer them; READs go to `read` (which may answer later, on another
+/// thread); everything else is answered here through `out`.
+fn serve(
+    s: &mut Stream,
+    export: &dyn Export,
+    session: &Session,
+    stats: &ClientStats,
+    read: &mut dyn FnMut(ReadJob) -> io::Result<()>,
+    out: &Mutex<Stream>,
+) -> io::Result<()> {
     loop {
         let mut h = [0u8; REQUEST_LEN];
         match s.read_exact(&mut h) {
@@ -104,30 +208,42 @@ pub fn transmission(
         let offset = u64::from_be_bytes(h[16..24].try_into().unwrap_or_default());
         let len = be32(24);
         stats.requests.fetch_add(1, Ordering::Relaxed);
-        let mut r = Replier {
-            s,
-            structured: session.structured,
-        };
         let size = export.size();
         let inside = offset
             .checked_add(u64::from(len))
             .is_some_and(|end| end <= size);
+        if kind == CMD_READ && inside && len > 0 && len <= MAX_REQUEST {
+            read(ReadJob {
+                handle,
+                offset,
+                len,
+            })?;
+            continue;
+        }
+        if kind == CMD_WRITE {
+            if len > MAX_REQUEST {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "write data longer than the maximum block size",
+                ));
+            }
+            // Read the data (to stay in step with the client), then refuse.
+            io::copy(&mut (&mut *s).take(u64::from(len)), &mut io::sink())?;
+        }
+        let mut o = out.locked();
+        let mut r = Replier {
+            s: &mut o,
+            structured: session.structured,
+        };
         match kind {
             CMD_DISC => return Ok(()),
-            CMD_READ => {
-                if !inside || len == 0 {
-                    r.error(handle, &err(EINVAL, "read outside the export"))?;
-                } else if len > MAX_REQUEST {
-                    r.error(
-                        handle,
-                        &err(EOVERFLOW, "read longer than the maximum block size"),
-                    )?;
-                } else {
-                    read(
-                        &mut r, export, handle, offset, len, &mut buf, stats, total_read,
-                    )?;
-                }
+            CMD_READ if !inside || len == 0 => {
+                r.error(handle, &err(EINVAL, "read outside the export"))?
             }
+            CMD_READ => r.error(
+                handle,
+                &err(EOVERFLOW, "read longer than the maximum block size"),
+            )?,
             CMD_BLOCK_STATUS => {
                 if !inside || len == 0 {
                     r.error(handle, &err(EINVAL, "block status outside the export"))?;
@@ -144,18 +260,7 @@ pub fn transmission(
                     r.error(handle, &err(EINVAL, "cache outside the export"))?;
                 }
             }
-            CMD_WRITE => {
-                if len > MAX_REQUEST {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        "write data longer than the maximum block size",
-                    ));
-                }
-                // Read the data (to stay in step with the client), then refuse.
-                io::copy(&mut (&mut *r.s).take(u64::from(len)), &mut io::sink())?;
-                r.error(handle, &err(EPERM, "the export is read-only"))?;
-            }
-            CMD_TRIM | CMD_WRITE_ZEROES => {
+            CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES => {
                 r.error(handle, &err(EPERM, "the export is read-only"))?;
             }
             _ => r.error(handle, &err(EINVAL, "command not supported"))?,
@@ -163,56 +268,88 @@ pub fn transmission(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn read(
-    r: &mut Replier<'_>,
+/// A READ with structured replies: each piece read, then sent as one chunk under the lock.
+fn read_structured(
+    out: &Mutex<Stream>,
     export: &dyn Export,
-    handle: u64,
-    offset: u64,
-    len: u32,
-    buf: &mut Vec<u8>,
+    job: ReadJob,
+    buf: &mut Buffer,
     stats: &ClientStats,
     total_read: &AtomicU64,
 ) -> io::Result<()> {
-    let len = len as usize;
+    let len = job.len as usize;
     let mut done = 0usize;
     while done < len {
         let n = (len - done).min(CHUNK);
-        buf.resize(n, 0);
-        let at = offset + done as u64;
-        if let Err(e) = export.read(at, buf) {
-            crate::log_limited!(
-                log::Level::Warn,
-                "NBD export {}: read of {n} bytes at {at} failed: {}",
-                export.name(),
-                e.message
-            );
-            if done > 0 && !r.structured {
-                // Part of a simple reply's data is out: it cannot be an error any more.
+        let at = job.offset + done as u64;
+        let b = buf.get(n)?;
+        let last = done + n == len;
+        let r = export.read(at, b);
+        let mut o = out.locked();
+        let mut rep = Replier {
+            s: &mut o,
+            structured: true,
+        };
+        if let Err(e) = r {
+            log_read_error(export, n, at, &e);
+            return rep.error(job.handle, &e);
+        }
+        let flags = if last { REPLY_FLAG_DONE } else { 0 };
+        if crate::zero::is_zero(b) {
+            rep.chunk_header(job.handle, flags, REPLY_TYPE_OFFSET_HOLE, 12)?;
+            let mut h = [0u8; 12];
+            h[0..8].copy_from_slice(&at.to_be_bytes());
+            h[8..12].copy_from_slice(&(n as u32).to_be_bytes());
+            rep.s.write_all(&h)?;
+        } else {
+            rep.chunk_header(job.handle, flags, REPLY_TYPE_OFFSET_DATA, 8 + n as u32)?;
+            rep.s.write_all(&at.to_be_bytes())?;
+            rep.s.write_all(b)?;
+        }
+        drop(o);
+        done += n;
+        stats.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
+        total_read.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+fn log_read_error(export: &dyn Export, n: usize, at: u64, e: &ExportError) {
+    crate::log_limited!(
+        log::Level::Warn,
+        "NBD export {}: read of {n} bytes at {at} failed: {}",
+        export.name(),
+        e.message
+    );
+}
+
+/// A READ with a simple reply: the header, then the data as it is read (an error after the
+/// first piece can only close the connection).
+fn read(
+    r: &mut Replier<'_>,
+    export: &dyn Export,
+    job: ReadJob,
+    buf: &mut Buffer,
+    stats: &ClientStats,
+    total_read: &AtomicU64,
+) -> io::Result<()> {
+    let len = job.len as usize;
+    let mut done = 0usize;
+    while done < len {
+        let n = (len - done).min(CHUNK);
+        let at = job.offset + done as u64;
+        let b = buf.get(n)?;
+        if let Err(e) = export.read(at, b) {
+            log_read_error(export, n, at, &e);
+            if done > 0 {
                 return Err(io::Error::other(e.message));
             }
-            return r.error(handle, &e);
+            return r.error(job.handle, &e);
         }
-        let last = done + n == len;
-        if r.structured {
-            let flags = if last { REPLY_FLAG_DONE } else { 0 };
-            if crate::zero::is_zero(buf) {
-                r.chunk_header(handle, flags, REPLY_TYPE_OFFSET_HOLE, 12)?;
-                let mut b = [0u8; 12];
-                b[0..8].copy_from_slice(&at.to_be_bytes());
-                b[8..12].copy_from_slice(&(n as u32).to_be_bytes());
-                r.s.write_all(&b)?;
-            } else {
-                r.chunk_header(handle, flags, REPLY_TYPE_OFFSET_DATA, 8 + n as u32)?;
-                r.s.write_all(&at.to_be_bytes())?;
-                r.s.write_all(buf)?;
-            }
-        } else {
-            if done == 0 {
-                r.simple(handle, 0)?;
-            }
-            r.s.write_all(buf)?;
+        if done == 0 {
+            r.simple(job.handle, 0)?;
         }
+        r.s.write_all(b)?;
         done += n;
         stats.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
         total_read.fetch_add(n as u64, Ordering::Relaxed);

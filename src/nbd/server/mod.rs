@@ -13,6 +13,8 @@
 //! READ, BLOCK_STATUS, DISC, errors for everything else).
 
 mod conn;
+#[cfg(any(test, feature = "testing"))]
+pub mod fuzz;
 mod handshake;
 
 use std::io;
@@ -41,8 +43,9 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 pub const MAX_OPTION: u32 = 64 << 10;
 /// Longest READ and the block-size maximum advertised.
 pub const MAX_REQUEST: u32 = 32 << 20;
-/// Replies are read from the disk and sent in pieces of at most this many bytes.
-pub const CHUNK: usize = 4 << 20;
+/// Replies are read from the disk and sent in pieces of at most this many bytes (larger
+/// pieces hold the disk's queue longer against the guest's requests).
+pub const CHUNK: usize = 1 << 20;
 
 /// An error an export answers a client with (an NBD error code and why, for the log and
 /// the structured reply's message).

@@ -221,3 +221,86 @@ fn hostile_handshakes_are_closed_and_leave_the_export_serving() {
     assert_eq!(e.size, 1 << 20);
     crate::nbd::disconnect(s);
 }
+
+/// A valid session's bytes: greeting answer, options, requests.
+fn valid_session() -> Vec<u8> {
+    let mut v = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+    let opt = |v: &mut Vec<u8>, o: u32, d: &[u8]| {
+        v.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        v.extend_from_slice(&o.to_be_bytes());
+        v.extend_from_slice(&(d.len() as u32).to_be_bytes());
+        v.extend_from_slice(d);
+    };
+    opt(&mut v, OPT_STRUCTURED_REPLY, &[]);
+    opt(&mut v, OPT_LIST, &[]);
+    let mut meta = 3u32.to_be_bytes().to_vec();
+    meta.extend_from_slice(b"mem");
+    meta.extend_from_slice(&2u32.to_be_bytes());
+    for q in ["base:allocation", "qemu:dirty-bitmap:b"] {
+        meta.extend_from_slice(&(q.len() as u32).to_be_bytes());
+        meta.extend_from_slice(q.as_bytes());
+    }
+    opt(&mut v, OPT_LIST_META_CONTEXT, &meta);
+    opt(&mut v, OPT_SET_META_CONTEXT, &meta);
+    let mut go = 3u32.to_be_bytes().to_vec();
+    go.extend_from_slice(b"mem");
+    go.extend_from_slice(&1u16.to_be_bytes());
+    go.extend_from_slice(&INFO_NAME.to_be_bytes());
+    opt(&mut v, OPT_GO, &go);
+    for (kind, flags, offset, len) in [
+        (CMD_READ, 0u16, 0u64, 65536u32),
+        (CMD_BLOCK_STATUS, 0, 0, 1 << 20),
+        (CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 4096, 8192),
+        (CMD_READ, 0, (1 << 20) - 4096, 8192),
+        (CMD_WRITE, 0, 0, 16),
+    ] {
+        let r = Request {
+            flags,
+            kind,
+            handle: 1,
+            offset,
+            len,
+        };
+        v.extend_from_slice(&r.encode());
+        if kind == CMD_WRITE {
+            v.extend_from_slice(&[0u8; 16]);
+        }
+    }
+    v.extend_from_slice(&Request::disc().encode());
+    v
+}
+
+#[test]
+fn mutated_and_random_sessions_neither_panic_nor_hang() {
+    let base = valid_session();
+    super::fuzz::session(&base);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let t0 = std::time::Instant::now();
+    for i in 0..3000 {
+        let mut v = if i % 4 == 0 {
+            (0..next() % 256).map(|_| next() as u8).collect()
+        } else {
+            base.clone()
+        };
+        for _ in 0..1 + next() % 4 {
+            if v.is_empty() {
+                break;
+            }
+            let at = (next() as usize) % v.len();
+            match next() % 3 {
+                0 => v[at] = next() as u8,
+                1 => v.truncate(at),
+                _ => v[at] ^= 1 << (next() % 8),
+            }
+        }
+        super::fuzz::session(&v);
+    }
+    // Each session ends at the input's end, not at a timeout.
+    assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+}
