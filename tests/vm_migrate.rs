@@ -16,13 +16,13 @@ mod vm;
 
 use std::env;
 use std::fs::{self, File};
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use vm::qmp::{field, Qmp};
 use vm::{check_blocks, markers, read_log, ChildGuard, Guest, LineCollector, ScratchDir, MARK};
 
 const NUM_QUEUES: u32 = 2;
@@ -35,77 +35,6 @@ const BEFORE_MIGRATION: Duration = Duration::from_secs(8);
 
 /// Guest runs one at a time (TCG guests on two cores slow each other down).
 static ONE_GUEST_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// A QMP connection (one command at a time; events are skipped).
-struct Qmp {
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
-}
-
-impl Qmp {
-    fn connect(path: &Path, owner: &mut ChildGuard) -> Qmp {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let s = loop {
-            if let Ok(s) = UnixStream::connect(path) {
-                break s;
-            }
-            if let Ok(Some(st)) = owner.try_wait() {
-                panic!("QEMU exited ({st}) before its QMP socket was up");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no QMP socket at {}",
-                path.display()
-            );
-            thread::sleep(Duration::from_millis(20));
-        };
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        let mut q = Qmp {
-            reader: BufReader::new(s.try_clone().unwrap()),
-            writer: s,
-        };
-        let greeting = q.line();
-        assert!(greeting.contains("QMP"), "QMP greeting: {greeting}");
-        q.cmd(r#"{"execute":"qmp_capabilities"}"#);
-        q
-    }
-
-    fn line(&mut self) -> String {
-        let mut l = String::new();
-        self.reader.read_line(&mut l).expect("QMP read");
-        assert!(!l.is_empty(), "QMP connection closed");
-        l
-    }
-
-    /// Send `json`, return the reply ("return" or "error" line).
-    fn cmd(&mut self, json: &str) -> String {
-        self.writer.write_all(json.as_bytes()).unwrap();
-        self.writer.write_all(b"\n").unwrap();
-        loop {
-            let l = self.line();
-            if l.contains("\"return\"") || l.contains("\"error\"") {
-                return l;
-            }
-        }
-    }
-
-    /// Send `json`; its reply must not be an error.
-    fn ok(&mut self, json: &str) -> String {
-        let r = self.cmd(json);
-        assert!(!r.contains("\"error\""), "QMP {json}: {r}");
-        r
-    }
-}
-
-/// A number field of a QMP reply (`"key": N`).
-fn field(reply: &str, key: &str) -> Option<u64> {
-    let i = reply.find(&format!("\"{key}\":"))? + key.len() + 3;
-    let rest = reply[i..].trim_start();
-    let end = rest
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(rest.len());
-    rest[..end].parse().ok()
-}
 
 /// One QEMU process running (or receiving) the guest.
 struct Vm {

@@ -5,6 +5,8 @@
 
 #![allow(dead_code)]
 
+pub mod qmp;
+
 use std::env;
 use std::ffi::OsStr;
 use std::fs::{self, File};
