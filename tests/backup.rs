@@ -108,6 +108,10 @@ impl Writer {
     fn run_for(&self, n: u64) {
         let start = self.writes.load(Ordering::Relaxed);
         while self.writes.load(Ordering::Relaxed) < start + n {
+            assert!(
+                !self.thread.as_ref().is_some_and(|t| t.is_finished()),
+                "the writer stopped (a guest write failed: see its panic above)"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -182,8 +186,8 @@ fn begin(sock: &Path, args: &[&str]) -> String {
 
 /// A full backup of a disk under a writer: the export equals the disk at the begin, read
 /// while the writer goes on.
-fn full_backup_under_writes(img: &Path, fmt_args: &[&str], tool: &str) {
-    let dir = TestDir::new(&format!("backup-full-{tool}"));
+fn full_backup_under_writes(name: &str, img: &Path, fmt_args: &[&str], tool: &str) {
+    let dir = TestDir::new(&format!("backup-full-{name}"));
     let (backend, sock) = start_with_control(&dir, img, 2, fmt_args);
     let writer = Writer::start(connect_queues(&backend.socket, 2), 7);
     writer.run_for(200);
@@ -244,7 +248,7 @@ fn a_full_backup_of_a_raw_disk_is_its_state_at_the_begin() {
     let dir = TestDir::new("backup-raw");
     let img = dir.join("img.raw");
     create_pattern_image(&img, SIZE, 5);
-    full_backup_under_writes(&img, &[], "nbdcopy");
+    full_backup_under_writes("raw", &img, &[], "nbdcopy");
 }
 
 #[test]
@@ -262,7 +266,83 @@ fn a_full_backup_of_a_qcow2_overlay_is_its_state_at_the_begin() {
             .arg(&base)
             .arg(&img),
     );
-    full_backup_under_writes(&img, &[], "qemu-img");
+    full_backup_under_writes("qcow2", &img, &[], "qemu-img");
+}
+
+#[test]
+fn a_full_backup_of_a_parallels_disk_is_its_state_at_the_begin() {
+    if skip("backups") {
+        return;
+    }
+    let dir = TestDir::new("backup-parallels");
+    let img = dir.join("img.parallels");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "parallels"])
+            .arg(&img)
+            .arg(SIZE.to_string()),
+    );
+    full_backup_under_writes("parallels", &img, &[], "nbdcopy");
+}
+
+/// qemu-nbd serving a raw file to several clients, stopped (by PID) when dropped.
+struct QemuNbd(std::process::Child);
+
+impl Drop for QemuNbd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_backup_of_an_nbd_disk_is_refused_with_the_reason() {
+    if skip("backups") {
+        return;
+    }
+    let dir = TestDir::new("backup-nbd-disk");
+    let file = dir.join("export.raw");
+    create_pattern_image(&file, SIZE, 21);
+    let sock = dir.join("qemu-nbd.sock");
+    let _server = QemuNbd(
+        Command::new("qemu-nbd")
+            .arg("--socket")
+            .arg(&sock)
+            .args(["--export-name", "disk", "--format", "raw", "--persistent"])
+            .args(["--shared", "16", "--cache", "none"])
+            .arg(&file)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let t0 = std::time::Instant::now();
+    while !sock.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "qemu-nbd did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // vublk serves the export; a backup of it is refused with the reason, and the disk
+    // serves on.
+    let uri = format!("nbd+unix:///disk?socket={}", sock.display());
+    let (backend, ctl_sock) = start_with_control(&dir, Path::new(&uri), 1, &[]);
+    let mut c = connect_queues(&backend.socket, 1);
+    let nbd = dir.join("nbd.sock");
+    let (done, _, err) = ctl(
+        &ctl_sock,
+        "backup-begin",
+        &["--checkpoint", "n", "--socket", &nbd.display().to_string()],
+    );
+    assert!(!done, "a backup of an NBD disk began");
+    assert!(err.contains("cannot back up an NBD disk"), "{err}");
+    assert!(!nbd.exists());
+    assert_eq!(c.write_at(0, 4096, &[7u8; 4096]), 0);
+    assert_eq!(c.read_at(0, 4096, 4096).unwrap(), vec![7u8; 4096]);
+    drop(c);
+    backend.sigterm_and_wait(STOP);
 }
 
 /// The granules of the writes in `log`.
@@ -520,6 +600,20 @@ fn hostile_nbd_clients_do_not_stop_the_export_or_the_disk() {
             ),
         )
     });
+    // A slow reader: a proper client that asks for 64 MiB and never reads its replies
+    // (the export's threads for it block on the full socket until the write timeout).
+    let target = vublk::nbd::NbdTarget::parse(&uri).unwrap();
+    let (mut slow, _) = vublk::nbd::connect(&target, Duration::from_secs(10)).unwrap();
+    for i in 0..64u64 {
+        let r = vublk::nbd::wire::Request {
+            flags: 0,
+            kind: vublk::nbd::wire::CMD_READ,
+            handle: i,
+            offset: (i % 32) * MIB,
+            len: MIB as u32,
+        };
+        slow.write_all(&r.encode()).unwrap();
+    }
     // 100 idle connections, garbage, a huge option, a client that never reads its replies.
     let idle: Vec<_> = (0..100)
         .filter_map(|_| std::os::unix::net::UnixStream::connect(&nbd).ok())
@@ -560,6 +654,7 @@ fn hostile_nbd_clients_do_not_stop_the_export_or_the_disk() {
         list["backups"][0]["clients_refused"].as_u64().unwrap() > 0,
         "{list}"
     );
+    drop(slow);
     ok(&sock, "backup-end", &["--checkpoint", "h"]);
     writer.stop();
     backend.assert_running();

@@ -232,8 +232,13 @@ fn begin(params: &Value, dev: &Device, image_path: &Path) -> Result<Value, CallE
     let size = dev.size_bytes();
     let granule = granule_of(image.allocation_unit(), local, size);
     let view = Arc::new(
-        View::new(image, size, granule, &scratch, scratch_max)
-            .map_err(|e| CallError::Refused(format!("scratch in {}: {e}", scratch.display())))?,
+        View::new(image, size, granule, &scratch, scratch_max).map_err(|e| {
+            CallError::Refused(if e.kind() == std::io::ErrorKind::Unsupported {
+                e.to_string()
+            } else {
+                format!("scratch in {}: {e}", scratch.display())
+            })
+        })?,
     );
     let gated = Arc::new(Gated {
         ready: AtomicBool::new(false),

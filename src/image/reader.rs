@@ -50,6 +50,14 @@ impl Image {
     pub fn reader(&self) -> io::Result<Reader> {
         let mut engine = match &self.disk {
             Disk::Local(_) => Engine::Sync(SyncEngine::new()),
+            // A read through an NBD engine off its queue's thread did not complete in testing
+            // (issue 31, open): refused rather than left to hang a guest write.
+            Disk::Remote(r) if r.is_nbd() => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "vublk cannot back up an NBD disk yet; back the export up at its server",
+                ))
+            }
             Disk::Remote(r) => r
                 .queue_engines(1)?
                 .pop()
@@ -87,13 +95,39 @@ impl Image {
         }
         // Bounded, so that a huge query costs a bounded plan.
         let len = len.min(size - offset).min(1 << 30);
-        let Disk::Local(l) = &self.disk else {
-            return Ok(vec![(len, Allocation::Data)]);
-        };
         let mut out: Vec<(u64, Allocation)> = Vec::new();
         let mut push = |n: u64, a: Allocation| match out.last_mut() {
             Some(last) if last.1 == a => last.0 += n,
             _ => out.push((n, a)),
+        };
+        let l = match &self.disk {
+            Disk::Local(l) => l,
+            Disk::Remote(r) => {
+                let Some(answer) = r.allocated(offset, len) else {
+                    return Ok(vec![(len, Allocation::Data)]);
+                };
+                let (extents, end) = answer?;
+                let mut pos = offset;
+                for (o, n) in extents {
+                    let (o, e) = (o.max(pos), (o + n).min(end));
+                    if e <= o {
+                        continue;
+                    }
+                    if o > pos {
+                        push(o - pos, Allocation::Zero { hole: true });
+                    }
+                    push(e - o, Allocation::Data);
+                    pos = e;
+                }
+                if end > pos {
+                    push(end - pos, Allocation::Zero { hole: true });
+                }
+                if out.is_empty() {
+                    // Nothing known from here: data is a safe answer.
+                    out.push((len, Allocation::Data));
+                }
+                return Ok(out);
+            }
         };
         match &l.kind {
             Kind::Raw => {

@@ -132,7 +132,15 @@ fn identity(name: &str) -> (u64, u64) {
     (0x0072_6264, h)
 }
 
+/// Allocated extents (offset, length), and where the answer that lists them ends.
+pub(super) type Allocated = (Vec<(u64, u64)>, u64);
+
 impl Remote {
+    /// An NBD export (not an RBD image)?
+    pub(super) fn is_nbd(&self) -> bool {
+        matches!(self, Remote::Nbd(_))
+    }
+
     /// Engines for `queues` queues: an NBD connection each (one shared by all where the
     /// server allows only one), a librbd engine each on the one image handle.
     pub(super) fn queue_engines(&self, queues: u16) -> io::Result<Vec<Engine>> {
@@ -177,6 +185,23 @@ impl Remote {
             )),
             #[cfg(feature = "rbd")]
             Remote::Rbd(r) => Ok(r.sync()?),
+        }
+    }
+
+    /// The allocated extents of [offset, offset + len) and where the answer ends, if the
+    /// disk can tell (RBD: librbd's diff walk); None: it cannot (everything counts as data).
+    pub(super) fn allocated(&self, offset: u64, len: u64) -> Option<Result<Allocated, ImageError>> {
+        match self {
+            Remote::Nbd(_) => {
+                let _ = (offset, len);
+                None
+            }
+            #[cfg(feature = "rbd")]
+            Remote::Rbd(r) => Some(
+                r.img
+                    .allocated(offset, len)
+                    .map_err(|e| ImageError::Unsupported(e.to_string())),
+            ),
         }
     }
 

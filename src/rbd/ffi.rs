@@ -111,4 +111,16 @@ extern "C" {
         zero_flags: c_int,
         op_flags: c_int,
     ) -> c_int;
+    /// The extents of [ofs, ofs + len) written since `fromsnapname` (NULL: allocated at
+    /// all), reported to `cb` (offset, length, exists, arg); a non-zero return ends the walk.
+    pub fn rbd_diff_iterate2(
+        image: rbd_image_t,
+        fromsnapname: *const c_char,
+        ofs: u64,
+        len: u64,
+        include_parent: u8,
+        whole_object: u8,
+        cb: Option<extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int>,
+        arg: *mut c_void,
+    ) -> c_int;
 }

@@ -7,7 +7,7 @@ use super::RbdSpec;
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::raw::c_void;
+use std::os::raw::{c_int, c_void};
 use std::ptr;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::Duration;
@@ -318,6 +318,56 @@ impl RbdImage {
         let r = unsafe { ffi::rbd_get_size(self.img, &mut s) };
         check(r, || "reading the image size".into())?;
         Ok(s)
+    }
+
+    /// The allocated extents (offset, length) of [offset, offset + len), parent included,
+    /// at object granularity where the image has fast-diff (a superset of what was
+    /// written: everything outside reads as zeroes). At most `MAX_EXTENTS`; past them the
+    /// answer ends where the last one ends (`Err` never means "unallocated").
+    pub fn allocated(&self, offset: u64, len: u64) -> Result<(Vec<(u64, u64)>, u64), RbdError> {
+        const MAX_EXTENTS: usize = 4096;
+        struct Walk {
+            extents: Vec<(u64, u64)>,
+            /// The answer covers up to here (the walk stopped early when full).
+            end: Option<u64>,
+        }
+        extern "C" fn cb(off: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int {
+            // SAFETY: `arg` is the `Walk` below, alive and not otherwise touched for the
+            // walk's duration (librbd calls back on the calling thread).
+            let w = unsafe { &mut *(arg as *mut Walk) };
+            if exists == 0 {
+                return 0;
+            }
+            if w.extents.len() >= MAX_EXTENTS {
+                w.end = Some(off);
+                return 1;
+            }
+            w.extents.push((off, len as u64));
+            0
+        }
+        let mut w = Walk {
+            extents: Vec::new(),
+            end: None,
+        };
+        let _open = self.opened()?;
+        // SAFETY: an open image; the callback gets `w` back, which outlives the call.
+        let r = unsafe {
+            ffi::rbd_diff_iterate2(
+                self.img,
+                std::ptr::null(),
+                offset,
+                len,
+                1,
+                1,
+                Some(cb),
+                (&mut w as *mut Walk).cast(),
+            )
+        };
+        if w.end.is_none() {
+            check(r, || format!("walking the allocated extents at {offset}"))?;
+        }
+        let end = w.end.unwrap_or(offset + len);
+        Ok((w.extents, end))
     }
 
     /// Resize the image in the cluster.

@@ -192,6 +192,9 @@ fn read_from_segments<M: GuestMemoryBackend>(
 /// first 16 readable bytes, the status is the last writable byte; we make no assumption about
 /// how the bytes are split among descriptors (2.6.4.1: "The device MUST NOT make assumptions
 /// about the particular arrangement of descriptors").
+// Out of line: inlined into the worker's loop it cost about 2% more CPU per 4 KiB request
+// (BENCHMARKS.md, issue 31, "The data path").
+#[inline(never)]
 pub fn parse_request<M: GuestMemoryBackend>(
     mem: &M,
     descs: impl Iterator<Item = Desc>,

@@ -85,6 +85,8 @@ impl QueueWorker {
 
     /// A request whose copy before write (see `launch`) is done: submit it now. Some((head,
     /// used length)) when it finished at once.
+    #[cold]
+    #[inline(never)]
     pub(super) fn copied(&mut self, id: SlotId) -> Option<(u16, u32)> {
         let slot = self.slots.get(id);
         let r = slot.busy()?;
@@ -125,6 +127,8 @@ impl QueueWorker {
     /// where a range still has granules to copy, the copy goes to the backup pool and the
     /// request waits for it (true). Without an inbox for the pool to report to, the copy is
     /// done here, synchronously.
+    #[cold]
+    #[inline(never)]
     fn copy_before_write(&mut self, req: Req) -> bool {
         let ranges: Vec<(u64, u64)> = match req.kind {
             RequestType::Out => vec![(req.offset, req.len)],
