@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use super::{Backup, BackupExport, View, MAX_BACKUPS};
 use crate::bitmaps::control::{number, object, string};
-use crate::device::Device;
+use crate::image::Image;
 use crate::nbd::server::{Export, ExportError, Listen, Server};
 
 /// Why a call fails.
@@ -82,14 +82,25 @@ impl Export for Gated {
     }
 }
 
-/// A size: bytes as a number, or a string with K, M, G or T.
+/// A size in bytes (`vublk ctl` turns K, M, G into bytes before it asks).
 fn size(m: &serde_json::Map<String, Value>, key: &str) -> Result<Option<u64>, CallError> {
-    match m.get(key) {
-        Some(Value::String(s)) => crate::args::parse_size(s)
-            .map(Some)
-            .ok_or_else(|| CallError::Params(format!("{key} {s:?}: bytes, or with K, M, G or T"))),
-        _ => Ok(number(m, key)?),
-    }
+    Ok(number(m, key)?)
+}
+
+/// What the methods need of the device; the control socket makes it from the `Device`
+/// (this module does not reach up to it).
+pub struct Disk<'a> {
+    pub backups: &'a super::Backups,
+    pub bitmaps: &'a crate::bitmaps::Bitmaps,
+    pub image: Arc<Image>,
+    /// The guest-visible size now.
+    pub size: u64,
+    /// Where the default scratch goes (the image's directory).
+    pub image_path: &'a Path,
+    /// Run a step between two guest requests (`Device::with_queues_paused`).
+    pub paused: &'a dyn Fn(&mut dyn FnMut()),
+    /// Write the persistent bitmaps (`Device::save_bitmaps`).
+    pub save: crate::bitmaps::Save<'a>,
 }
 
 fn opt_string(m: &serde_json::Map<String, Value>, key: &str) -> Result<Option<String>, CallError> {
@@ -100,16 +111,10 @@ fn opt_string(m: &serde_json::Map<String, Value>, key: &str) -> Result<Option<St
     }
 }
 
-/// Answer the backup method `method`. `image_path`: where the default scratch goes (the
-/// image's directory).
-pub fn call(
-    method: &str,
-    params: &Value,
-    dev: &Device,
-    image_path: &Path,
-) -> Result<Value, CallError> {
+/// Answer the backup method `method`.
+pub fn call(method: &str, params: &Value, dev: &Disk<'_>) -> Result<Value, CallError> {
     match method {
-        "backup-begin" => begin(params, dev, image_path),
+        "backup-begin" => begin(params, dev),
         "backup-end" => {
             let m = object(params, method, &["checkpoint"])?;
             let name = string(&m, "checkpoint")?;
@@ -137,7 +142,8 @@ pub fn call(
     }
 }
 
-fn begin(params: &Value, dev: &Device, image_path: &Path) -> Result<Value, CallError> {
+fn begin(params: &Value, dev: &Disk<'_>) -> Result<Value, CallError> {
+    let image_path = dev.image_path;
     let m = object(
         params,
         "backup-begin",
@@ -182,7 +188,7 @@ fn begin(params: &Value, dev: &Device, image_path: &Path) -> Result<Value, CallE
         }
     };
     // Default: next to a local image; /var/tmp (on disk, unlike /tmp often) for a remote one.
-    let local = dev.image.get().file().is_some();
+    let local = dev.image.file().is_some();
     let scratch = opt_string(&m, "scratch")?
         .map(PathBuf::from)
         .unwrap_or_else(|| match image_path.parent() {
@@ -194,7 +200,7 @@ fn begin(params: &Value, dev: &Device, image_path: &Path) -> Result<Value, CallE
     let g = size(&m, "granularity")?.unwrap_or(crate::bitmaps::DEFAULT_GRANULARITY);
     crate::bitmaps::check_granularity(g).map_err(|e| CallError::Params(e.to_string()))?;
 
-    let backups = &dev.backups;
+    let backups = dev.backups;
     if backups.len() >= MAX_BACKUPS {
         return Err(CallError::Refused(format!(
             "{MAX_BACKUPS} backups are running"
@@ -220,7 +226,7 @@ fn begin(params: &Value, dev: &Device, image_path: &Path) -> Result<Value, CallE
         }
         None => None,
     };
-    let image = dev.image.get();
+    let image = dev.image.clone();
     if !image.is_active() {
         return Err(CallError::Refused(
             "the image is not active here (live migration)".into(),
@@ -229,7 +235,7 @@ fn begin(params: &Value, dev: &Device, image_path: &Path) -> Result<Value, CallE
     dev.backups
         .ensure_pool()
         .map_err(|e| CallError::Refused(format!("the copy threads: {e}")))?;
-    let size = dev.size_bytes();
+    let size = dev.size;
     let granule = granule_of(image.allocation_unit(), local, size);
     let view = Arc::new(
         View::new(image, size, granule, &scratch, scratch_max).map_err(|e| {
@@ -268,21 +274,24 @@ fn begin(params: &Value, dev: &Device, image_path: &Path) -> Result<Value, CallE
         started: Instant::now(),
     });
     let persistent = dev.bitmaps.memory_only().is_none();
-    let save = |l: &[crate::bitmaps::Persistent]| dev.save_bitmaps(l);
+    let save = dev.save;
     // The one step between two guest requests: nothing in flight, nothing starting.
     let t0 = Instant::now();
-    let r = dev.with_queues_paused(|| -> Result<(), String> {
-        dev.bitmaps
-            .add(&checkpoint, g, persistent, true, &save)
-            .map_err(|e| e.to_string())?;
-        if let Some(f) = &from {
-            if let Err(e) = dev.bitmaps.set_recording(f, false, &save) {
-                let _ = dev.bitmaps.remove(&checkpoint, &save);
-                return Err(e.to_string());
+    let mut r: Result<(), String> = Err("the queues were not paused".into());
+    (dev.paused)(&mut || {
+        r = (|| {
+            dev.bitmaps
+                .add(&checkpoint, g, persistent, true, save)
+                .map_err(|e| e.to_string())?;
+            if let Some(f) = &from {
+                if let Err(e) = dev.bitmaps.set_recording(f, false, save) {
+                    let _ = dev.bitmaps.remove(&checkpoint, save);
+                    return Err(e.to_string());
+                }
             }
-        }
-        dev.backups.insert(backup.clone());
-        Ok(())
+            dev.backups.insert(backup.clone());
+            Ok(())
+        })();
     });
     let paused = t0.elapsed();
     if let Err(e) = r {

@@ -145,13 +145,17 @@ fn backup_request(b: &crate::args::BackupMethod) -> Result<(String, Value), Stri
                 })
             };
             let (socket, scratch) = (&abs(socket), &abs(scratch));
+            if let Some(m) = scratch_max {
+                let b = crate::args::parse_size(m)
+                    .ok_or_else(|| format!("--scratch-max {m:?}: bytes, or with K, M, G or T"))?;
+                p.insert("scratch-max".into(), json!(b));
+            }
             for (k, v) in [
                 ("incremental", incremental),
                 ("socket", socket),
                 ("listen", listen),
                 ("export", export),
                 ("scratch", scratch),
-                ("scratch-max", scratch_max),
             ] {
                 if let Some(v) = v {
                     p.insert(k.into(), json!(v));

@@ -533,7 +533,18 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
         }
         m if m.starts_with("backup-") => {
             use crate::backup::control::CallError;
-            crate::backup::control::call(m, &params, dev, &ctx.image_path).map_err(|e| match e {
+            let save = |l: &[crate::bitmaps::Persistent]| dev.save_bitmaps(l);
+            let paused = |f: &mut dyn FnMut()| dev.with_queues_paused(f);
+            let disk = crate::backup::control::Disk {
+                backups: &dev.backups,
+                bitmaps: &dev.bitmaps,
+                image: dev.image.get(),
+                size: dev.size_bytes(),
+                image_path: &ctx.image_path,
+                paused: &paused,
+                save: &save,
+            };
+            crate::backup::control::call(m, &params, &disk).map_err(|e| match e {
                 CallError::Params(m) => (INVALID_PARAMS, m),
                 CallError::Refused(e) => (REFUSED, e),
                 CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
