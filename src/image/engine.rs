@@ -169,6 +169,17 @@ impl Engine {
         }
     }
 
+    /// An eventfd that wakes the queue when written (what an `offload::Inbox` signals): an
+    /// io_uring's or librbd's; None for an NBD engine, whose event fd is an epoll set.
+    pub fn wake_fd(&self) -> Option<RawFd> {
+        match self {
+            Engine::Uring(e) => Some(e.event_fd()),
+            #[cfg(feature = "rbd")]
+            Engine::Rbd(e) => Some(e.event_fd()),
+            Engine::Sync(_) | Engine::Nbd(_) | Engine::NbdShared(_) => None,
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Engine::Uring(_) => "io_uring",

@@ -50,14 +50,6 @@ impl Image {
     pub fn reader(&self) -> io::Result<Reader> {
         let mut engine = match &self.disk {
             Disk::Local(_) => Engine::Sync(SyncEngine::new()),
-            // A read through an NBD engine off its queue's thread did not complete in testing
-            // (issue 31, open): refused rather than left to hang a guest write.
-            Disk::Remote(r) if r.is_nbd() => {
-                return Err(io::Error::new(
-                    io::ErrorKind::Unsupported,
-                    "vublk cannot back up an NBD disk yet; back the export up at its server",
-                ))
-            }
             Disk::Remote(r) => r
                 .queue_engines(1)?
                 .pop()

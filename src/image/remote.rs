@@ -136,11 +136,6 @@ fn identity(name: &str) -> (u64, u64) {
 pub(super) type Allocated = (Vec<(u64, u64)>, u64);
 
 impl Remote {
-    /// An NBD export (not an RBD image)?
-    pub(super) fn is_nbd(&self) -> bool {
-        matches!(self, Remote::Nbd(_))
-    }
-
     /// Engines for `queues` queues: an NBD connection each (one shared by all where the
     /// server allows only one), a librbd engine each on the one image handle.
     pub(super) fn queue_engines(&self, queues: u16) -> io::Result<Vec<Engine>> {

@@ -141,9 +141,11 @@ impl QueueWorker {
             return false;
         }
         if self.inbox.is_none() {
+            // Only an eventfd can wake the queue (an NBD engine's event fd is an epoll set:
+            // its copies are done here).
             self.inbox = self
                 .engine
-                .event_fd()
+                .wake_fd()
                 .and_then(|fd| crate::offload::Inbox::new(fd).ok());
         }
         let Some(inbox) = self.inbox.clone() else {
