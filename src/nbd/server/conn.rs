@@ -268,6 +268,45 @@ fn serve(
     }
 }
 
+/// Where a piece of a READ lies in it.
+struct Piece {
+    at: u64,
+    first: bool,
+    last: bool,
+}
+
+/// Read a READ's range in pieces of at most [`CHUNK`] bytes and hand each to `send`, counting
+/// what was sent. A failed read is logged and handed on as the last piece.
+fn for_each_piece(
+    export: &dyn Export,
+    job: &ReadJob,
+    buf: &mut Buffer,
+    stats: &ClientStats,
+    total_read: &AtomicU64,
+    mut send: impl FnMut(&Piece, Result<&[u8], ExportError>) -> io::Result<()>,
+) -> io::Result<()> {
+    let len = job.len as usize;
+    let mut done = 0usize;
+    while done < len {
+        let n = (len - done).min(CHUNK);
+        let piece = Piece {
+            at: job.offset + done as u64,
+            first: done == 0,
+            last: done + n == len,
+        };
+        let b = buf.get(n)?;
+        if let Err(e) = export.read(piece.at, b) {
+            log_read_error(export, n, piece.at, &e);
+            return send(&piece, Err(e));
+        }
+        send(&piece, Ok(b))?;
+        done += n;
+        stats.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
+        total_read.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
 /// A READ with structured replies: each piece read, then sent as one chunk under the lock.
 fn read_structured(
     out: &Mutex<Stream>,
@@ -277,41 +316,30 @@ fn read_structured(
     stats: &ClientStats,
     total_read: &AtomicU64,
 ) -> io::Result<()> {
-    let len = job.len as usize;
-    let mut done = 0usize;
-    while done < len {
-        let n = (len - done).min(CHUNK);
-        let at = job.offset + done as u64;
-        let b = buf.get(n)?;
-        let last = done + n == len;
-        let r = export.read(at, b);
+    let handle = job.handle;
+    for_each_piece(export, &job, buf, stats, total_read, |p, data| {
         let mut o = out.locked();
         let mut rep = Replier {
             s: &mut o,
             structured: true,
         };
-        if let Err(e) = r {
-            log_read_error(export, n, at, &e);
-            return rep.error(job.handle, &e);
-        }
-        let flags = if last { REPLY_FLAG_DONE } else { 0 };
+        let b = match data {
+            Ok(b) => b,
+            Err(e) => return rep.error(handle, &e),
+        };
+        let flags = if p.last { REPLY_FLAG_DONE } else { 0 };
         if crate::zero::is_zero(b) {
-            rep.chunk_header(job.handle, flags, REPLY_TYPE_OFFSET_HOLE, 12)?;
+            rep.chunk_header(handle, flags, REPLY_TYPE_OFFSET_HOLE, 12)?;
             let mut h = [0u8; 12];
-            h[0..8].copy_from_slice(&at.to_be_bytes());
-            h[8..12].copy_from_slice(&(n as u32).to_be_bytes());
-            rep.s.write_all(&h)?;
+            h[0..8].copy_from_slice(&p.at.to_be_bytes());
+            h[8..12].copy_from_slice(&(b.len() as u32).to_be_bytes());
+            rep.s.write_all(&h)
         } else {
-            rep.chunk_header(job.handle, flags, REPLY_TYPE_OFFSET_DATA, 8 + n as u32)?;
-            rep.s.write_all(&at.to_be_bytes())?;
-            rep.s.write_all(b)?;
+            rep.chunk_header(handle, flags, REPLY_TYPE_OFFSET_DATA, 8 + b.len() as u32)?;
+            rep.s.write_all(&p.at.to_be_bytes())?;
+            rep.s.write_all(b)
         }
-        drop(o);
-        done += n;
-        stats.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
-        total_read.fetch_add(n as u64, Ordering::Relaxed);
-    }
-    Ok(())
+    })
 }
 
 fn log_read_error(export: &dyn Export, n: usize, at: u64, e: &ExportError) {
@@ -333,28 +361,17 @@ fn read(
     stats: &ClientStats,
     total_read: &AtomicU64,
 ) -> io::Result<()> {
-    let len = job.len as usize;
-    let mut done = 0usize;
-    while done < len {
-        let n = (len - done).min(CHUNK);
-        let at = job.offset + done as u64;
-        let b = buf.get(n)?;
-        if let Err(e) = export.read(at, b) {
-            log_read_error(export, n, at, &e);
-            if done > 0 {
-                return Err(io::Error::other(e.message));
+    let handle = job.handle;
+    for_each_piece(export, &job, buf, stats, total_read, |p, data| match data {
+        Err(e) if !p.first => Err(io::Error::other(e.message)),
+        Err(e) => r.error(handle, &e),
+        Ok(b) => {
+            if p.first {
+                r.simple(handle, 0)?;
             }
-            return r.error(job.handle, &e);
+            r.s.write_all(b)
         }
-        if done == 0 {
-            r.simple(job.handle, 0)?;
-        }
-        r.s.write_all(b)?;
-        done += n;
-        stats.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
-        total_read.fetch_add(n as u64, Ordering::Relaxed);
-    }
-    Ok(())
+    })
 }
 
 fn block_status(

@@ -304,3 +304,62 @@ fn mutated_and_random_sessions_neither_panic_nor_hang() {
     // Each session ends at the input's end, not at a timeout.
     assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
 }
+
+#[test]
+fn simple_replies_stream_a_read_of_several_pieces_and_report_errors_once() {
+    // 2.5 pieces of CHUNK bytes, byte i = i % 251.
+    let dir = crate::testing::TempDir::new("t").unwrap();
+    let path = dir.path().join("nbd.sock");
+    let size = 2 * CHUNK + CHUNK / 2;
+    let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+    let _server = Server::start(Listen::Unix(path.clone()), Arc::new(Mem(data))).unwrap();
+    // The oldest handshake a fixed-newstyle client may do: EXPORT_NAME, no structured replies.
+    let mut c = hello(&path);
+    c.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+        .unwrap();
+    c.write_all(&IHAVEOPT.to_be_bytes()).unwrap();
+    c.write_all(&OPT_EXPORT_NAME.to_be_bytes()).unwrap();
+    c.write_all(&3u32.to_be_bytes()).unwrap();
+    c.write_all(b"mem").unwrap();
+    let mut info = [0u8; 10];
+    c.read_exact(&mut info).unwrap();
+    assert_eq!(
+        u64::from_be_bytes(info[..8].try_into().unwrap()),
+        size as u64
+    );
+    // One simple reply header, then every byte of the three pieces in order.
+    let (offset, len) = (100u64, (size - 200) as u32);
+    request(&mut c, CMD_READ, 5, offset, len);
+    let mut h = [0u8; SIMPLE_REPLY_LEN];
+    c.read_exact(&mut h).unwrap();
+    let (hdr, _) = decode_reply(&h).unwrap().unwrap();
+    assert_eq!(
+        hdr,
+        ReplyHeader::Simple {
+            handle: 5,
+            error: 0
+        }
+    );
+    let mut body = vec![0u8; len as usize];
+    c.read_exact(&mut body).unwrap();
+    assert!(body
+        .iter()
+        .enumerate()
+        .all(|(i, &b)| b == ((offset as usize + i) % 251) as u8));
+    // A read past the end: one simple reply with the error and no data; the stream goes on.
+    request(&mut c, CMD_READ, 6, size as u64 - 512, 1024);
+    c.read_exact(&mut h).unwrap();
+    let (hdr, _) = decode_reply(&h).unwrap().unwrap();
+    assert_eq!(
+        hdr,
+        ReplyHeader::Simple {
+            handle: 6,
+            error: EINVAL
+        }
+    );
+    request(&mut c, CMD_READ, 7, 0, 512);
+    c.read_exact(&mut h).unwrap();
+    let mut first = [0u8; 512];
+    c.read_exact(&mut first).unwrap();
+    assert_eq!(first[250..252], [250, 0]);
+}
