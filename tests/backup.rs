@@ -40,12 +40,6 @@ fn skip(what: &str) -> bool {
     false
 }
 
-fn ok(sock: &Path, method: &str, args: &[&str]) -> Value {
-    let (ok, v, err) = ctl(sock, method, args);
-    assert!(ok, "vublk ctl {method} {args:?}: {err}");
-    v
-}
-
 /// The client, shared by the writer thread and the test (which pauses the writer by holding
 /// it: no request is in flight then).
 struct Shared(Client);
@@ -130,14 +124,6 @@ impl Writer {
     }
 }
 
-/// `nbdcopy URI out` (a raw file of the export).
-fn nbdcopy(uri: &str, out: &Path) -> std::process::Output {
-    Command::new("nbdcopy")
-        .args([uri, &out.display().to_string()])
-        .output()
-        .unwrap()
-}
-
 fn write_file(path: &Path, data: &[u8]) {
     std::fs::write(path, data).unwrap();
 }
@@ -178,12 +164,6 @@ fn nbd_map(uri: &str, context: &str) -> Vec<(u64, u64, u32)> {
         .collect()
 }
 
-/// Begin a backup; its URI.
-fn begin(sock: &Path, args: &[&str]) -> String {
-    let v = ok(sock, "backup-begin", args);
-    v["uri"].as_str().unwrap().to_owned()
-}
-
 /// A full backup of a disk under a writer: the export equals the disk at the begin, read
 /// while the writer goes on.
 fn full_backup_under_writes(name: &str, img: &Path, fmt_args: &[&str], tool: &str) {
@@ -195,7 +175,7 @@ fn full_backup_under_writes(name: &str, img: &Path, fmt_args: &[&str], tool: &st
     let nbd_s = nbd.display().to_string();
     let (reference, uri) = writer.paused(|c| {
         let r = c.read_all(1);
-        let uri = begin(&sock, &["--checkpoint", "c1", "--socket", &nbd_s]);
+        let uri = backup_begin(&sock, &["--checkpoint", "c1", "--socket", &nbd_s]);
         (r, uri)
     });
     assert!(uri.starts_with("nbd+unix:///c1?socket="), "{uri}");
@@ -205,12 +185,7 @@ fn full_backup_under_writes(name: &str, img: &Path, fmt_args: &[&str], tool: &st
     write_file(&refp, &reference);
     let out = dir.join("backup.raw");
     if tool == "nbdcopy" {
-        let o = nbdcopy(&uri, &out);
-        assert!(
-            o.status.success(),
-            "nbdcopy: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        nbdcopy_ok(&uri, &out);
     } else {
         run_ok(
             Command::new("qemu-img")
@@ -219,16 +194,16 @@ fn full_backup_under_writes(name: &str, img: &Path, fmt_args: &[&str], tool: &st
         );
     }
     assert_compare(&out, &refp);
-    let list = ok(&sock, "backup-list", &[]);
+    let list = ctl_ok(&sock, "backup-list", &[]);
     let b = &list["backups"][0];
     assert_eq!(b["checkpoint"], "c1");
     assert!(b["bytes_read"].as_u64().unwrap() >= SIZE, "{list}");
     assert!(b["copied_bytes"].as_u64().unwrap() > 0, "{list}");
     assert!(b["failed"].is_null(), "{list}");
-    let end = ok(&sock, "backup-end", &["--checkpoint", "c1"]);
+    let end = ctl_ok(&sock, "backup-end", &["--checkpoint", "c1"]);
     assert_eq!(end["checkpoint"], "c1");
     // The checkpoint stays, recording.
-    let bl = ok(&sock, "bitmap-list", &[]);
+    let bl = ctl_ok(&sock, "bitmap-list", &[]);
     assert_eq!(bl["bitmaps"][0]["name"], "c1", "{bl}");
     assert_eq!(bl["bitmaps"][0]["recording"], true, "{bl}");
     let c = writer.stop();
@@ -354,7 +329,7 @@ fn incremental_backups_over_five_checkpoints_miss_no_write_and_add_none() {
     let nbd_s = nbd.display().to_string();
     let (reference, uri) = writer.paused(|c| {
         let r = c.read_all(1);
-        let uri = begin(&sock, &["--checkpoint", "c1", "--socket", &nbd_s]);
+        let uri = backup_begin(&sock, &["--checkpoint", "c1", "--socket", &nbd_s]);
         writer.take_log();
         (r, uri)
     });
@@ -363,13 +338,13 @@ fn incremental_backups_over_five_checkpoints_miss_no_write_and_add_none() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     write_file(&dir.join("ref1.raw"), &reference);
     assert_compare(&copy, &dir.join("ref1.raw"));
-    ok(&sock, "backup-end", &["--checkpoint", "c1"]);
+    ctl_ok(&sock, "backup-end", &["--checkpoint", "c1"]);
     for i in 2..=5 {
         writer.run_for(150);
         let (prev, cur) = (format!("c{}", i - 1), format!("c{i}"));
         let (reference, uri, written) = writer.paused(|c| {
             let r = c.read_all(1);
-            let uri = begin(
+            let uri = backup_begin(
                 &sock,
                 &[
                     "--checkpoint",
@@ -420,7 +395,7 @@ done"#,
             got, want,
             "checkpoint {prev}: dirty granules differ from those written"
         );
-        ok(&sock, "backup-end", &["--checkpoint", &cur]);
+        ctl_ok(&sock, "backup-end", &["--checkpoint", &cur]);
         copy = next;
     }
     writer.stop();
@@ -463,7 +438,7 @@ fn base_allocation_matches_qemu_img_map() {
         }
         let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
         let nbd = dir.join("nbd.sock");
-        let uri = begin(
+        let uri = backup_begin(
             &sock,
             &["--checkpoint", "m", "--socket", &nbd.display().to_string()],
         );
@@ -498,7 +473,7 @@ fn base_allocation_matches_qemu_img_map() {
             diff.map(|b| ours[b]),
             diff.map(|b| theirs[b])
         );
-        ok(&sock, "backup-end", &["--checkpoint", "m"]);
+        ctl_ok(&sock, "backup-end", &["--checkpoint", "m"]);
         backend.sigterm_and_wait(STOP);
     }
 }
@@ -515,7 +490,7 @@ fn a_full_scratch_fails_the_backup_and_not_the_guest() {
     let writer = Writer::start(connect_queues(&backend.socket, 2), 13);
     let nbd = dir.join("nbd.sock");
     let uri = writer.paused(|_| {
-        begin(
+        backup_begin(
             &sock,
             &[
                 "--checkpoint",
@@ -529,7 +504,7 @@ fn a_full_scratch_fails_the_backup_and_not_the_guest() {
     });
     // Heavy writes: far more than 1 MiB of distinct granules.
     writer.run_for(400);
-    let list = ok(&sock, "backup-list", &[]);
+    let list = ctl_ok(&sock, "backup-list", &[]);
     let failed = list["backups"][0]["failed"]
         .as_str()
         .unwrap_or_default()
@@ -558,7 +533,7 @@ fn a_full_scratch_fails_the_backup_and_not_the_guest() {
             );
         }
     }
-    ok(&sock, "backup-end", &["--checkpoint", "s"]);
+    ctl_ok(&sock, "backup-end", &["--checkpoint", "s"]);
     drop(c);
     backend.sigterm_and_wait(STOP);
 }
@@ -579,7 +554,7 @@ fn hostile_nbd_clients_do_not_stop_the_export_or_the_disk() {
         let r = c.read_all(1);
         (
             r,
-            begin(
+            backup_begin(
                 &sock,
                 &["--checkpoint", "h", "--socket", &nbd.display().to_string()],
             ),
@@ -634,13 +609,13 @@ fn hostile_nbd_clients_do_not_stop_the_export_or_the_disk() {
     assert!(done, "nbdcopy never succeeded after the hostile clients");
     write_file(&dir.join("ref.raw"), &reference);
     assert_compare(&out, &dir.join("ref.raw"));
-    let list = ok(&sock, "backup-list", &[]);
+    let list = ctl_ok(&sock, "backup-list", &[]);
     assert!(
         list["backups"][0]["clients_refused"].as_u64().unwrap() > 0,
         "{list}"
     );
     drop(slow);
-    ok(&sock, "backup-end", &["--checkpoint", "h"]);
+    ctl_ok(&sock, "backup-end", &["--checkpoint", "h"]);
     writer.stop();
     backend.assert_running();
     backend.sigterm_and_wait(STOP);

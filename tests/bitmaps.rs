@@ -11,18 +11,11 @@ use std::time::Duration;
 
 use blkio::ReqFlags;
 use common::*;
-use serde_json::Value;
 
 const STOP: Duration = Duration::from_secs(10);
 
 fn start(dir: &TestDir, img: &Path, queues: u32, extra: &[&str]) -> (Backend, PathBuf) {
     start_with_control(dir, img, queues, extra)
-}
-
-fn ok(sock: &Path, method: &str, args: &[&str]) -> Value {
-    let (ok, v, err) = ctl(sock, method, args);
-    assert!(ok, "vublk ctl {method} {args:?}: {err}");
-    v
 }
 
 fn refused(sock: &Path, method: &str, args: &[&str]) -> String {
@@ -36,7 +29,7 @@ fn extents(sock: &Path, name: &str) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     let mut from = 0u64;
     loop {
-        let v = ok(
+        let v = ctl_ok(
             sock,
             "bitmap-ranges",
             &[name, "--offset", &from.to_string(), "--max", "7"],
@@ -86,14 +79,14 @@ fn writes_zeroes_and_deallocating_discards_are_recorded_reads_and_flushes_are_no
         2,
         &["--discard", "unmap", "--detect-zeroes", "on"],
     );
-    ok(&sock, "bitmap-add", &["b0"]);
-    ok(&sock, "bitmap-add", &["fine", "--granularity", "512"]);
+    ctl_ok(&sock, "bitmap-add", &["b0"]);
+    ctl_ok(&sock, "bitmap-add", &["fine", "--granularity", "512"]);
     let mut c = connect_queues(&backend.socket, 2);
     // Not recorded: reads and flushes.
     c.read_at(0, 0, 1 << 20).unwrap();
     assert_eq!(c.submit(1, Op::Flush), 0);
     assert_eq!(
-        ok(&sock, "bitmap-list", &[])["bitmaps"][0]["dirty_bytes"],
+        ctl_ok(&sock, "bitmap-list", &[])["bitmaps"][0]["dirty_bytes"],
         0
     );
     // Recorded: a write on each queue, WRITE_ZEROES, a DISCARD that deallocates, a zero
@@ -147,7 +140,7 @@ fn writes_zeroes_and_deallocating_discards_are_recorded_reads_and_flushes_are_no
             (size - 512, 512)
         ]
     );
-    let list = ok(&sock, "bitmap-list", &[]);
+    let list = ctl_ok(&sock, "bitmap-list", &[]);
     let b0 = &list["bitmaps"][0];
     assert_eq!(b0["name"], "b0");
     assert_eq!(b0["granularity"], k64);
@@ -165,11 +158,11 @@ fn writes_zeroes_and_deallocating_discards_are_recorded_reads_and_flushes_are_no
         1024 + 8192 + (192 << 10) + 4096 + 512
     );
     // A disabled bitmap records nothing until enabled again; a cleared one starts over.
-    ok(&sock, "bitmap-disable", &["b0"]);
+    ctl_ok(&sock, "bitmap-disable", &["b0"]);
     assert_eq!(c.write_at(0, 40 * MIB, &[3u8; 4096]), 0);
     assert!(!extents(&sock, "b0").contains(&(40 * MIB, k64)));
-    ok(&sock, "bitmap-enable", &["b0"]);
-    ok(&sock, "bitmap-clear", &["fine"]);
+    ctl_ok(&sock, "bitmap-enable", &["b0"]);
+    ctl_ok(&sock, "bitmap-clear", &["fine"]);
     assert_eq!(c.write_at(1, 41 * MIB, &[3u8; 4096]), 0);
     assert!(extents(&sock, "b0").contains(&(41 * MIB, k64)));
     assert_eq!(extents(&sock, "fine"), [(41 * MIB, 4096)]);
@@ -186,7 +179,7 @@ fn without_deallocation_a_discard_changes_nothing_and_is_not_recorded() {
     let img = dir.join("img.raw");
     create_pattern_image(&img, 16 * MIB, 4);
     let (backend, sock) = start(&dir, &img, 1, &["--discard", "ignore"]);
-    ok(&sock, "bitmap-add", &["b"]);
+    ctl_ok(&sock, "bitmap-add", &["b"]);
     let mut c = connect_queues(&backend.socket, 1);
     assert_eq!(
         c.submit(
@@ -230,8 +223,8 @@ fn bad_names_granularities_and_requests_are_refused_and_the_daemon_serves_on() {
         let err = refused(&sock, "bitmap-add", &args);
         assert!(err.contains(says), "{args:?}: {err}");
     }
-    ok(&sock, "bitmap-add", &["a"]);
-    ok(&sock, "bitmap-add", &["big", "--granularity", "2G"]);
+    ctl_ok(&sock, "bitmap-add", &["a"]);
+    ctl_ok(&sock, "bitmap-add", &["big", "--granularity", "2G"]);
     assert!(refused(&sock, "bitmap-add", &["a"]).contains("exists"));
     for m in [
         "bitmap-remove",
@@ -250,7 +243,7 @@ fn bad_names_granularities_and_requests_are_refused_and_the_daemon_serves_on() {
     // Still serving, and the bitmaps as they were.
     let mut c = connect_queues(&backend.socket, 1);
     assert_eq!(c.write_at(0, 0, &[1u8; 4096]), 0);
-    let l = ok(&sock, "bitmap-list", &[]);
+    let l = ctl_ok(&sock, "bitmap-list", &[]);
     let names: Vec<&str> = l["bitmaps"]
         .as_array()
         .unwrap()
@@ -272,14 +265,14 @@ fn an_online_resize_grows_the_bitmaps() {
     let img = dir.join("img.raw");
     create_pattern_image(&img, 16 * MIB, 6);
     let (backend, sock) = start(&dir, &img, 1, &[]);
-    ok(&sock, "bitmap-add", &["b", "--granularity", "1M"]);
-    ok(&sock, "resize", &["48M"]);
+    ctl_ok(&sock, "bitmap-add", &["b", "--granularity", "1M"]);
+    ctl_ok(&sock, "resize", &["48M"]);
     let mut c = connect_queues(&backend.socket, 1);
     assert_eq!(c.capacity(), 48 * MIB);
     assert_eq!(c.write_at(0, 40 * MIB, &[1u8; 4096]), 0);
     assert_eq!(extents(&sock, "b"), [(40 * MIB, MIB)]);
     assert_eq!(
-        ok(&sock, "bitmap-list", &[])["bitmaps"][0]["size_bytes"],
+        ctl_ok(&sock, "bitmap-list", &[])["bitmaps"][0]["size_bytes"],
         48 * MIB
     );
     drop(c);
@@ -326,7 +319,7 @@ fn control_methods_match_a_model_of_the_bitmaps() {
                 if at.is_some() {
                     assert!(refused(&sock, "bitmap-add", &args).contains("exists"));
                 } else {
-                    ok(&sock, "bitmap-add", &args);
+                    ctl_ok(&sock, "bitmap-add", &args);
                     model.push(Model {
                         name: name.into(),
                         g,
@@ -337,7 +330,7 @@ fn control_methods_match_a_model_of_the_bitmaps() {
             }
             1 => match at {
                 Some(i) => {
-                    ok(&sock, "bitmap-remove", &[name]);
+                    ctl_ok(&sock, "bitmap-remove", &[name]);
                     model.remove(i);
                 }
                 None => {
@@ -346,7 +339,7 @@ fn control_methods_match_a_model_of_the_bitmaps() {
             },
             2 => match at {
                 Some(i) => {
-                    ok(&sock, "bitmap-clear", &[name]);
+                    ctl_ok(&sock, "bitmap-clear", &[name]);
                     model[i].granules.clear();
                 }
                 None => {
@@ -362,7 +355,7 @@ fn control_methods_match_a_model_of_the_bitmaps() {
                 };
                 match at {
                     Some(i) => {
-                        ok(&sock, m, &[name]);
+                        ctl_ok(&sock, m, &[name]);
                         model[i].recording = on;
                     }
                     None => {
@@ -376,7 +369,7 @@ fn control_methods_match_a_model_of_the_bitmaps() {
                 let args = ["--target", name, src];
                 match (at, si) {
                     (Some(t), Some(s)) if model[t].g == model[s].g => {
-                        ok(&sock, "bitmap-merge", &args);
+                        ctl_ok(&sock, "bitmap-merge", &args);
                         let add: Vec<u64> = model[s].granules.iter().copied().collect();
                         model[t].granules.extend(add);
                     }
@@ -399,7 +392,7 @@ fn control_methods_match_a_model_of_the_bitmaps() {
                 }
             }
         }
-        let list = ok(&sock, "bitmap-list", &[]);
+        let list = ctl_ok(&sock, "bitmap-list", &[]);
         let got = list["bitmaps"].as_array().unwrap();
         assert_eq!(got.len(), model.len(), "step {step}: {list}");
         for (g, m) in got.iter().zip(&model) {

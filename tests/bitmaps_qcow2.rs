@@ -16,12 +16,6 @@ use serde_json::Value;
 
 const K64: u64 = 64 << 10;
 
-fn ok(sock: &Path, method: &str, args: &[&str]) -> Value {
-    let (ok, v, err) = ctl(sock, method, args);
-    assert!(ok, "vublk ctl {method} {args:?}: {err}");
-    v
-}
-
 fn have_tools() -> bool {
     if skip_unless_vublk("vublk's persistent bitmaps") || !have_qemu_img() {
         return false;
@@ -111,7 +105,7 @@ fn qemu_io_write(img: &Path, writes: &[(u64, u64)]) {
 
 /// (name -> (persistent, recording, inconsistent, dirty bytes)) from `bitmap-list`.
 fn listed(sock: &Path) -> Vec<(String, bool, bool, bool, u64)> {
-    let v = ok(sock, "bitmap-list", &[]);
+    let v = ctl_ok(sock, "bitmap-list", &[]);
     v["bitmaps"]
         .as_array()
         .unwrap()
@@ -197,26 +191,26 @@ fn control_methods_and_resize_on_persistent_bitmaps_reach_the_file() {
     let img = dir.join("img.qcow2");
     qemu_img_create(&img, "qcow2", "64M");
     let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
-    ok(
+    ctl_ok(
         &sock,
         "bitmap-add",
         &["p1", "--persistent", "--granularity", "4096"],
     );
-    ok(&sock, "bitmap-add", &["p2", "--persistent", "--disabled"]);
-    ok(&sock, "bitmap-add", &["gone", "--persistent"]);
-    ok(&sock, "bitmap-add", &["mem"]);
-    ok(
+    ctl_ok(&sock, "bitmap-add", &["p2", "--persistent", "--disabled"]);
+    ctl_ok(&sock, "bitmap-add", &["gone", "--persistent"]);
+    ctl_ok(&sock, "bitmap-add", &["mem"]);
+    ctl_ok(
         &sock,
         "bitmap-add",
         &["p3", "--persistent", "--granularity", "4096", "--disabled"],
     );
     let mut c = connect_queues(&backend.socket, 1);
     assert_eq!(c.write_at(0, MIB, &[1u8; 4096]), 0);
-    ok(&sock, "bitmap-remove", &["gone"]);
-    ok(&sock, "bitmap-merge", &["--target", "p3", "p1"]);
-    ok(&sock, "bitmap-clear", &["p1"]);
+    ctl_ok(&sock, "bitmap-remove", &["gone"]);
+    ctl_ok(&sock, "bitmap-merge", &["--target", "p3", "p1"]);
+    ctl_ok(&sock, "bitmap-clear", &["p1"]);
     assert_eq!(c.write_at(0, 2 * MIB, &[2u8; 4096]), 0);
-    ok(&sock, "resize", &["128M"]);
+    ctl_ok(&sock, "resize", &["128M"]);
     assert_eq!(c.write_at(0, 100 * MIB, &[3u8; 4096]), 0);
     disconnect_and_stop(&backend, c);
 
@@ -408,7 +402,7 @@ fn bitmaps_qemu_left_in_use_are_inconsistent_until_removed() {
             ("gone".to_owned(), true, false, true, 0),
         ]
     );
-    ok(&ctl_sock, "bitmap-add", &["fresh", "--persistent"]);
+    ctl_ok(&ctl_sock, "bitmap-add", &["fresh", "--persistent"]);
     let mut c = connect_queues(&backend.socket, 1);
     assert_eq!(c.write_at(0, 5 * MIB, &[9u8; 4096]), 0);
     for (m, args) in [
@@ -425,7 +419,7 @@ fn bitmaps_qemu_left_in_use_are_inconsistent_until_removed() {
         0,
         "the stale bitmap recorded a write"
     );
-    ok(&ctl_sock, "bitmap-remove", &["gone"]);
+    ctl_ok(&ctl_sock, "bitmap-remove", &["gone"]);
     drop(c);
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
     let got: Vec<(String, Vec<String>)> =
@@ -484,12 +478,12 @@ fn an_overlay_keeps_its_backing_file_as_bitmaps_come_and_go() {
     for (round, add) in [(0, true), (1, false)] {
         let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
         if add {
-            ok(&sock, "bitmap-add", &["p", "--persistent"]);
+            ctl_ok(&sock, "bitmap-add", &["p", "--persistent"]);
             let mut c = connect_queues(&backend.socket, 1);
             assert_eq!(c.write_at(0, 3 * MIB, &[4u8; 4096]), 0);
             drop(c);
         } else {
-            ok(&sock, "bitmap-remove", &["p"]);
+            ctl_ok(&sock, "bitmap-remove", &["p"]);
         }
         assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
         assert_eq!(backing(&img), want, "round {round}");

@@ -15,7 +15,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -394,21 +394,15 @@ fn snapshot_served_read_only_and_bad_names_refused() {
     }
 }
 
-fn ctl(sock: &Path, args: &[&str]) -> serde_json::Value {
-    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .arg("ctl")
-        .arg("--control-socket")
-        .arg(sock)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "vublk ctl {args:?}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    serde_json::from_slice(&o.stdout).unwrap()
+/// A cluster with a new 32 MiB image `rbd/disk` served by a vublk with a control socket:
+/// (the cluster, the backend, the control socket), or None where Ceph is missing (skipped).
+fn serve_new_disk_with_control(dir: &TestDir) -> Option<(Ceph, Backend, PathBuf)> {
+    let ceph = Ceph::start(&dir.path, 512 << 20)?;
+    ceph.rbd(&["create", "rbd/disk", "--size", "32M"]);
+    let sock = dir.join("ctl.sock");
+    let sock_arg = sock.display().to_string();
+    let backend = serve(dir, &ceph, "disk", &["--control-socket", &sock_arg], false);
+    Some((ceph, backend, sock))
 }
 
 fn rbd_size(ceph: &Ceph, image: &str) -> u64 {
@@ -422,20 +416,16 @@ fn rbd_size(ceph: &Ceph, image: &str) -> u64 {
 #[test]
 fn resizes_in_the_cluster_and_through_ctl() {
     let dir = TestDir::new("rbd-resize");
-    let Some(ceph) = Ceph::start(&dir.path, 512 << 20) else {
+    let Some((ceph, backend, sock)) = serve_new_disk_with_control(&dir) else {
         return;
     };
-    ceph.rbd(&["create", "rbd/disk", "--size", "32M"]);
-    let sock = dir.join("ctl.sock");
-    let sock_arg = sock.display().to_string();
-    let backend = serve(&dir, &ceph, "disk", &["--control-socket", &sock_arg], false);
     let mut c = connect(&backend.socket, ClientOpts::default());
     let data = pattern(65536, 0, 7);
     assert_eq!(c.write_at(0, 32 * MIB - 65536, &data), 0);
 
     ceph.rbd(&["resize", "rbd/disk", "--size", "48M"]);
     let t0 = Instant::now();
-    let size = |s: &Path| ctl(s, &["status"])["size_bytes"].as_u64().unwrap();
+    let size = |s: &Path| ctl_ok(s, "status", &[])["size_bytes"].as_u64().unwrap();
     while size(&sock) != 48 * MIB {
         assert!(
             t0.elapsed() < Duration::from_secs(15),
@@ -446,12 +436,18 @@ fn resizes_in_the_cluster_and_through_ctl() {
     }
     println!("rbd resize seen by vublk after {:?}", t0.elapsed());
 
-    let r = ctl(&sock, &["resize", "64M"]);
+    let r = ctl_ok(&sock, "resize", &["64M"]);
     assert_eq!(r["size_bytes"].as_u64(), Some(64 * MIB), "{r}");
     assert_eq!(rbd_size(&ceph, "rbd/disk"), 64 * MIB);
     // Shrinking is refused and changes nothing.
     let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .args(["ctl", "--control-socket", &sock_arg, "resize", "16M"])
+        .args([
+            "ctl",
+            "--control-socket",
+            &sock.display().to_string(),
+            "resize",
+            "16M",
+        ])
         .output()
         .unwrap();
     assert!(!o.status.success());
@@ -638,13 +634,9 @@ fn a_backup_of_an_rbd_image_is_its_state_at_the_begin() {
         return;
     }
     let dir = TestDir::new("rbd-backup");
-    let Some(ceph) = Ceph::start(&dir.path, 512 << 20) else {
+    let Some((_ceph, backend, sock)) = serve_new_disk_with_control(&dir) else {
         return;
     };
-    ceph.rbd(&["create", "rbd/disk", "--size", "32M"]);
-    let sock = dir.join("ctl.sock");
-    let sock_arg = sock.display().to_string();
-    let backend = serve(&dir, &ceph, "disk", &["--control-socket", &sock_arg], false);
     let mut c = connect(&backend.socket, ClientOpts::default());
     // The lower half written, the upper half never (holes for base:allocation).
     for i in 0..16u64 {
@@ -655,34 +647,19 @@ fn a_backup_of_an_rbd_image_is_its_state_at_the_begin() {
     }
     let reference = c.read_all(0);
     let nbd = dir.join("nbd.sock");
-    let v = ctl(
+    let uri = backup_begin(
         &sock,
-        &[
-            "backup-begin",
-            "--checkpoint",
-            "b",
-            "--socket",
-            &nbd.display().to_string(),
-        ],
+        &["--checkpoint", "b", "--socket", &nbd.display().to_string()],
     );
-    let uri = v["uri"].as_str().unwrap().to_owned();
     // Rewrite every other megabyte of the lower half, and zero some.
     for i in (0..16u64).step_by(2) {
         assert_eq!(c.write_at(0, i * MIB + 4096, &[0xa5u8; 65536]), 0);
     }
     assert_eq!(c.write_at(0, 7 * MIB, &vec![0u8; MIB as usize]), 0);
     let out = dir.join("backup.raw");
-    let o = Command::new("nbdcopy")
-        .args([&uri, &out.display().to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "nbdcopy: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    nbdcopy_ok(&uri, &out);
     assert_same(&read_file(&out), &reference, "the backup of the RBD image");
-    let l = ctl(&sock, &["backup-list"]);
+    let l = ctl_ok(&sock, "backup-list", &[]);
     assert!(
         l["backups"][0]["copied_bytes"].as_u64().unwrap() >= 8 * 65536,
         "{l}"
@@ -713,7 +690,7 @@ fn a_backup_of_an_rbd_image_is_its_state_at_the_begin() {
     }
     assert!(kinds[..16].iter().all(|&t| t == 0), "{map}");
     assert!(kinds[16..].iter().all(|&t| t == 3), "{map}");
-    ctl(&sock, &["backup-end", "--checkpoint", "b"]);
+    ctl_ok(&sock, "backup-end", &["--checkpoint", "b"]);
     // And the disk has the new data.
     assert_eq!(c.read_at(0, 4096, 65536).unwrap(), vec![0xa5u8; 65536]);
     drop(c);

@@ -16,7 +16,7 @@ mod vm;
 use std::env;
 use std::fs::{self, File};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -26,22 +26,6 @@ use vm::{check_blocks, markers, read_log, ChildGuard, LineCollector, ScratchDir,
 const DISK: u64 = 512 << 20;
 const WRITERS: u64 = 2;
 const SECONDS: u64 = 40;
-
-fn ctl(sock: &Path, args: &[&str]) -> serde_json::Value {
-    let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
-        .arg("ctl")
-        .arg("--control-socket")
-        .arg(sock)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "vublk ctl {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    serde_json::from_slice(&o.stdout).unwrap()
-}
 
 #[test]
 fn a_backup_under_a_writing_guest_is_its_disk_at_the_begin() {
@@ -120,31 +104,16 @@ fn a_backup_under_a_writing_guest_is_its_disk_at_the_begin() {
     qmp.ok(r#"{"execute":"stop"}"#);
     let reference = fs::read(&image).unwrap();
     let nbd = run.path.join("nbd.sock");
-    let v = ctl(
+    let uri = common::backup_begin(
         &ctl_sock,
-        &[
-            "backup-begin",
-            "--checkpoint",
-            "vm",
-            "--socket",
-            &nbd.display().to_string(),
-        ],
+        &["--checkpoint", "vm", "--socket", &nbd.display().to_string()],
     );
-    let uri = v["uri"].as_str().unwrap().to_owned();
     qmp.ok(r#"{"execute":"cont"}"#);
     // The guest writes on while the export is copied.
     thread::sleep(Duration::from_secs(3));
     let out = run.path.join("backup.raw");
-    let o = Command::new("nbdcopy")
-        .args([&uri, &out.display().to_string()])
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "nbdcopy: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let list = ctl(&ctl_sock, &["backup-list"]);
+    common::nbdcopy_ok(&uri, &out);
+    let list = common::ctl_ok(&ctl_sock, "backup-list", &[]);
     let copied = list["backups"][0]["copied_bytes"].as_u64().unwrap();
     assert!(
         copied > 0,
@@ -156,7 +125,7 @@ fn a_backup_under_a_writing_guest_is_its_disk_at_the_begin() {
         "the backup under the guest",
     );
     println!("[backup] the export equals the disk at the begin; {copied} bytes copied before guest writes");
-    ctl(&ctl_sock, &["backup-end", "--checkpoint", "vm"]);
+    common::ctl_ok(&ctl_sock, "backup-end", &["--checkpoint", "vm"]);
     // The guest finishes its workload and powers off.
     let deadline = Instant::now() + Duration::from_secs(600);
     let done = q.wait_until(deadline).unwrap();

@@ -457,6 +457,40 @@ pub fn ctl(sock: &Path, method: &str, args: &[&str]) -> (bool, serde_json::Value
     (o.status.success(), v, err)
 }
 
+/// [`ctl`] that must succeed: the JSON it printed (the test fails with its stderr otherwise).
+pub fn ctl_ok(sock: &Path, method: &str, args: &[&str]) -> serde_json::Value {
+    let (ok, v, err) = ctl(sock, method, args);
+    assert!(ok, "vublk ctl {method} {args:?}: {err}");
+    v
+}
+
+/// `vublk ctl backup-begin ARGS`, which must succeed: the export's NBD URI.
+pub fn backup_begin(sock: &Path, args: &[&str]) -> String {
+    let v = ctl_ok(sock, "backup-begin", args);
+    v["uri"]
+        .as_str()
+        .unwrap_or_else(|| panic!("backup-begin answered no uri: {v}"))
+        .to_owned()
+}
+
+/// `nbdcopy URI OUT`: the export as a raw file (the output, for a test that expects failure).
+pub fn nbdcopy(uri: &str, out: &Path) -> std::process::Output {
+    Command::new("nbdcopy")
+        .args([uri, &out.display().to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("nbdcopy: {e}"))
+}
+
+/// [`nbdcopy`] that must succeed.
+pub fn nbdcopy_ok(uri: &str, out: &Path) {
+    let o = nbdcopy(uri, out);
+    assert!(
+        o.status.success(),
+        "nbdcopy {uri}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 /// A vublk with `queues` queues, `--control-socket DIR/ctl.sock` and `extra` options, serving
 /// `img`; returns it and the control socket's path.
 pub fn start_with_control(

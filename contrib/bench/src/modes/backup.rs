@@ -58,15 +58,19 @@ fn write_until(
     };
     let mut completions: Vec<MaybeUninit<blkio::Completion>> =
         (0..DEPTH).map(|_| MaybeUninit::uninit()).collect();
-    let t0 = Instant::now();
-    for slot in 0..DEPTH {
+    // Slot i writes from the i-th 4 KiB of the mapped buffer to a random block.
+    let mut submit = |q: &mut Blkioq, slot: usize| {
         q.write(
             next(),
             (base + slot * BS) as *mut u8,
             BS,
             slot,
             ReqFlags::empty(),
-        );
+        )
+    };
+    let t0 = Instant::now();
+    for slot in 0..DEPTH {
+        submit(q, slot);
     }
     let (mut ios, mut in_flight) = (0u64, DEPTH);
     loop {
@@ -79,14 +83,7 @@ fn write_until(
             ios += 1;
             in_flight -= 1;
             if !done {
-                let slot = c.user_data;
-                q.write(
-                    next(),
-                    (base + slot * BS) as *mut u8,
-                    BS,
-                    slot,
-                    ReqFlags::empty(),
-                );
+                submit(q, c.user_data);
                 in_flight += 1;
             }
         }
