@@ -282,6 +282,13 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
+    /// Where the top of the disk's chain is kept after a snapshot, so that a restart with
+    /// the same command line serves the overlay (docs/snapshots.md). Default: the file
+    /// .NAME.vublk-chain beside the image file NAME; a block device has none (snapshots of
+    /// it need this option).
+    #[arg(long, value_name = "PATH")]
+    pub chain_state: Option<PathBuf>,
+
     /// Write the daemon's process id to this file, created if missing and locked while the
     /// daemon runs (a second daemon with the same file refuses to start); removed at exit.
     #[arg(long, value_name = "PATH")]
@@ -410,6 +417,15 @@ pub enum CtlMethod {
     /// Backups: a point-in-time NBD export and checkpoints (docs/backups.md).
     #[command(flatten)]
     Backup(BackupMethod),
+    /// Create a qcow2 overlay over the image served now and serve it from now on, switched
+    /// between two guest requests; the old image becomes its read-only backing file
+    /// (docs/snapshots.md).
+    Snapshot {
+        /// The overlay to create (it must not exist); its backing file is recorded relative
+        /// to it, with its format.
+        #[arg(long, value_name = "PATH")]
+        overlay: String,
+    },
     /// Any other method (a newer daemon's): sent as it is, `--name value` pairs as its
     /// parameters.
     #[command(external_subcommand)]

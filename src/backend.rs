@@ -62,6 +62,10 @@ impl crate::device::QueuePause for VhostUserBlkBackend {
             w.settle();
         }
         f();
+        // `f` may have switched the image (a snapshot): each queue serves the new one.
+        for w in &mut held {
+            w.follow_image();
+        }
         drop(held);
         for a in &self.poll_abort {
             a.store(false, Ordering::Relaxed);

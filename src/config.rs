@@ -85,6 +85,9 @@ pub struct Config {
     pub log_level: log::LevelFilter,
     /// `--pidfile`.
     pub pidfile: Option<PathBuf>,
+    /// Where the chain's state file is (`--chain-state`, or beside a regular image file;
+    /// None: a block device or remote disk without the option).
+    pub chain_state: Option<PathBuf>,
     /// `--ceph-*` (librbd's cache comes from `cache`).
     pub ceph: crate::rbd::CephOptions,
     /// `--nbd-*`.
@@ -165,6 +168,11 @@ impl Config {
             .blk_file
             .clone()
             .ok_or_else(|| bad("--blk-file is required"))?;
+        let chain_state = if remote_kind(&blk_file).is_some() {
+            args.chain_state.clone()
+        } else {
+            crate::snapshot::state::location(&blk_file, args.chain_state.as_deref())
+        };
         if !(1..=MAX_NUM_QUEUES).contains(&args.num_queues) {
             return Err(bad(format!(
                 "--num-queues {}: must be between 1 and {MAX_NUM_QUEUES}",
@@ -430,6 +438,7 @@ impl Config {
             prealloc_align,
             log_level,
             pidfile: args.pidfile.clone(),
+            chain_state,
             nbd: crate::nbd::client::NbdOptions {
                 timeout: std::time::Duration::from_secs(u64::from(args.nbd_timeout.max(1))),
                 reconnect_delay: std::time::Duration::from_millis(

@@ -74,7 +74,24 @@ pub enum DaemonError {
 
 /// Open the image and build the shared device.
 pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
-    let opts = cfg.image_options();
+    let mut opts = cfg.image_options();
+    // After a snapshot the top of the chain is served, not --blk-file (snapshot::state).
+    let top = crate::snapshot::state::top(&cfg.blk_file, cfg.chain_state.as_deref())
+        .map_err(DaemonError::Usage)?;
+    if let Some(r) = &top {
+        info!(
+            "serving {} (the top of {}'s chain, as the chain state file {} says)",
+            r.top.display(),
+            cfg.blk_file.display(),
+            cfg.chain_state
+                .as_deref()
+                .unwrap_or(Path::new("?"))
+                .display()
+        );
+        opts.path = r.top.clone();
+        opts.format = Some(crate::image::Format::Qcow2);
+        opts.follow_backing = true;
+    }
     let opened = if cfg.incoming {
         Image::incoming(&opts)
     } else {
@@ -85,6 +102,26 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         Err(ImageOpenError::Option(msg)) => return Err(DaemonError::Usage(msg)),
         Err(e) => return Err(e.into()),
     };
+    if let (Some(r), false) = (&top, cfg.incoming) {
+        let below = image.backing_paths();
+        if !below
+            .iter()
+            .any(|p| crate::snapshot::state::same_file(p, &cfg.blk_file))
+        {
+            return Err(DaemonError::Usage(format!(
+                "the chain state file {} names {} as the top of {}'s chain, but its backing                  chain ({}) does not hold {}: remove the state file to serve --blk-file                  itself",
+                cfg.chain_state.as_deref().unwrap_or(Path::new("?")).display(),
+                r.top.display(),
+                cfg.blk_file.display(),
+                below
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(" <- "),
+                cfg.blk_file.display()
+            )));
+        }
+    }
     if dio.offset > cfg.logical_block_size as usize {
         warn!(
             "the image needs {}-byte aligned direct I/O but the guest is told {}-byte blocks: \
@@ -129,7 +166,7 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
     }
     info!(
         "serving {} ({} bytes, cache={:?}, {})",
-        cfg.blk_file.display(),
+        opts.path.display(),
         facts.file_size_bytes,
         cfg.cache,
         if cfg.read_only {
@@ -268,6 +305,7 @@ pub fn run(cfg: Config) -> Result<(), DaemonError> {
         let ctx = crate::control::Context {
             dev: dev.clone(),
             image_path: cfg.blk_file.clone(),
+            chain_state: cfg.chain_state.clone(),
             started: std::time::Instant::now(),
         };
         crate::control::serve(

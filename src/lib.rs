@@ -67,6 +67,7 @@ pub mod nbd;
 pub mod offload;
 pub mod rbd;
 pub mod service;
+pub mod snapshot;
 pub mod stats;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -49,22 +49,6 @@ impl Drop for Reaped {
     }
 }
 
-/// Is `byte` of `path` locked by some process (an OFD lock)?
-fn byte_locked(path: &Path, byte: i64) -> bool {
-    use std::os::fd::AsRawFd;
-    let f = std::fs::File::open(path).unwrap();
-    // SAFETY: flock is plain data; zeroed is valid.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = libc::F_WRLCK as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    fl.l_start = byte;
-    fl.l_len = 1;
-    // SAFETY: F_OFD_GETLK reads and writes one flock through a live pointer.
-    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
-    assert_eq!(r, 0);
-    fl.l_type != libc::F_UNLCK as libc::c_short
-}
-
 /// While vublk serves an image read-write: qemu-io cannot write it (QEMU's lock message),
 /// `qemu-img info -U` still reads it, a second vublk exits 1 naming the lock (read-write:
 /// "write"; read-only: shared "write"), one with `--read-only --force-share` serves; after the

@@ -76,6 +76,12 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
         M::Top { .. } => return Err("top is not a request".into()),
         M::Bitmap(b) => bitmap_request(b)?,
         M::Backup(b) => backup_request(b)?,
+        M::Snapshot { overlay } => {
+            // As the daemon sees it (its working directory is not ours).
+            let abs = std::path::absolute(overlay)
+                .map_or_else(|_| overlay.clone(), |a| a.display().to_string());
+            ("snapshot".to_owned(), json!({ "overlay": abs }))
+        }
         M::Other(words) => {
             let (method, args) = words.split_first().ok_or_else(|| "no method".to_owned())?;
             (method.clone(), params_from_args(args)?)

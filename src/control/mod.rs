@@ -61,7 +61,10 @@ pub const REFUSED: i64 = -32001;
 /// What the methods see.
 pub struct Context {
     pub dev: Arc<Device>,
+    /// `--blk-file`.
     pub image_path: PathBuf,
+    /// The chain's state file (`snapshot::state`; None: nowhere to keep it).
+    pub chain_state: Option<PathBuf>,
     pub started: Instant,
 }
 
@@ -424,8 +427,18 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
         "status" => {
             no_params(&params)?;
             let image = dev.image.get();
+            let served = dev
+                .image
+                .options()
+                .map_or_else(|| ctx.image_path.clone(), |o| o.path);
+            let chain: Vec<String> = crate::snapshot::chain_paths(&served, &image)
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
             Ok(json!({
                 "image": ctx.image_path.display().to_string(),
+                "serving": served.display().to_string(),
+                "chain": chain,
                 "format": format!("{:?}", image.format()).to_lowercase(),
                 "size_bytes": dev.size_bytes(),
                 "read_only": dev.params.read_only,
@@ -530,6 +543,34 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                     CallError::Refused(e) => (REFUSED, e.to_string()),
                     CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
                 })
+        }
+        "snapshot" => {
+            use crate::snapshot::CallError;
+            let paused = |f: &mut dyn FnMut()| dev.with_queues_paused(f);
+            let busy = if dev.backups.any() {
+                Some(
+                    "a backup is running over the image served now: end it first (backup-end)"
+                        .into(),
+                )
+            } else if dev.dirty_log.load(Ordering::Acquire) {
+                Some("the frontend is migrating the guest: snapshot after the migration".into())
+            } else {
+                None
+            };
+            let disk = crate::snapshot::Disk {
+                slot: &dev.image,
+                size: dev.size_bytes(),
+                read_only: dev.params.read_only,
+                busy,
+                base: &ctx.image_path,
+                state: ctx.chain_state.as_deref(),
+                paused: &paused,
+                bitmaps: &dev.bitmaps,
+            };
+            crate::snapshot::call(&params, &disk).map_err(|e| match e {
+                CallError::Params(m) => (INVALID_PARAMS, m),
+                CallError::Refused(m) => (REFUSED, m),
+            })
         }
         m if m.starts_with("backup-") => {
             use crate::backup::control::CallError;

@@ -1,10 +1,13 @@
-//! Backing chains: a qcow2 image's unallocated clusters read from its backing file (qcow2 or
-//! raw, opened read-only, path relative to the image), recursively, to a bounded depth.
+//! Backing chains: a qcow2 image's unallocated clusters read from its backing file (qcow2,
+//! parallels or raw, opened read-only, path relative to the image), recursively, to a
+//! bounded depth. A parallels layer has no backing file of its own: what it does not hold
+//! reads as zeroes.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use super::parallels::{ParallelsError, ParallelsImage, ParallelsOptions};
 use super::piece::Piece;
 use super::qcow2::{Extent, Qcow2Error, Qcow2Image};
 use super::ImageError;
@@ -16,8 +19,10 @@ pub const MAX_BACKING_DEPTH: usize = 16;
 pub struct Layer {
     pub path: PathBuf,
     pub file: File,
-    /// None: raw.
+    /// None (and no `parallels`): raw.
     pub qcow2: Option<Qcow2Image>,
+    /// A parallels image (the backing file of a snapshot taken of a parallels disk).
+    pub parallels: Option<ParallelsImage>,
     pub size_bytes: u64,
     /// Its locks (QEMU's for backing files), held while `file` is open.
     pub lock: std::sync::Mutex<super::lock::ImageLock>,
@@ -27,8 +32,19 @@ impl std::fmt::Debug for Layer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Layer")
             .field("path", &self.path)
-            .field("qcow2", &self.qcow2.is_some())
+            .field("format", &self.format_name())
             .finish()
+    }
+}
+
+impl Layer {
+    /// "qcow2", "parallels" or "raw".
+    pub fn format_name(&self) -> &'static str {
+        match (&self.qcow2, &self.parallels) {
+            (Some(_), _) => "qcow2",
+            (None, Some(_)) => "parallels",
+            (None, None) => "raw",
+        }
     }
 }
 
@@ -43,6 +59,8 @@ pub enum ChainError {
     Open(PathBuf, #[source] std::io::Error),
     #[error("backing file {0}")]
     Qcow2(PathBuf, #[source] Qcow2Error),
+    #[error("backing file {0}")]
+    Parallels(PathBuf, #[source] ParallelsError),
     #[error(transparent)]
     Lock(#[from] super::lock::LockError),
 }
@@ -73,12 +91,20 @@ pub fn open_chain(
             .open(&path)
             .map_err(|e| ChainError::Open(path.clone(), e))?;
         let lock = super::lock::lock_file(&file, &path, super::lock::Perms::BACKING, locking)?;
-        let (q, size_bytes) = if super::probe(&file) == Some(super::Format::Qcow2) {
+        let format = super::probe(&file);
+        let mut parallels = None;
+        let (q, size_bytes) = if format == Some(super::Format::Qcow2) {
             let q = Qcow2Image::open_read_only(&file)
                 .map_err(|e| ChainError::Qcow2(path.clone(), e))?;
             next = q.backing_file.as_deref().map(|b| resolve(&path, b));
             let size = q.size_bytes();
             (Some(q), size)
+        } else if format == Some(super::Format::Parallels) {
+            let p = ParallelsImage::open(&file, ParallelsOptions::default())
+                .map_err(|e| ChainError::Parallels(path.clone(), e))?;
+            let size = p.size_bytes;
+            parallels = Some(p);
+            (None, size)
         } else {
             let size = file
                 .metadata()
@@ -90,6 +116,7 @@ pub fn open_chain(
             path,
             file,
             qcow2: q,
+            parallels,
             size_bytes,
             lock: std::sync::Mutex::new(lock),
         });
@@ -171,7 +198,20 @@ fn resolve_in(
                 Some(below) => {
                     // A backing file smaller than the image reads as zeroes past its end.
                     let inside = below.size_bytes.saturating_sub(pos).min(len);
-                    if inside > 0 {
+                    if let (true, Some(p)) = (inside > 0, &below.parallels) {
+                        let mut pieces = Vec::new();
+                        p.map(pos, inside, &mut pieces);
+                        out.extend(pieces.into_iter().map(|piece| match piece {
+                            Piece::Data {
+                                host_offset, len, ..
+                            } => Piece::Data {
+                                layer: layer + 1,
+                                host_offset,
+                                len,
+                            },
+                            other => other,
+                        }));
+                    } else if inside > 0 {
                         resolve_in(
                             below.qcow2.as_ref(),
                             &below.file,

@@ -37,12 +37,33 @@ pub enum TakeOverError {
     SizeChanged { shown: u64, now: u64 },
 }
 
+/// Why the served image could not be switched ([`ImageSlot::switch`]).
+#[derive(Debug, thiserror::Error)]
+pub enum SwitchError {
+    #[error("the image is not served by this process now (handed over in a migration)")]
+    Inactive,
+    #[error("the image cannot be opened again (it was not opened from a path)")]
+    NoPath,
+    #[error("writing the image's metadata back before the switch")]
+    Close(#[source] ImageError),
+    #[error("{0}")]
+    Commit(String),
+    #[error("cannot open the new image; serving the previous one again")]
+    Open(#[source] ImageOpenError),
+    /// The worst case: the queues' requests fail (IOERR) and the open is retried.
+    #[error("{failure}; and the previous image cannot be opened again either: {reopen}")]
+    Reopen {
+        failure: Box<SwitchError>,
+        reopen: ImageOpenError,
+    },
+}
+
 /// The image a device serves: active, or waiting for (or after) a handover.
 #[derive(Debug)]
 pub struct ImageSlot {
     current: Mutex<Arc<Image>>,
-    /// How to open the image again.
-    opts: Option<ImageOptions>,
+    /// How to open the image again (the overlay's options after a snapshot).
+    opts: Mutex<Option<ImageOptions>>,
     /// Handed over to another process: queues take no request until it is taken back.
     handed_over: AtomicBool,
 }
@@ -52,7 +73,7 @@ impl ImageSlot {
     pub fn new(image: Image, opts: Option<ImageOptions>) -> Self {
         ImageSlot {
             current: Mutex::new(Arc::new(image)),
-            opts,
+            opts: Mutex::new(opts),
             handed_over: AtomicBool::new(false),
         }
     }
@@ -64,6 +85,63 @@ impl ImageSlot {
     /// The image as it is now (inactive ones serve nothing).
     pub fn get(&self) -> Arc<Image> {
         self.lock().clone()
+    }
+
+    /// How the image is opened again (None: it was not opened from options).
+    pub fn options(&self) -> Option<ImageOptions> {
+        self.opts.locked().clone()
+    }
+
+    /// Serve the image `new` opens from now on instead of the current one (a snapshot's
+    /// overlay), between two guest requests: the caller has paused every queue, nothing is
+    /// in flight. The current image is closed (metadata written back, the file synced),
+    /// then `commit` runs (from then on a restart serves the new image: the chain's state
+    /// file), then the current image is given up (deactivated, its locks released: it may
+    /// be the new image's backing file, which its open locks for reading) and `new` is
+    /// opened. If `commit` or the open fails, the current image is opened again as it was
+    /// (after `undo`, when `commit` had run) and the error returned.
+    pub fn switch(
+        &self,
+        new: ImageOptions,
+        commit: impl FnOnce() -> Result<(), String>,
+        undo: impl FnOnce(),
+    ) -> Result<Arc<Image>, SwitchError> {
+        let mut cur = self.lock();
+        if !cur.is_active() || self.handed_over() {
+            return Err(SwitchError::Inactive);
+        }
+        let old_opts = self.options().ok_or(SwitchError::NoPath)?;
+        cur.close().map_err(SwitchError::Close)?;
+        let committed = commit();
+        cur.deactivate();
+        cur.release_locks();
+        let failure = match committed {
+            Err(e) => SwitchError::Commit(e),
+            Ok(()) => match Image::open(&new) {
+                Ok((image, _, _)) => {
+                    image.inherit_watch(&cur);
+                    *cur = Arc::new(image);
+                    *self.opts.locked() = Some(new);
+                    return Ok(cur.clone());
+                }
+                Err(e) => {
+                    undo();
+                    SwitchError::Open(e)
+                }
+            },
+        };
+        // Back to the image served before (opened afresh: its handle was given up).
+        match Image::open(&old_opts) {
+            Ok((image, _, _)) => {
+                image.inherit_watch(&cur);
+                *cur = Arc::new(image);
+                Err(failure)
+            }
+            Err(e) => Err(SwitchError::Reopen {
+                failure: Box::new(failure),
+                reopen: e,
+            }),
+        }
     }
 
     /// Has this process handed the image over (and not taken it back)?
@@ -79,10 +157,10 @@ impl ImageSlot {
         if cur.is_active() {
             return Ok(cur.clone());
         }
-        let opts = self.opts.as_ref().ok_or(TakeOverError::NoPath)?;
+        let opts = self.options().ok_or(TakeOverError::NoPath)?;
         let t0 = Instant::now();
         let (image, _, _) = loop {
-            match Image::open(opts) {
+            match Image::open(&opts) {
                 Ok(x) => break x,
                 Err(ImageOpenError::Lock(LockError::InUse { .. })) if t0.elapsed() < wait => {
                     std::thread::sleep(Duration::from_millis(20));

@@ -352,6 +352,15 @@ impl Image {
         }
     }
 
+    /// The backing files below the image, nearest first (none for raw, parallels and
+    /// remote disks).
+    pub fn backing_paths(&self) -> Vec<std::path::PathBuf> {
+        match self.qcow2() {
+            Some((_, d)) => d.backing.iter().map(|l| l.path.clone()).collect(),
+            None => Vec::new(),
+        }
+    }
+
     /// The qcow2 mapping of chain layer `layer`, if it is a qcow2 image.
     fn layer_qcow2(&self, layer: usize) -> Option<&Qcow2Image> {
         match (self.qcow2(), layer) {

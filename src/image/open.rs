@@ -318,7 +318,7 @@ fn open_qcow2(
         info!(
             "backing file {} ({}, read-only)",
             l.path.display(),
-            if l.qcow2.is_some() { "qcow2" } else { "raw" }
+            l.format_name()
         );
     }
     let mut d = Qcow2Disk {

@@ -126,6 +126,20 @@ impl QueueWorker {
         }
     }
 
+    /// Serve the device's image if it was switched while this queue was paused (a
+    /// snapshot's overlay, `ImageSlot::switch`): nothing of the old one is in flight.
+    pub fn follow_image(&mut self) {
+        let image = self.dev.image.get();
+        if Arc::ptr_eq(&image, &self.image) || !image.is_active() {
+            return;
+        }
+        image.bind(&mut self.engine);
+        if self.inbox.is_none() {
+            self.inbox = new_inbox(self.index, &image, &self.engine);
+        }
+        self.image = image;
+    }
+
     /// A started queue whose image could not be taken: try again (one attempt, no wait) if
     /// the last try is [`TAKE_RETRY`] old, so that requests are served again once the other
     /// process lets go, and a storm of kicks does not become a storm of opens.

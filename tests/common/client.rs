@@ -238,6 +238,17 @@ impl MemView {
     }
 }
 
+thread_local! {
+    /// This thread's deadline for a batch (None: `IO_DEADLINE`).
+    static DEADLINE: std::cell::Cell<Option<Duration>> = const { std::cell::Cell::new(None) };
+}
+
+/// Give up waiting for a batch after `d` on this thread (a writer whose daemon a test kills
+/// gives up soon instead of after `IO_DEADLINE`).
+pub fn set_io_deadline_for_this_thread(d: Duration) {
+    DEADLINE.with(|c| c.set(Some(d)));
+}
+
 /// Submits `ops` on `q` (buffers are ranges of `mem`) and waits for all of them with a deadline.
 /// Returns each request's result (0 or a negative errno), in order.
 pub fn run_batch(q: &mut Blkioq, mem: MemView, ops: &[Op]) -> Vec<i32> {
@@ -283,7 +294,7 @@ pub fn run_batch(q: &mut Blkioq, mem: MemView, ops: &[Op]) -> Vec<i32> {
 
     let mut results: Vec<Option<i32>> = vec![None; ops.len()];
     let mut done = 0;
-    let deadline = Instant::now() + IO_DEADLINE;
+    let deadline = Instant::now() + DEADLINE.with(|d| d.get()).unwrap_or(IO_DEADLINE);
     let mut completions: Vec<MaybeUninit<Completion>> = Vec::with_capacity(ops.len());
     completions.resize_with(ops.len(), MaybeUninit::uninit);
     while done < ops.len() {

@@ -20,6 +20,7 @@ mod process;
 mod qemu_img;
 mod seccomp;
 mod skip_log;
+mod writer;
 
 // Each test binary uses a different subset.
 #[cfg(feature = "rbd")]
@@ -42,6 +43,8 @@ pub use qemu_img::*;
 #[allow(unused_imports)]
 pub use seccomp::*;
 pub use skip_log::log_skip;
+#[allow(unused_imports)]
+pub use writer::*;
 
 use std::time::Duration;
 

@@ -1,0 +1,465 @@
+//! Live external snapshots (docs/snapshots.md): `vublk ctl snapshot --overlay PATH` under a
+//! libblkio writer, for raw, qcow2 and parallels disks: the disk the guest reads never
+//! changes at the switch, the old image holds exactly the disk at the switch, qemu-img sees
+//! the chain (`info --backing-chain`, `check`, `compare`), a restart with the same command
+//! line serves the overlay (the chain's state file) with the old image held only as a
+//! backing file; refusals with their reasons; and SIGKILLs at random moments of a snapshot lose
+//! nothing the guest flushed.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+const SIZE: u64 = 32 * MIB;
+const STOP: Duration = Duration::from_secs(10);
+
+fn skip(what: &str) -> bool {
+    if skip_unless_vublk(what) {
+        return true;
+    }
+    if !have_qemu_img() {
+        return skip_or_fail::<()>("qemu-img missing (qemu-utils)").is_none();
+    }
+    false
+}
+
+fn qemu_img(args: &[&str], paths: &[&Path]) -> String {
+    run_ok(Command::new("qemu-img").args(args).args(paths))
+}
+
+/// `qemu-img compare` of an image (its format probed, its backing chain followed) with a
+/// raw file: identical.
+fn assert_compare(image: &Path, raw: &Path, what: &str) {
+    let o = Command::new("qemu-img")
+        .args(["compare", "-F", "raw"])
+        .args([image, raw])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{what}: qemu-img compare {} {}: {}{}",
+        image.display(),
+        raw.display(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Does a process hold `img` open for writing? (QEMU's lock protocol: byte 101, the write
+/// permission, is locked by every user that holds it.)
+fn holds_write(img: &Path) -> bool {
+    byte_locked(img, 101)
+}
+
+/// A disk of `fmt` holding a pattern in its first half (the second half never written).
+fn make_disk(dir: &TestDir, fmt: &str) -> PathBuf {
+    let raw = dir.join("seed.raw");
+    create_sparse_image(&raw, SIZE);
+    write_file_range(&raw, 0, &pattern((SIZE / 2) as usize, 0, 5));
+    let img = dir.join(&format!("disk.{fmt}"));
+    qemu_img(&["convert", "-f", "raw", "-O", fmt], &[&raw, &img]);
+    std::fs::remove_file(&raw).unwrap();
+    img
+}
+
+/// The whole chain as qemu-img sees it: (file name, format) from the top down.
+fn chain(top: &Path) -> Vec<(String, String)> {
+    let out = qemu_img(&["info", "--backing-chain", "--output=json", "-U"], &[top]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            let name = Path::new(l["filename"].as_str().unwrap())
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            (name, l["format"].as_str().unwrap().to_owned())
+        })
+        .collect()
+}
+
+/// A snapshot under a writer, for a disk of `fmt`; then a restart that serves the overlay.
+fn snapshot_under_writes(fmt: &str) {
+    if skip("snapshots") {
+        return;
+    }
+    let dir = TestDir::new(&format!("snapshot-{fmt}"));
+    let img = make_disk(&dir, fmt);
+    let (backend, sock) = start_with_control(&dir, &img, 2, &[]);
+    let writer = Writer::start(connect_queues(&backend.socket, 2), 3);
+    writer.run_for(100);
+    assert!(holds_write(&img), "the disk is served read-write");
+    let overlay = dir.join("s1.qcow2");
+    let ov = overlay.display().to_string();
+    // Paused between two writes: the disk now is what the old image must keep.
+    let (at_switch, answer) = writer.paused(|c| {
+        let r = c.read_all(1);
+        let a = ctl_ok(&sock, "snapshot", &["--overlay", &ov]);
+        // The guest reads the same disk right after the switch.
+        assert_same(&c.read_all(0), &r, "the disk right after the switch");
+        (r, a)
+    });
+    assert_eq!(answer["backing_name"], format!("disk.{fmt}"), "{answer}");
+    assert_eq!(answer["backing_format"], fmt, "{answer}");
+    let status = ctl_ok(&sock, "status", &[]);
+    assert_eq!(status["serving"], ov, "{status}");
+    assert_eq!(status["chain"][1], img.display().to_string(), "{status}");
+    // From the switch on, the old image is a backing file: held for reading only (as QEMU
+    // holds a backing file), so qemu-img may open it without -U.
+    assert!(
+        !holds_write(&img),
+        "the old image is still opened for writing"
+    );
+    writer.run_for(300);
+    let mut c = writer.stop();
+    assert_eq!(c.submit(0, Op::Flush), 0);
+    let end = c.read_all(0);
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+
+    // The old image holds the disk at the switch; the chain holds the disk at the end.
+    let r0 = dir.join("at-switch.raw");
+    let r1 = dir.join("end.raw");
+    std::fs::write(&r0, &at_switch).unwrap();
+    std::fs::write(&r1, &end).unwrap();
+    assert_compare(&img, &r0, "the old image");
+    assert_compare(&overlay, &r1, "the chain");
+    assert_eq!(
+        chain(&overlay),
+        [
+            ("s1.qcow2".to_owned(), "qcow2".to_owned()),
+            (format!("disk.{fmt}"), fmt.to_owned())
+        ]
+    );
+    assert_check_allows_leaks(&overlay, "qcow2", "the overlay");
+    if fmt != "raw" {
+        assert_check_allows_leaks(&img, fmt, "the old image");
+    }
+
+    // A restart with the same command line serves the overlay, the old image opened only
+    // as its backing file.
+    let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+    let status = ctl_ok(&sock, "status", &[]);
+    assert_eq!(status["serving"], ov, "{status}");
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    assert_same(&c.read_all(0), &end, "the disk after the restart");
+    assert!(
+        !holds_write(&img),
+        "the old image is still opened for writing"
+    );
+    // A second snapshot stacks on the first.
+    let s2 = dir.join("s2.qcow2");
+    ctl_ok(&sock, "snapshot", &["--overlay", &s2.display().to_string()]);
+    assert_eq!(c.write_at(0, 0, &[0x5au8; 4096]), 0);
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+    assert_eq!(chain(&s2).len(), 3);
+    let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+    assert_eq!(
+        ctl_ok(&sock, "status", &[])["serving"],
+        s2.display().to_string()
+    );
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    assert_eq!(c.read_at(0, 0, 4096).unwrap(), vec![0x5au8; 4096]);
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+}
+
+#[test]
+fn a_snapshot_of_a_raw_disk_under_writes() {
+    snapshot_under_writes("raw");
+}
+
+#[test]
+fn a_snapshot_of_a_qcow2_disk_under_writes() {
+    snapshot_under_writes("qcow2");
+}
+
+#[test]
+fn a_snapshot_of_a_parallels_disk_under_writes() {
+    snapshot_under_writes("parallels");
+}
+
+/// Persistent bitmaps go on recording in the overlay: a change after the snapshot is in
+/// the bitmap the restarted daemon loads.
+#[test]
+fn persistent_bitmaps_move_into_the_overlay() {
+    if skip("snapshots") {
+        return;
+    }
+    let dir = TestDir::new("snapshot-bitmaps");
+    let img = make_disk(&dir, "qcow2");
+    let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+    ctl_ok(&sock, "bitmap-add", &["b", "--persistent"]);
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    assert_eq!(c.write_at(0, 0, &[1u8; 65536]), 0);
+    let ov = dir.join("s1.qcow2").display().to_string();
+    ctl_ok(&sock, "snapshot", &["--overlay", &ov]);
+    assert_eq!(c.write_at(0, 8 * MIB, &[2u8; 65536]), 0);
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+    let (_backend, sock) = start_with_control(&dir, &img, 1, &[]);
+    let ranges = ctl_ok(&sock, "bitmap-ranges", &["b"]);
+    let text = ranges.to_string();
+    assert!(
+        text.contains(&(8 * MIB).to_string()),
+        "the write after the snapshot is missing from the bitmap: {text}"
+    );
+    assert!(
+        text.contains("\"offset\":0") || text.contains("[0,"),
+        "{text}"
+    );
+}
+
+/// Refused, with the reason: an overlay that exists, a read-only disk, a running backup,
+/// and at start a state file about another disk or one that is not vublk's.
+#[test]
+fn refusals_say_why() {
+    if skip("snapshots") {
+        return;
+    }
+    let dir = TestDir::new("snapshot-refusals");
+    let img = make_disk(&dir, "raw");
+    let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+    let exists = dir.join("exists.qcow2");
+    std::fs::write(&exists, b"keep me").unwrap();
+    let (ok, _, err) = ctl(
+        &sock,
+        "snapshot",
+        &["--overlay", &exists.display().to_string()],
+    );
+    assert!(!ok && err.contains("exists"), "{err}");
+    assert_eq!(std::fs::read(&exists).unwrap(), b"keep me");
+    let (ok, _, err) = ctl(
+        &sock,
+        "snapshot",
+        &["--overlay", "/nonexistent-dir/x.qcow2"],
+    );
+    assert!(!ok && err.contains("directory"), "{err}");
+    let nbd = dir.join("nbd.sock");
+    backup_begin(
+        &sock,
+        &["--checkpoint", "c", "--socket", &nbd.display().to_string()],
+    );
+    let ov = dir.join("s.qcow2");
+    let (ok, _, err) = ctl(&sock, "snapshot", &["--overlay", &ov.display().to_string()]);
+    assert!(!ok && err.contains("backup"), "{err}");
+    assert!(!ov.exists());
+    ctl_ok(&sock, "backup-end", &["--checkpoint", "c"]);
+    // 16 snapshots stack; the 17th would make a chain no open follows.
+    for i in 1..=16 {
+        let ov = dir.join(&format!("d{i}.qcow2")).display().to_string();
+        ctl_ok(&sock, "snapshot", &["--overlay", &ov]);
+    }
+    let ov = dir.join("d17.qcow2").display().to_string();
+    let (ok, _, err) = ctl(&sock, "snapshot", &["--overlay", &ov]);
+    assert!(!ok && err.contains("deep"), "{err}");
+    assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+    // The 16-deep chain opens again at a restart.
+    let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+    assert_eq!(
+        ctl_ok(&sock, "status", &[])["chain"]
+            .as_array()
+            .unwrap()
+            .len(),
+        17
+    );
+    assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+    std::fs::remove_file(dir.join(".disk.raw.vublk-chain")).unwrap();
+    // Read-only.
+    let b = Backend::start(
+        &dir,
+        &img,
+        &BackendOpts {
+            read_only: true,
+            extra_args: vec![
+                "--control-socket".into(),
+                dir.join("ro.sock").display().to_string(),
+            ],
+            ..BackendOpts::default()
+        },
+    );
+    let ov = dir.join("ro.qcow2").display().to_string();
+    let (ok, _, err) = ctl(&dir.join("ro.sock"), "snapshot", &["--overlay", &ov]);
+    assert!(!ok && err.contains("read-only"), "{err}");
+    assert_eq!(b.sigterm_and_wait(STOP).code(), Some(0));
+    // A state file that is not vublk's, and one about another disk.
+    let state = dir.join(".disk.raw.vublk-chain");
+    std::fs::write(&state, b"garbage").unwrap();
+    let (code, out) = vublk_refuses(&dir, &img, &[]);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("remove it"), "{out}");
+    std::fs::write(
+        &state,
+        format!(
+            r#"{{"image": "{}", "top": "{}", "format": "qcow2"}}"#,
+            dir.join("other.raw").display(),
+            dir.join("s.qcow2").display()
+        ),
+    )
+    .unwrap();
+    let (code, out) = vublk_refuses(&dir, &img, &[]);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("is about"), "{out}");
+    // A state file naming an image whose chain does not hold --blk-file.
+    let stray = dir.join("stray.qcow2");
+    qemu_img_create(&stray, "qcow2", &SIZE.to_string());
+    std::fs::write(
+        &state,
+        format!(
+            r#"{{"image": "{}", "top": "{}", "format": "qcow2"}}"#,
+            img.display(),
+            stray.display()
+        ),
+    )
+    .unwrap();
+    let (code, out) = vublk_refuses(&dir, &img, &[]);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("does not hold"), "{out}");
+}
+
+/// SIGKILL at random moments around a snapshot (runs: `VUBLK_SNAPSHOT_KILLS`, 6 by default,
+/// 20+ for a long run): a writer flushes after every write; after each kill the restarted
+/// daemon serves a disk holding every flushed write, qemu-img check accepts every image of
+/// the chain, and a snapshot can be taken again.
+#[test]
+fn sigkill_during_a_snapshot_loses_no_flushed_write() {
+    if skip("snapshots") {
+        return;
+    }
+    let runs: u64 = std::env::var("VUBLK_SNAPSHOT_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6);
+    let dir = TestDir::new("snapshot-kill");
+    let img = make_disk(&dir, "qcow2");
+    let mut model = read_disk_via_qemu(&img, &dir);
+    let mut rng = Rng::new(0x5eed);
+    let mut snapshots = 0;
+    for run in 0..runs {
+        let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+        let mut c = connect(&backend.socket, ClientOpts::default());
+        assert_same(
+            &c.read_all(0),
+            &model,
+            &format!("run {run}: the disk at start"),
+        );
+        let mut c = Shared(c);
+        // Flushed writes, logged once their flush completed, until the daemon dies.
+        let stop = Arc::new(AtomicBool::new(false));
+        let flushed = Arc::new(std::sync::Mutex::new(Vec::<(u64, u8)>::new()));
+        // The write in flight when the daemon died, if any: on disk or not.
+        let pending = Arc::new(std::sync::Mutex::new(None::<(u64, u8)>));
+        let n = Arc::new(AtomicU64::new(0));
+        let (s, f, w, p) = (stop.clone(), flushed.clone(), n.clone(), pending.clone());
+        let seed = rng.next_u64();
+        let writer = std::thread::spawn(move || {
+            // The daemon is killed under it: its last request gives up within a second.
+            set_io_deadline_for_this_thread(Duration::from_secs(1));
+            let mut r = Rng::new(seed);
+            while !s.load(Ordering::Relaxed) {
+                let block = r.below(SIZE / 65536) * 65536;
+                let byte = (r.below(255) + 1) as u8;
+                *p.lock().unwrap() = Some((block, byte));
+                if c.0.write_at(0, block, &[byte; 65536]) != 0 || c.0.submit(0, Op::Flush) != 0 {
+                    break;
+                }
+                f.lock().unwrap().push((block, byte));
+                *p.lock().unwrap() = None;
+                w.fetch_add(1, Ordering::Relaxed);
+            }
+            drop(c);
+        });
+        while n.load(Ordering::Relaxed) < 20 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let ov = dir.join(&format!("k{run}.qcow2")).display().to_string();
+        let sock2 = sock.clone();
+        let snap = std::thread::spawn(move || ctl(&sock2, "snapshot", &["--overlay", &ov]).0);
+        std::thread::sleep(Duration::from_micros(rng.below(40_000)));
+        backend.signal(libc::SIGKILL);
+        let _ = backend.wait_exit(STOP);
+        stop.store(true, Ordering::Relaxed);
+        // The client's wait for the dead daemon's last request times out (a panic in that
+        // thread): what it logged before is what counts.
+        let _ = writer.join();
+        if snap.join().unwrap() {
+            snapshots += 1;
+        }
+        drop(backend);
+        wait_unlocked(&img, STOP);
+        // The last flushed write of each block is what the disk must hold there.
+        let last: std::collections::BTreeMap<u64, u8> =
+            flushed.lock().unwrap().iter().copied().collect();
+        for (block, byte) in &last {
+            let b = *block as usize;
+            model[b..b + 65536].fill(*byte);
+        }
+        // The restart's disk holds every flushed write; the one write in flight at the kill
+        // may or may not be there: take the disk as it is for it.
+        let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+        let serving = ctl_ok(&sock, "status", &[])["serving"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let mut c = connect(&backend.socket, ClientOpts::default());
+        let disk = c.read_all(0);
+        let unconfirmed = *pending.lock().unwrap();
+        for (block, byte) in &last {
+            let b = *block as usize;
+            let here = &disk[b..b + 65536];
+            if unconfirmed
+                .is_some_and(|(pb, pbyte)| pb == *block && here.iter().all(|x| *x == pbyte))
+            {
+                continue;
+            }
+            assert!(
+                here.iter().all(|x| x == byte),
+                "run {run}: a flushed write at {b} is lost (serving {serving})"
+            );
+        }
+        drop(c);
+        assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+        model = disk;
+        // Every image of the chain passes qemu-img check.
+        for (name, fmt) in chain(Path::new(&serving)) {
+            assert_check_allows_leaks(&dir.join(&name), &fmt, &format!("run {run}: {name}"));
+        }
+        // A chain at most a few deep: the served disk flattened into a new base, the state
+        // file removed (the operator's way back to serving --blk-file itself).
+        if run % 4 == 3 {
+            let flat = dir.join("flat.qcow2");
+            qemu_img(&["convert", "-O", "qcow2"], &[Path::new(&serving), &flat]);
+            std::fs::rename(&flat, &img).unwrap();
+            let _ = std::fs::remove_file(dir.join(".disk.qcow2.vublk-chain"));
+        }
+    }
+    // A snapshot after all the kills works.
+    let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+    let ov = dir.join("final.qcow2").display().to_string();
+    ctl_ok(&sock, "snapshot", &["--overlay", &ov]);
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    assert_same(&c.read_all(0), &model, "the disk after the last snapshot");
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+    println!("{runs} kills, {snapshots} snapshots completed before their kill");
+}
+
+/// The disk `img` holds (its chain followed), read with qemu-img.
+fn read_disk_via_qemu(img: &Path, dir: &TestDir) -> Vec<u8> {
+    let raw = dir.join("model.raw");
+    let _ = std::fs::remove_file(&raw);
+    qemu_img(&["convert", "-O", "raw"], &[img, &raw]);
+    let v = read_file(&raw);
+    std::fs::remove_file(&raw).unwrap();
+    v
+}
