@@ -426,10 +426,38 @@ pub enum CtlMethod {
         #[arg(long, value_name = "PATH")]
         overlay: String,
     },
+    /// Start a stream job: copy into the image served what it reads from its backing
+    /// chain (down to NODE, or all of it), then drop the backing link (or point it at
+    /// NODE) between two guest requests (docs/snapshots.md).
+    Stream {
+        /// The backing file that stays (a path or a file name in the chain); its data and
+        /// what is below it are not copied.
+        #[arg(long, value_name = "NODE")]
+        base: Option<String>,
+        #[command(flatten)]
+        job: JobArgs,
+    },
+    /// Block jobs: id, type, state, bytes done of the total, speed limit, error.
+    Jobs,
+    /// Stop a job at its next step.
+    JobCancel { id: String },
+    /// Finish a job that waits in the ready state.
+    JobComplete { id: String },
     /// Any other method (a newer daemon's): sent as it is, `--name value` pairs as its
     /// parameters.
     #[command(external_subcommand)]
     Other(Vec<String>),
+}
+
+/// What every job takes.
+#[derive(Debug, clap::Args)]
+pub struct JobArgs {
+    /// The job's id (default: job-N).
+    #[arg(long, value_name = "ID")]
+    pub id: Option<String>,
+    /// Copy at most this many bytes per second (with K, M, G; 0: unlimited).
+    #[arg(long, value_name = "BYTES/S", default_value = "0")]
+    pub speed: String,
 }
 
 /// The `bitmap-*` control methods.

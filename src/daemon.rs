@@ -102,7 +102,7 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         Err(ImageOpenError::Option(msg)) => return Err(DaemonError::Usage(msg)),
         Err(e) => return Err(e.into()),
     };
-    if let (Some(r), false) = (&top, cfg.incoming) {
+    if let (Some(r), false) = (top.as_ref().filter(|r| !r.detached), cfg.incoming) {
         let below = image.backing_paths();
         if !below
             .iter()

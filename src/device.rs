@@ -161,6 +161,8 @@ pub struct Device {
     pub bitmaps: crate::bitmaps::Bitmaps,
     /// The running backups, whose views every queue's writes copy into first.
     pub backups: std::sync::Arc<crate::backup::Backups>,
+    /// Block jobs (stream), each on a thread of its own.
+    pub jobs: crate::jobs::Jobs,
     /// What pauses the queues of the connected frontend (None: none is connected).
     pause: std::sync::Mutex<Option<std::sync::Weak<dyn QueuePause>>>,
 }
@@ -230,6 +232,7 @@ impl Device {
         Device {
             bitmaps,
             backups: std::sync::Arc::default(),
+            jobs: crate::jobs::Jobs::default(),
             pause: std::sync::Mutex::new(None),
             write_ranges: rmw_possible.then(RangeLocks::default),
             zero_stats: ZeroStats::default(),

@@ -60,6 +60,7 @@ pub mod http;
 pub mod image;
 pub mod inflight;
 pub mod io;
+pub mod jobs;
 pub mod locks;
 pub mod logging;
 pub mod metrics;

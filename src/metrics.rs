@@ -248,6 +248,51 @@ impl Collector for Vublk {
             MetricType::Gauge,
             per_backup(|b| u64::from(b.failed.is_some())),
         )?;
+        // Block jobs: per job.
+        let jobs = dev.jobs.list();
+        let per_job = |pick: fn(&crate::jobs::JobInfo) -> u64| {
+            jobs.iter()
+                .map(|j| {
+                    (
+                        vec![("id", j.id.clone()), ("type", j.kind.to_owned())],
+                        pick(j),
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        family(
+            &mut enc,
+            "vublk_jobs_running",
+            "Block jobs running (not concluded)",
+            MetricType::Gauge,
+            [(
+                vec![],
+                jobs.iter()
+                    .filter(|j| j.state != crate::jobs::State::Concluded)
+                    .count() as u64,
+            )],
+        )?;
+        family(
+            &mut enc,
+            "vublk_job_done_bytes",
+            "Bytes of a block job's work done",
+            MetricType::Gauge,
+            per_job(|j| j.bytes_done),
+        )?;
+        family(
+            &mut enc,
+            "vublk_job_total_bytes",
+            "Bytes of a block job's work in all",
+            MetricType::Gauge,
+            per_job(|j| j.bytes_total),
+        )?;
+        family(
+            &mut enc,
+            "vublk_job_failed",
+            "1 when a concluded block job ended with an error (jobs says which)",
+            MetricType::Gauge,
+            per_job(|j| u64::from(j.error.is_some())),
+        )?;
         // Latency: the queues' histograms summed, per request type.
         let total = QueueSnapshot::total(&queues);
         let mut m = enc.encode_descriptor(

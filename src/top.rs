@@ -152,6 +152,37 @@ pub fn text_frame(rows: &[Row]) -> String {
     out
 }
 
+/// One line per block job in a `stats` answer: type, state, progress, speed limit, error.
+pub fn job_lines(v: &Value) -> Vec<String> {
+    let empty = Vec::new();
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    v["jobs"]
+        .as_array()
+        .unwrap_or(&empty)
+        .iter()
+        .map(|j| {
+            let (done, total) = (num(&j["bytes_done"]), num(&j["bytes_total"]).max(1));
+            let mut l = format!(
+                "job {} ({}): {}, {:.1} of {:.1} MiB ({:.0}%)",
+                j["id"].as_str().unwrap_or("?"),
+                j["type"].as_str().unwrap_or("?"),
+                j["state"].as_str().unwrap_or("?"),
+                mib(done),
+                mib(total),
+                100.0 * done as f64 / total as f64,
+            );
+            match num(&j["speed"]) {
+                0 => {}
+                s => l.push_str(&format!(", at most {:.1} MiB/s", mib(s))),
+            }
+            if let Some(e) = j["error"].as_str() {
+                l.push_str(&format!(", ERROR: {e}"));
+            }
+            l
+        })
+        .collect()
+}
+
 /// One line per running backup in a `stats` answer: progress (bytes read of the size),
 /// bytes copied before writes, scratch used, clients, and why it failed.
 pub fn backup_lines(v: &Value) -> Vec<String> {
@@ -189,7 +220,7 @@ pub fn run(socket: &Path, once: bool, interval: Duration) -> Result<(), String> 
         std::thread::sleep(interval);
         let b = sample(socket)?;
         print!("{}", text_frame(&rows(&a.v, &b.v, b.at - a.at)));
-        for l in backup_lines(&b.v) {
+        for l in backup_lines(&b.v).into_iter().chain(job_lines(&b.v)) {
             println!("{l}");
         }
         return Ok(());

@@ -463,3 +463,284 @@ fn read_disk_via_qemu(img: &Path, dir: &TestDir) -> Vec<u8> {
     std::fs::remove_file(&raw).unwrap();
     v
 }
+
+/// Poll `jobs` until job `id` concludes; its entry.
+fn wait_job(sock: &Path, id: &str) -> Value {
+    let t0 = std::time::Instant::now();
+    loop {
+        let v = ctl_ok(sock, "jobs", &[]);
+        let j = v["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|j| j["id"] == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("no job {id}: {v}"));
+        if j["state"] == "concluded" {
+            return j;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "job {id} runs on: {j}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `stream` under a writer: after a snapshot, the overlay gets everything it read from its
+/// backing file and loses the link; with `--base`, the link points at the base.
+#[test]
+fn stream_copies_the_chain_into_the_top_under_writes() {
+    if skip("stream jobs") {
+        return;
+    }
+    for fmt in ["raw", "qcow2"] {
+        let dir = TestDir::new(&format!("stream-{fmt}"));
+        let img = make_disk(&dir, fmt);
+        let (backend, sock) = start_with_control(&dir, &img, 2, &[]);
+        let writer = Writer::start(connect_queues(&backend.socket, 2), 9);
+        writer.run_for(50);
+        let s1 = dir.join("s1.qcow2");
+        let s2 = dir.join("s2.qcow2");
+        ctl_ok(&sock, "snapshot", &["--overlay", &s1.display().to_string()]);
+        writer.run_for(50);
+        ctl_ok(&sock, "snapshot", &["--overlay", &s2.display().to_string()]);
+        writer.run_for(50);
+        // First down to the base: s1's data moves into s2, which then backs onto the base.
+        let base_name = format!("disk.{fmt}");
+        let j = ctl_ok(
+            &sock,
+            "stream",
+            &["--base", &base_name, "--id", "down-to-base"],
+        );
+        assert_eq!(j["type"], "stream", "{j}");
+        let j = wait_job(&sock, "down-to-base");
+        assert!(j["error"].is_null(), "{j}");
+        assert_eq!(j["bytes_done"], j["bytes_total"], "{j}");
+        let status = ctl_ok(&sock, "status", &[]);
+        assert_eq!(status["chain"].as_array().unwrap().len(), 2, "{status}");
+        writer.run_for(50);
+        // Then all of it: s2 stands alone.
+        ctl_ok(&sock, "stream", &["--id", "all"]);
+        writer.run_for(50);
+        let j = wait_job(&sock, "all");
+        assert!(j["error"].is_null(), "{j}");
+        writer.run_for(50);
+        let mut c = writer.stop();
+        assert_eq!(c.submit(0, Op::Flush), 0);
+        let end = c.read_all(0);
+        drop(c);
+        assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+        assert_eq!(chain(&s2), [("s2.qcow2".to_owned(), "qcow2".to_owned())]);
+        let r = dir.join("end.raw");
+        std::fs::write(&r, &end).unwrap();
+        assert_compare(&s2, &r, "the streamed image");
+        assert_check_allows_leaks(&s2, "qcow2", "the streamed image");
+        // A restart serves s2 (the chain state says it stands alone now).
+        let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+        let status = ctl_ok(&sock, "status", &[]);
+        assert_eq!(status["serving"], s2.display().to_string(), "{status}");
+        assert_eq!(status["chain"].as_array().unwrap().len(), 1, "{status}");
+        let mut c = connect(&backend.socket, ClientOpts::default());
+        assert_same(&c.read_all(0), &end, "the disk after the restart");
+        drop(c);
+        assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+    }
+}
+
+/// A job with a speed limit: `jobs` shows it running, `job-cancel` stops it (the chain as it
+/// was), a second job and a snapshot are refused while it runs, and a new stream finishes.
+#[test]
+fn a_slow_stream_is_listed_refuses_company_and_can_be_cancelled_and_run_again() {
+    if skip("stream jobs") {
+        return;
+    }
+    let dir = TestDir::new("stream-cancel");
+    let img = make_disk(&dir, "raw");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let (backend, sock) = start_with_control(&dir, &img, 1, &["--metrics-addr", &addr]);
+    let (ok, _, err) = ctl(&sock, "stream", &[]);
+    assert!(!ok && err.contains("no backing file"), "{err}");
+    let s1 = dir.join("s1.qcow2");
+    ctl_ok(&sock, "snapshot", &["--overlay", &s1.display().to_string()]);
+    let (ok, _, err) = ctl(&sock, "stream", &["--base", "nope.raw"]);
+    assert!(!ok && err.contains("not in the backing chain"), "{err}");
+    // 32 MiB at 4 MiB/s: about 8 s.
+    ctl_ok(&sock, "stream", &["--speed", "4M", "--id", "slow"]);
+    std::thread::sleep(Duration::from_millis(600));
+    let v = ctl_ok(&sock, "jobs", &[]);
+    let j = &v["jobs"][0];
+    assert_eq!(j["state"], "running", "{v}");
+    assert_eq!(j["speed"], 4 << 20, "{v}");
+    let done = j["bytes_done"].as_u64().unwrap();
+    assert!(done > 0 && done < SIZE, "{v}");
+    // ctl top and the metrics show it.
+    let top = Command::new(env!("CARGO_BIN_EXE_vublk"))
+        .args(["ctl", "--control-socket"])
+        .arg(&sock)
+        .args(["top", "--once", "--interval", "0.2"])
+        .output()
+        .unwrap();
+    let top = String::from_utf8_lossy(&top.stdout).into_owned();
+    assert!(top.contains("job slow (stream): running"), "{top}");
+    assert!(top.contains("at most 4.0 MiB/s"), "{top}");
+    let metrics = http_get(&addr, "/metrics");
+    assert!(metrics.contains("vublk_jobs_running 1"), "{metrics}");
+    assert!(
+        metrics.contains(r#"vublk_job_total_bytes{id="slow",type="stream"} 33554432"#),
+        "{metrics}"
+    );
+    let (ok, _, err) = ctl(&sock, "stream", &[]);
+    assert!(!ok && err.contains("one job at a time"), "{err}");
+    let ov = dir.join("s2.qcow2").display().to_string();
+    let (ok, _, err) = ctl(&sock, "snapshot", &["--overlay", &ov]);
+    assert!(!ok && err.contains("job"), "{err}");
+    let (ok, _, err) = ctl(&sock, "job-complete", &["slow"]);
+    assert!(!ok && err.contains("ready"), "{err}");
+    ctl_ok(&sock, "job-cancel", &["slow"]);
+    let j = wait_job(&sock, "slow");
+    assert!(j["error"].as_str().unwrap().contains("cancelled"), "{j}");
+    assert_eq!(
+        ctl_ok(&sock, "status", &[])["chain"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    // Started again, unlimited: it completes.
+    ctl_ok(&sock, "stream", &["--id", "again"]);
+    let j = wait_job(&sock, "again");
+    assert!(j["error"].is_null(), "{j}");
+    assert_eq!(
+        ctl_ok(&sock, "status", &[])["chain"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    let disk = c.read_all(0);
+    drop(c);
+    assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+    let r = dir.join("disk-now.raw");
+    std::fs::write(&r, &disk).unwrap();
+    assert_compare(&img, &r, "the base, never written");
+    assert_compare(&s1, &r, "the streamed overlay");
+}
+
+/// SIGKILL at random moments of a stream under a writer that flushes after every write
+/// (`VUBLK_STREAM_KILLS`, 6 by default): no flushed write lost, the chain passes qemu-img
+/// check, and a stream started again completes.
+#[test]
+fn sigkill_during_a_stream_loses_no_flushed_write() {
+    if skip("stream jobs") {
+        return;
+    }
+    let runs: u64 = std::env::var("VUBLK_STREAM_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6);
+    let mut rng = Rng::new(0x57ea);
+    for run in 0..runs {
+        let dir = TestDir::new(&format!("stream-kill-{run}"));
+        let img = make_disk(&dir, "raw");
+        let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+        let s1 = dir.join("s1.qcow2");
+        ctl_ok(&sock, "snapshot", &["--overlay", &s1.display().to_string()]);
+        let mut c = Shared(connect(&backend.socket, ClientOpts::default()));
+        let flushed = Arc::new(std::sync::Mutex::new(Vec::<(u64, u8)>::new()));
+        let pending = Arc::new(std::sync::Mutex::new(None::<(u64, u8)>));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, f, p) = (stop.clone(), flushed.clone(), pending.clone());
+        let seed = rng.next_u64();
+        let writer = std::thread::spawn(move || {
+            set_io_deadline_for_this_thread(Duration::from_secs(1));
+            let mut r = Rng::new(seed);
+            while !s.load(Ordering::Relaxed) {
+                let block = r.below(SIZE / 65536) * 65536;
+                let byte = (r.below(255) + 1) as u8;
+                *p.lock().unwrap() = Some((block, byte));
+                if c.0.write_at(0, block, &[byte; 65536]) != 0 || c.0.submit(0, Op::Flush) != 0 {
+                    break;
+                }
+                f.lock().unwrap().push((block, byte));
+                *p.lock().unwrap() = None;
+            }
+            drop(c);
+        });
+        // Slow enough to be killed in the middle, or (sometimes) at the very end.
+        let speed = if run % 3 == 2 { "0" } else { "16M" };
+        ctl_ok(&sock, "stream", &["--speed", speed]);
+        std::thread::sleep(Duration::from_micros(rng.below(1_500_000)));
+        backend.signal(libc::SIGKILL);
+        let _ = backend.wait_exit(STOP);
+        stop.store(true, Ordering::Relaxed);
+        let _ = writer.join();
+        drop(backend);
+        wait_unlocked(&s1, STOP);
+        let last: std::collections::BTreeMap<u64, u8> =
+            flushed.lock().unwrap().iter().copied().collect();
+        let unconfirmed = *pending.lock().unwrap();
+        let (backend, _sock) = start_with_control(&dir, &img, 1, &[]);
+        let mut c = connect(&backend.socket, ClientOpts::default());
+        let check = |disk: &[u8], when: &str| {
+            for (block, byte) in &last {
+                let here = &disk[*block as usize..*block as usize + 65536];
+                if unconfirmed
+                    .is_some_and(|(pb, pbyte)| pb == *block && here.iter().all(|x| *x == pbyte))
+                {
+                    continue;
+                }
+                assert!(
+                    here.iter().all(|x| x == byte),
+                    "run {run}: a flushed write at {block} is lost {when}"
+                );
+            }
+        };
+        let disk = c.read_all(0);
+        check(&disk, "after the kill");
+        drop(c);
+        assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+        for (name, fmt) in chain(&s1).into_iter().filter(|(_, f)| f != "raw") {
+            assert_check_allows_leaks(&dir.join(&name), &fmt, &format!("run {run}: {name}"));
+        }
+        // Started again, it completes, and the disk is the same.
+        let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+        let mut c = connect(&backend.socket, ClientOpts::default());
+        let chain_len = ctl_ok(&sock, "status", &[])["chain"]
+            .as_array()
+            .unwrap()
+            .len();
+        if chain_len > 1 {
+            ctl_ok(&sock, "stream", &["--id", "again"]);
+            let j = wait_job(&sock, "again");
+            assert!(j["error"].is_null(), "run {run}: {j}");
+        }
+        assert_same(
+            &c.read_all(0),
+            &disk,
+            &format!("run {run}: after the stream"),
+        );
+        drop(c);
+        assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+        assert_eq!(chain(&s1).len(), 1);
+        assert_check_allows_leaks(&s1, "qcow2", &format!("run {run}: s1 streamed"));
+    }
+}
+
+/// The body of an HTTP GET.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    resp.split_once("\r\n\r\n")
+        .map_or(resp.clone(), |(_, b)| b.to_owned())
+}

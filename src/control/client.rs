@@ -82,11 +82,33 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
                 .map_or_else(|_| overlay.clone(), |a| a.display().to_string());
             ("snapshot".to_owned(), json!({ "overlay": abs }))
         }
+        M::Stream { base, job } => {
+            let mut p = job_params(job)?;
+            if let Some(b) = base {
+                p.insert("base".into(), json!(b));
+            }
+            ("stream".to_owned(), Value::Object(p))
+        }
+        M::Jobs => ("jobs".to_owned(), Value::Null),
+        M::JobCancel { id } => ("job-cancel".to_owned(), json!({ "id": id })),
+        M::JobComplete { id } => ("job-complete".to_owned(), json!({ "id": id })),
         M::Other(words) => {
             let (method, args) = words.split_first().ok_or_else(|| "no method".to_owned())?;
             (method.clone(), params_from_args(args)?)
         }
     })
+}
+
+/// The parameters every job takes (`--speed` with K, M, G becomes bytes per second).
+fn job_params(j: &crate::args::JobArgs) -> Result<serde_json::Map<String, Value>, String> {
+    let mut p = serde_json::Map::new();
+    let speed = crate::args::parse_size(&j.speed)
+        .ok_or_else(|| format!("--speed {:?}: bytes per second, or with K, M or G", j.speed))?;
+    p.insert("speed".into(), json!(speed));
+    if let Some(id) = &j.id {
+        p.insert("id".into(), json!(id));
+    }
+    Ok(p)
 }
 
 /// A `bitmap-*` method's request (sizes given with K, M, G become bytes here).

@@ -544,19 +544,43 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                     CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
                 })
         }
+        "stream" => {
+            let p = JobParams::parse(&params, &["base"])?;
+            let host = Arc::new(JobHost {
+                dev: dev.clone(),
+                base: ctx.image_path.clone(),
+                state: ctx.chain_state.clone(),
+            });
+            let base = params.get("base").and_then(Value::as_str);
+            crate::jobs::stream::start(&dev.jobs, host, base, p.id, p.speed)
+                .map(|j| serde_json::to_value(j).unwrap_or(Value::Null))
+                .map_err(|e| (REFUSED, e))
+        }
+        "jobs" => {
+            no_params(&params)?;
+            Ok(json!({ "jobs": dev.jobs.list() }))
+        }
+        "job-cancel" | "job-complete" => {
+            let id = params
+                .get("id")
+                .and_then(Value::as_str)
+                .ok_or_else(|| (INVALID_PARAMS, format!("{method} takes {{\"id\": ID}}")))?;
+            let r = if method == "job-cancel" {
+                dev.jobs.cancel(id)
+            } else {
+                dev.jobs.complete(id)
+            };
+            r.map(|j| serde_json::to_value(j).unwrap_or(Value::Null))
+                .map_err(|e| (REFUSED, e))
+        }
         "snapshot" => {
             use crate::snapshot::CallError;
             let paused = |f: &mut dyn FnMut()| dev.with_queues_paused(f);
-            let busy = if dev.backups.any() {
-                Some(
-                    "a backup is running over the image served now: end it first (backup-end)"
-                        .into(),
-                )
-            } else if dev.dirty_log.load(Ordering::Acquire) {
-                Some("the frontend is migrating the guest: snapshot after the migration".into())
-            } else {
-                None
-            };
+            let busy = image_busy(dev).or_else(|| {
+                dev.jobs
+                    .any()
+                    .then(|| "a block job is running: wait for it, or job-cancel it".to_owned())
+            });
             let disk = crate::snapshot::Disk {
                 slot: &dev.image,
                 size: dev.size_bytes(),
@@ -595,6 +619,86 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
     }
 }
 
+/// Why the served image cannot be switched now (a backup's view holds it, a migration).
+fn image_busy(dev: &Device) -> Option<String> {
+    if dev.backups.any() {
+        Some("a backup is running over the image served now: end it first (backup-end)".into())
+    } else if dev.dirty_log.load(Ordering::Acquire) {
+        Some("the frontend is migrating the guest: wait for the migration to end".into())
+    } else {
+        None
+    }
+}
+
+/// What a block job needs of the device (`jobs::Host`).
+struct JobHost {
+    dev: Arc<Device>,
+    base: PathBuf,
+    state: Option<PathBuf>,
+}
+
+impl crate::jobs::Host for JobHost {
+    fn slot(&self) -> &crate::image::handover::ImageSlot {
+        &self.dev.image
+    }
+    fn paused(&self, f: &mut dyn FnMut()) {
+        self.dev.with_queues_paused(f)
+    }
+    fn bitmaps(&self) -> &crate::bitmaps::Bitmaps {
+        &self.dev.bitmaps
+    }
+    fn busy(&self) -> Option<String> {
+        image_busy(&self.dev)
+    }
+    fn base(&self) -> &std::path::Path {
+        &self.base
+    }
+    fn chain_state(&self) -> Option<&std::path::Path> {
+        self.state.as_deref()
+    }
+}
+
+/// The parameters every job takes: `id` (optional) and `speed` (bytes per second, 0:
+/// unlimited); `extra` names the job's own (strings).
+struct JobParams {
+    id: Option<String>,
+    speed: u64,
+}
+
+impl JobParams {
+    fn parse(params: &Value, extra: &[&str]) -> Result<Self, (i64, String)> {
+        let m = match params {
+            Value::Null => return Ok(JobParams { id: None, speed: 0 }),
+            Value::Object(m) => m,
+            _ => return Err((INVALID_PARAMS, "a job takes an object of parameters".into())),
+        };
+        if let Some(k) = m
+            .keys()
+            .find(|k| !["id", "speed"].contains(&k.as_str()) && !extra.contains(&k.as_str()))
+        {
+            return Err((INVALID_PARAMS, format!("unknown parameter {k:?}")));
+        }
+        for k in extra {
+            if m.get(*k).is_some_and(|v| !v.is_string()) {
+                return Err((INVALID_PARAMS, format!("{k}: a string")));
+            }
+        }
+        let id = match m.get("id") {
+            None => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => return Err((INVALID_PARAMS, "id: a string".into())),
+        };
+        let speed = match m.get("speed") {
+            None => 0,
+            Some(v) => v.as_u64().ok_or((
+                INVALID_PARAMS,
+                "speed: bytes per second, a non-negative integer".to_owned(),
+            ))?,
+        };
+        Ok(JobParams { id, speed })
+    }
+}
+
 /// The `stats` answer: totals, per queue, and the features' own counters; `histograms`:
 /// also each request type's latency buckets (`latency_buckets`, bucket `i`: under 2^i us),
 /// from the same reading of the counters.
@@ -622,6 +726,7 @@ pub fn stats(dev: &Device, histograms: bool) -> Value {
             "image": dev.image.get().counters(),
         },
         "backups": dev.backups.list(),
+        "jobs": dev.jobs.list(),
     })
 }
 

@@ -355,10 +355,61 @@ impl Image {
     /// The backing files below the image, nearest first (none for raw, parallels and
     /// remote disks).
     pub fn backing_paths(&self) -> Vec<std::path::PathBuf> {
+        self.backing_layers().into_iter().map(|(p, _)| p).collect()
+    }
+
+    /// The backing files with their formats ("qcow2", "parallels", "raw"), nearest first.
+    pub fn backing_layers(&self) -> Vec<(std::path::PathBuf, &'static str)> {
         match self.qcow2() {
-            Some((_, d)) => d.backing.iter().map(|l| l.path.clone()).collect(),
+            Some((_, d)) => d
+                .backing
+                .iter()
+                .map(|l| (l.path.clone(), l.format_name()))
+                .collect(),
             None => Vec::new(),
         }
+    }
+
+    /// A stream job's step for the guest cluster at `cl` (see `Qcow2Image::populate`):
+    /// copied into the image unless it holds the cluster already, or unless every byte of
+    /// it comes from chain layer `keep` or below (`keep`: the index in `backing_paths()` of
+    /// the backing file that stays; None: everything is copied). The cluster size, for
+    /// stepping: `cluster_size`. True if the cluster was copied.
+    pub fn stream_cluster(&self, cl: u64, keep: Option<usize>) -> Result<bool, ImageError> {
+        self.check_active()?;
+        let Some((file, d)) = self.qcow2() else {
+            return Ok(false);
+        };
+        if let Some(k) = keep {
+            let c = d.q.cluster_size();
+            let len = c.min(d.q.size_bytes().saturating_sub(cl));
+            let mut plan = ReadPlan::default();
+            chain::resolve_read(
+                &d.q,
+                file,
+                &d.backing,
+                cl,
+                len,
+                &mut plan.scratch,
+                &mut plan.pieces,
+            )?;
+            // Layer i + 1 is backing file i. Zeroes may come from a layer above `keep`
+            // (a zero flag): copied.
+            let below = plan.pieces.iter().all(|p| match *p {
+                Piece::Data { layer, .. } | Piece::Compressed { layer, .. } => layer > k,
+                Piece::Zero { .. } => false,
+            });
+            if below {
+                return Ok(false);
+            }
+        }
+        let mut fill_old = |c: u64, buf: &mut [u8]| self.read_guest_cluster(d, c, buf);
+        d.q.populate(file, cl, &mut fill_old)
+    }
+
+    /// The qcow2 cluster size (None: not a qcow2 image).
+    pub fn cluster_size(&self) -> Option<u64> {
+        self.qcow2().map(|(_, d)| d.q.cluster_size())
     }
 
     /// The qcow2 mapping of chain layer `layer`, if it is a qcow2 image.

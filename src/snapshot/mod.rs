@@ -165,6 +165,7 @@ pub fn take(disk: &Disk<'_>, overlay: &Path) -> Result<Value, String> {
         image: state::absolute(disk.base),
         top: overlay.clone(),
         format: "qcow2".into(),
+        detached: false,
     };
     let mut new_opts = opts.clone();
     new_opts.path = overlay.clone();

@@ -40,6 +40,10 @@ pub struct Record {
     pub top: PathBuf,
     /// The top's format ("qcow2").
     pub format: String,
+    /// The top no longer has `image` in its backing chain (a stream job copied what it
+    /// read from there and dropped the link): the check at start is not made.
+    #[serde(default)]
+    pub detached: bool,
 }
 
 /// Where a disk's state file is: `explicit` (`--chain-state`), else beside a regular image
@@ -202,6 +206,7 @@ mod tests {
             image: img.clone(),
             top: d.path().join("s1.qcow2"),
             format: "qcow2".into(),
+            detached: false,
         };
         write(&state, &r).unwrap();
         assert_eq!(top(&img, Some(&state)).unwrap(), Some(r.clone()));

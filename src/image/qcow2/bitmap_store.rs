@@ -216,66 +216,16 @@ fn directory_entry(b: &DirtyBitmap, table_offset: u64, table_size: u32) -> Vec<u
 /// bytes, offset; None: no extension) and the autoclear bits set to match: other extensions
 /// are kept in their order, the backing file name moves after the list. Err: no room.
 fn rebuild_header(old: &[u8], h: &Header, dir: Option<(u32, u64, u64)>) -> Result<Vec<u8>, String> {
-    let fixed = h.header_length as usize;
-    if !(header::V3_LEN..=old.len().saturating_sub(8)).contains(&fixed) {
-        return Err(format!("a header length of {fixed} bytes"));
-    }
-    let mut exts: Vec<(u32, &[u8])> = Vec::new();
-    let mut pos = fixed;
-    loop {
-        let hd = old
-            .get(pos..pos + 8)
-            .ok_or("the header extensions run past the first cluster")?;
-        let (t, len) = (be32(hd, 0), be32(hd, 4) as usize);
-        if t == 0 {
-            break;
-        }
-        let data = old
-            .get(pos + 8..pos + 8 + len)
-            .ok_or("a header extension runs past the first cluster")?;
-        if t != EXT_BITMAPS {
-            exts.push((t, data));
-        }
-        pos += 8 + len.next_multiple_of(8);
-    }
-    let backing = h
-        .backing_file(old)
-        .map_err(|e| e.to_string())?
-        .map(String::into_bytes);
-    let mut out = old[..fixed].to_vec();
     let mut ext_data = [0u8; 24];
-    if let Some((count, size, offset)) = dir {
+    let add = dir.map(|(count, size, offset)| {
         put32(&mut ext_data, 0, count);
         put64(&mut ext_data, 8, size);
         put64(&mut ext_data, 16, offset);
-        exts.push((EXT_BITMAPS, &ext_data));
-    }
-    for (t, data) in exts {
-        let mut hd = [0u8; 8];
-        put32(&mut hd, 0, t);
-        put32(&mut hd, 4, data.len() as u32);
-        out.extend_from_slice(&hd);
-        out.extend_from_slice(data);
-        out.resize(out.len().next_multiple_of(8), 0);
-    }
-    out.extend_from_slice(&[0u8; 8]);
-    if let Some(name) = backing {
-        let at = out.len();
-        put64(&mut out, header::off::BACKING_FILE_OFFSET, at as u64);
-        out.extend_from_slice(&name);
-    }
-    if out.len() > old.len() {
-        return Err(format!(
-            "the header needs {} bytes with the bitmaps extension; its cluster has {}",
-            out.len(),
-            old.len()
-        ));
-    }
+        (EXT_BITMAPS, &ext_data[..])
+    });
+    let mut out = header::rebuild(old, h, EXT_BITMAPS, add, None)?;
     let autoclear = if dir.is_some() { AUTOCLEAR_BITMAPS } else { 0 };
     put64(&mut out, header::off::AUTOCLEAR_FEATURES, autoclear);
-    // What followed the old list (a longer backing name, stale bytes) reads as zeroes.
-    let old_used = pos + 8 + h.backing_file_size as usize;
-    out.resize(old_used.max(out.len()).min(old.len()), 0);
     Ok(out)
 }
 

@@ -120,6 +120,83 @@ pub struct Header {
     pub compression: Compression,
 }
 
+/// The header's first cluster `old` (parsed as `h`) with the extension of type `replace`
+/// dropped and `add` appended (other extensions kept in their order), and the backing file
+/// name after the list: as it was (`backing` None), or the new one (`Some(None)`: no
+/// backing file). Err: it does not fit in the first cluster, or the old list is malformed.
+pub fn rebuild(
+    old: &[u8],
+    h: &Header,
+    replace: u32,
+    add: Option<(u32, &[u8])>,
+    backing: Option<Option<&[u8]>>,
+) -> Result<Vec<u8>, String> {
+    let fixed = h.header_length as usize;
+    if !(V3_LEN..=old.len().saturating_sub(8)).contains(&fixed) {
+        return Err(format!("a header length of {fixed} bytes"));
+    }
+    let mut exts: Vec<(u32, &[u8])> = Vec::new();
+    let mut pos = fixed;
+    loop {
+        let hd = old
+            .get(pos..pos + 8)
+            .ok_or("the header extensions run past the first cluster")?;
+        let (t, len) = (be32(hd, 0), be32(hd, 4) as usize);
+        if t == 0 {
+            break;
+        }
+        let data = old
+            .get(pos + 8..pos + 8 + len)
+            .ok_or("a header extension runs past the first cluster")?;
+        if t != replace {
+            exts.push((t, data));
+        }
+        pos += 8 + len.next_multiple_of(8);
+    }
+    let old_name = h
+        .backing_file(old)
+        .map_err(|e| e.to_string())?
+        .map(String::into_bytes);
+    let name: Option<&[u8]> = match backing {
+        None => old_name.as_deref(),
+        Some(n) => n,
+    };
+    let mut out = old[..fixed].to_vec();
+    exts.extend(add);
+    for (t, data) in exts {
+        let mut hd = [0u8; 8];
+        put32(&mut hd, 0, t);
+        put32(&mut hd, 4, data.len() as u32);
+        out.extend_from_slice(&hd);
+        out.extend_from_slice(data);
+        out.resize(out.len().next_multiple_of(8), 0);
+    }
+    out.extend_from_slice(&[0u8; 8]);
+    match name {
+        Some(name) => {
+            let at = out.len();
+            put64(&mut out, off::BACKING_FILE_OFFSET, at as u64);
+            put32(&mut out, off::BACKING_FILE_SIZE, name.len() as u32);
+            out.extend_from_slice(name);
+        }
+        None => {
+            put64(&mut out, off::BACKING_FILE_OFFSET, 0);
+            put32(&mut out, off::BACKING_FILE_SIZE, 0);
+        }
+    }
+    if out.len() > old.len() {
+        return Err(format!(
+            "the header needs {} bytes; its cluster has {}",
+            out.len(),
+            old.len()
+        ));
+    }
+    // What followed the old list (a longer backing name, stale bytes) reads as zeroes.
+    let old_used = pos + 8 + h.backing_file_size as usize;
+    out.resize(old_used.max(out.len()).min(old.len()), 0);
+    Ok(out)
+}
+
 pub(super) fn be32(b: &[u8], off: usize) -> u32 {
     u32::from_be_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
 }

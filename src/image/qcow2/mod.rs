@@ -46,6 +46,7 @@ mod map;
 mod metadata;
 mod open;
 mod refcount;
+pub mod relink;
 mod resize;
 mod write;
 mod writeback;

@@ -77,6 +77,53 @@ impl Qcow2Image {
         self.maybe_write_back(&mut ws, file)
     }
 
+    /// A stream job's step: give guest cluster `cl`, if this image does not hold it (it
+    /// reads from the backing file), a cluster of its own with the contents `fill_old` reads
+    /// (the backing chain's); all-zero contents become the zero flag (v3) instead of data.
+    /// Nothing changes where the image holds the cluster, zero-flagged or compressed: the
+    /// guest wrote it first. Serialised with guest writes of the cluster as a synchronous
+    /// write is (the allocation lock; a copy-on-write or install in flight is waited for), so
+    /// a guest write is never overwritten with older data. True if the cluster was filled.
+    pub fn populate(
+        &self,
+        file: &dyn Storage,
+        cl: u64,
+        fill_old: &mut FillOld<'_>,
+    ) -> Result<bool, ImageError> {
+        if self.write.is_none() {
+            return Err(ImageError::ReadOnly);
+        }
+        let c = self.cluster_size();
+        let cl = cl & !(c - 1);
+        let mut ws = loop {
+            let guard = self.lock_write()?;
+            let busy = self.cow.lock();
+            if !busy.contains(&cl) {
+                drop(busy);
+                break guard;
+            }
+            drop(guard);
+            self.cow.wait(busy);
+        };
+        let e = self.l2_entry(file, cl)?;
+        if e & L2_OFFSET_MASK != 0 || e & L2_COMPRESSED != 0 || e & L2_ZERO != 0 {
+            return Ok(false);
+        }
+        let mut buf = AlignedBuf::new(c as usize, 4096).map_err(ImageError::Io)?;
+        fill_old(cl, buf.as_mut_slice())?;
+        let entry = if self.version >= 3 && crate::zero::is_zero(buf.as_mut_slice()) {
+            L2_ZERO
+        } else {
+            let (new, _) = self.alloc_data_cluster(&mut ws, file)?;
+            write_all_aligned(file, new, buf.as_mut_slice()).map_err(ImageError::Io)?;
+            new | L2_COPIED
+        };
+        let l2 = self.ensure_l2(&mut ws, file, cl)?;
+        self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl), entry)?;
+        self.maybe_write_back(&mut ws, file)?;
+        Ok(true)
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn write_locked(
         &self,

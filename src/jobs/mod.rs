@@ -1,0 +1,268 @@
+//! Block jobs (docs/snapshots.md): long copies over the running disk, each on a thread of its
+//! own, off the queue threads. A job has an id, a type, a state named as QEMU names job
+//! states (created, running, paused, ready, concluded, aborting), bytes done of a total, a
+//! speed limit (`--speed BYTES/S`, 0: none) and, when it ended badly, an error. `jobs` lists
+//! them, `job-cancel ID` stops one, `job-complete ID` finishes one that waits in `ready`.
+//! One job runs at a time per disk (two jobs on one chain would race for its layers).
+//!
+//! The job types live in their own files: `stream`. A job reaches the device through
+//! [`Host`], which the device implements (so that this room does not reach up to it).
+
+pub mod stream;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::image::handover::ImageSlot;
+use crate::locks::Locked;
+
+/// Concluded jobs kept in the list for `jobs` (the oldest go first).
+const KEEP_CONCLUDED: usize = 16;
+
+/// What a job needs of the device.
+pub trait Host: Send + Sync {
+    /// The image served and how to switch it.
+    fn slot(&self) -> &ImageSlot;
+    /// Run `f` between two guest requests (`Device::with_queues_paused`).
+    fn paused(&self, f: &mut dyn FnMut());
+    /// The device's bitmaps (the persistent ones follow the image across a switch).
+    fn bitmaps(&self) -> &crate::bitmaps::Bitmaps;
+    /// Why the image cannot be switched now (a backup's view, a migration), if so.
+    fn busy(&self) -> Option<String>;
+    /// `--blk-file` and the chain's state file.
+    fn base(&self) -> &std::path::Path;
+    fn chain_state(&self) -> Option<&std::path::Path>;
+}
+
+/// A job's state, as QEMU names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    Created,
+    Running,
+    Paused,
+    Ready,
+    Concluded,
+    Aborting,
+}
+
+/// One job.
+#[derive(Debug)]
+pub struct Job {
+    pub id: String,
+    pub kind: &'static str,
+    state: Mutex<State>,
+    done: AtomicU64,
+    total: AtomicU64,
+    /// Bytes per second (0: unlimited).
+    speed: AtomicU64,
+    cancel: AtomicBool,
+    error: Mutex<Option<String>>,
+    started: Instant,
+}
+
+/// A job as `jobs` lists it.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobInfo {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub state: State,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    /// The limit (0: none).
+    pub speed: u64,
+    pub seconds: f64,
+    pub error: Option<String>,
+}
+
+impl Job {
+    fn new(id: String, kind: &'static str, speed: u64) -> Self {
+        Job {
+            id,
+            kind,
+            state: Mutex::new(State::Created),
+            done: AtomicU64::new(0),
+            total: AtomicU64::new(0),
+            speed: AtomicU64::new(speed),
+            cancel: AtomicBool::new(false),
+            error: Mutex::new(None),
+            started: Instant::now(),
+        }
+    }
+
+    pub fn state(&self) -> State {
+        *self.state.locked()
+    }
+
+    fn set_state(&self, s: State) {
+        *self.state.locked() = s;
+    }
+
+    pub fn set_total(&self, n: u64) {
+        self.total.store(n, Ordering::Relaxed);
+    }
+
+    /// `n` more bytes done; sleeps as long as the speed limit asks.
+    pub fn advance(&self, n: u64) {
+        let done = self.done.fetch_add(n, Ordering::Relaxed) + n;
+        let speed = self.speed.load(Ordering::Relaxed);
+        if speed == 0 {
+            return;
+        }
+        let due = Duration::from_secs_f64(done as f64 / speed as f64);
+        let elapsed = self.started.elapsed();
+        if due > elapsed {
+            // In slices, so that a cancel is seen soon.
+            let mut left = due - elapsed;
+            while !left.is_zero() && !self.cancelled() {
+                let step = left.min(Duration::from_millis(50));
+                std::thread::sleep(step);
+                left -= step;
+            }
+        }
+    }
+
+    /// Was `job-cancel` asked for?
+    pub fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
+    }
+
+    pub fn info(&self) -> JobInfo {
+        JobInfo {
+            id: self.id.clone(),
+            kind: self.kind,
+            state: self.state(),
+            bytes_done: self.done.load(Ordering::Relaxed),
+            bytes_total: self.total.load(Ordering::Relaxed),
+            speed: self.speed.load(Ordering::Relaxed),
+            seconds: self.started.elapsed().as_secs_f64(),
+            error: self.error.locked().clone(),
+        }
+    }
+}
+
+/// The device's jobs.
+#[derive(Debug, Default)]
+pub struct Jobs {
+    list: RwLock<Vec<Arc<Job>>>,
+    next: AtomicU64,
+}
+
+impl Jobs {
+    /// Is a job running (not concluded)?
+    pub fn any(&self) -> bool {
+        self.list
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|j| j.state() != State::Concluded)
+    }
+
+    pub fn list(&self) -> Vec<JobInfo> {
+        self.list
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|j| j.info())
+            .collect()
+    }
+
+    fn find(&self, id: &str) -> Option<Arc<Job>> {
+        self.list
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|j| j.id == id)
+            .cloned()
+    }
+
+    /// Start a job of `kind` running `body` on a thread of its own; its id (`id`, or
+    /// `job-N`). Refused while another job runs or the id is taken.
+    pub fn start(
+        &self,
+        kind: &'static str,
+        id: Option<String>,
+        speed: u64,
+        body: impl FnOnce(&Job) -> Result<(), String> + Send + 'static,
+    ) -> Result<Arc<Job>, String> {
+        let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(j) = list.iter().find(|j| j.state() != State::Concluded) {
+            return Err(format!(
+                "job {} ({}) is running: one job at a time (wait for it, or job-cancel it)",
+                j.id, j.kind
+            ));
+        }
+        let id = match id {
+            Some(id) if id.is_empty() || id.len() > 128 || id.chars().any(char::is_control) => {
+                return Err("a job id is 1 to 128 characters, no control characters".into())
+            }
+            Some(id) => id,
+            None => format!("job-{}", self.next.fetch_add(1, Ordering::Relaxed)),
+        };
+        if list.iter().any(|j| j.id == id) {
+            return Err(format!("a job named {id:?} exists"));
+        }
+        let job = Arc::new(Job::new(id, kind, speed));
+        let j = job.clone();
+        std::thread::Builder::new()
+            .name("vublk-job".into())
+            .spawn(move || {
+                j.set_state(State::Running);
+                let r = body(&j);
+                if let Err(e) = r {
+                    log::error!("job {} ({}): {e}", j.id, j.kind);
+                    *j.error.locked() = Some(e);
+                } else {
+                    log::info!(
+                        "job {} ({}) done: {} bytes in {:.1} s",
+                        j.id,
+                        j.kind,
+                        j.done.load(Ordering::Relaxed),
+                        j.started.elapsed().as_secs_f64()
+                    );
+                }
+                j.set_state(State::Concluded);
+            })
+            .map_err(|e| format!("cannot start the job's thread: {e}"))?;
+        list.push(job.clone());
+        // Forget the oldest concluded jobs beyond the bound.
+        while list
+            .iter()
+            .filter(|j| j.state() == State::Concluded)
+            .count()
+            > KEEP_CONCLUDED
+        {
+            if let Some(i) = list.iter().position(|j| j.state() == State::Concluded) {
+                list.remove(i);
+            }
+        }
+        Ok(job)
+    }
+
+    /// `job-cancel ID`: the job stops at its next step (its state says aborting until then).
+    pub fn cancel(&self, id: &str) -> Result<JobInfo, String> {
+        let j = self.find(id).ok_or_else(|| format!("no job {id:?}"))?;
+        if j.state() == State::Concluded {
+            return Err(format!("job {id:?} has concluded"));
+        }
+        j.cancel.store(true, Ordering::Relaxed);
+        j.set_state(State::Aborting);
+        Ok(j.info())
+    }
+
+    /// `job-complete ID`: only jobs that wait in `ready` (mirror) can be completed.
+    pub fn complete(&self, id: &str) -> Result<JobInfo, String> {
+        let j = self.find(id).ok_or_else(|| format!("no job {id:?}"))?;
+        Err(format!(
+            "job {id:?} ({}) is {:?}: only a job in the ready state can be completed, and \
+             {} jobs finish by themselves",
+            j.kind,
+            j.state(),
+            j.kind
+        ))
+    }
+}

@@ -1,0 +1,172 @@
+//! `stream [--base NODE]`: copy into the image served (a qcow2 image with a backing chain)
+//! what it reads from its backing chain, down to NODE (exclusive) or all of it, then change
+//! its backing link to NODE or drop it: one header write between two guest requests.
+//!
+//! Each cluster is copied by `Image::stream_cluster`, serialised with guest writes of the
+//! same cluster by the format (a cluster the guest wrote meanwhile is left alone), so the
+//! guest keeps writing at full speed. The copies are ordinary allocations (crash safe as
+//! guest writes are); the last step closes the image (everything written back and synced),
+//! writes the chain state file if the link to `--blk-file` goes, rewrites the header and
+//! opens the image again. A SIGKILL before that step leaves the same chain, partly copied
+//! (a new `stream` goes on where the copies are); after it, the new one.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::{Host, JobInfo, Jobs};
+use crate::snapshot::state;
+
+/// Start a stream job; what `jobs` lists for it.
+pub fn start(
+    jobs: &Jobs,
+    host: Arc<dyn Host>,
+    base: Option<&str>,
+    id: Option<String>,
+    speed: u64,
+) -> Result<JobInfo, String> {
+    let image = host.slot().get();
+    let opts = host
+        .slot()
+        .options()
+        .ok_or("the image was not opened from a path")?;
+    if !image.is_active() {
+        return Err("the image is not served by this process now (a migration)".into());
+    }
+    let chain = image.backing_layers();
+    if image.cluster_size().is_none() || chain.is_empty() {
+        return Err(format!(
+            "{} has no backing file: nothing to stream",
+            opts.path.display()
+        ));
+    }
+    let keep = match base {
+        None => None,
+        Some(b) => Some(chain.iter().position(|(p, _)| names(p, b)).ok_or_else(|| {
+            format!(
+                "--base {b}: not in the backing chain of {} ({})",
+                opts.path.display(),
+                chain
+                    .iter()
+                    .map(|(p, _)| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(" <- ")
+            )
+        })?),
+    };
+    if let Some(why) = host.busy() {
+        return Err(why);
+    }
+    let top = opts.path.clone();
+    let job = jobs.start("stream", id, speed, move |job| {
+        run(job, &*host, keep, &top, &chain, opts)
+    })?;
+    Ok(job.info())
+}
+
+/// Does `base` (a path, or a file name) name `p`?
+fn names(p: &Path, base: &str) -> bool {
+    let b = Path::new(base);
+    state::same_file(p, b) || (b.components().count() == 1 && p.file_name() == Some(b.as_os_str()))
+}
+
+fn run(
+    job: &super::Job,
+    host: &dyn Host,
+    keep: Option<usize>,
+    top: &Path,
+    chain: &[(PathBuf, &'static str)],
+    opts: crate::image::ImageOptions,
+) -> Result<(), String> {
+    let image = host.slot().get();
+    let size = image.size_bytes();
+    let c = image.cluster_size().unwrap_or(65536);
+    job.set_total(size);
+    let mut copied = 0u64;
+    let mut cl = 0u64;
+    while cl < size {
+        if job.cancelled() {
+            return Err(format!("cancelled after copying {copied} bytes"));
+        }
+        if !Arc::ptr_eq(&host.slot().get(), &image) {
+            return Err("the image was switched while the job ran".into());
+        }
+        match image.stream_cluster(cl, keep) {
+            Ok(true) => copied += c,
+            Ok(false) => {}
+            Err(e) => {
+                return Err(format!(
+                    "copying the cluster at {cl}: {}",
+                    crate::logging::error_chain(&e)
+                ))
+            }
+        }
+        job.advance(c.min(size - cl));
+        cl += c;
+    }
+    // The new link: the kept backing file (relative to the image, with its format), or none.
+    let dir = top.parent().unwrap_or(Path::new("/"));
+    let link = match keep {
+        None => None,
+        Some(k) => {
+            let (p, fmt) = &chain[k];
+            let rel = state::relative(dir, p);
+            let name = rel
+                .to_str()
+                .ok_or_else(|| format!("{}: not a UTF-8 path", rel.display()))?
+                .to_owned();
+            Some((name, *fmt))
+        }
+    };
+    // The chain state: marked detached when --blk-file leaves the chain.
+    let state_path = host.chain_state().map(Path::to_path_buf);
+    let previous = match &state_path {
+        Some(p) => state::read(p)?,
+        None => None,
+    };
+    let still_holds = keep.is_some_and(|k| {
+        chain[k..]
+            .iter()
+            .any(|(p, _)| state::same_file(p, host.base()))
+    });
+    let mut outcome = None;
+    host.paused(&mut || {
+        if let Some(why) = host.busy() {
+            outcome = Some(Err(format!("the last step (the new backing link): {why}")));
+            return;
+        }
+        let r = host.slot().switch(
+            opts.clone(),
+            || {
+                if let (Some(p), Some(prev), false) = (&state_path, &previous, still_holds) {
+                    let mut r = prev.clone();
+                    r.detached = true;
+                    state::write(p, &r)?;
+                }
+                crate::image::qcow2::relink::set_backing(
+                    top,
+                    link.as_ref().map(|(n, f)| (n.as_str(), *f)),
+                )
+            },
+            || {
+                if let (Some(p), Some(prev)) = (&state_path, &previous) {
+                    if let Err(e) = state::write(p, prev) {
+                        log::warn!("stream: the chain state file could not be restored: {e}");
+                    }
+                }
+            },
+        );
+        if let Ok(new) = &r {
+            host.bitmaps()
+                .adopt(new.persistent_bitmaps(), new.bitmaps_memory_only());
+        }
+        outcome = Some(r.map(|_| ()).map_err(|e| crate::logging::error_chain(&e)));
+    });
+    outcome.unwrap_or_else(|| Err("the queues could not be paused".into()))?;
+    log::info!(
+        "stream: {copied} bytes copied into {}; its backing file is now {}",
+        top.display(),
+        link.as_ref()
+            .map_or_else(|| "none".to_owned(), |(n, f)| format!("{n} ({f})"))
+    );
+    Ok(())
+}
