@@ -2,7 +2,7 @@
 //! what it reads from its backing chain, down to NODE (exclusive) or all of it, then change
 //! its backing link to NODE or drop it: one header write between two guest requests.
 //!
-//! Each cluster is copied by `Image::stream_cluster`, serialised with guest writes of the
+//! Each cluster is copied by `Image::stream_chunk` (the chain read a megabyte at a time), serialised with guest writes of the
 //! same cluster by the format (a cluster the guest wrote meanwhile is left alone), so the
 //! guest keeps writing at full speed. The copies are ordinary allocations (crash safe as
 //! guest writes are); the last step closes the image (everything written back and synced),
@@ -14,6 +14,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::{Host, JobInfo, Jobs};
+
+/// Bytes read from the chain at once (rounded to whole clusters).
+const CHUNK: u64 = 1 << 20;
+/// Threads copying chunks at once.
+const COPIERS: usize = 1;
 use crate::snapshot::state;
 
 /// Start a stream job; what `jobs` lists for it.
@@ -80,28 +85,52 @@ fn run(
     let image = host.slot().get();
     let size = image.size_bytes();
     let c = image.cluster_size().unwrap_or(65536);
+    let step = CHUNK.max(c) / c * c;
     job.set_total(size);
-    let mut copied = 0u64;
-    let mut cl = 0u64;
-    while cl < size {
-        if job.cancelled() {
-            return Err(format!("cancelled after copying {copied} bytes"));
+    // Chunks taken in turn by a few threads, so that one's read of the chain overlaps
+    // another's write into the image (each chunk is independent; the format serialises
+    // what must be).
+    let next = std::sync::atomic::AtomicU64::new(0);
+    let copied = std::sync::atomic::AtomicU64::new(0);
+    let failed = std::sync::Mutex::new(None::<String>);
+    std::thread::scope(|s| {
+        for _ in 0..COPIERS {
+            s.spawn(|| loop {
+                let at = next.fetch_add(step, std::sync::atomic::Ordering::Relaxed);
+                if at >= size || job.cancelled() || failed.lock().is_ok_and(|f| f.is_some()) {
+                    return;
+                }
+                if !Arc::ptr_eq(&host.slot().get(), &image) {
+                    let _ = failed
+                        .lock()
+                        .map(|mut f| *f = Some("the image was switched while the job ran".into()));
+                    return;
+                }
+                let n = step.min(size - at);
+                match image.stream_chunk(at, n, keep) {
+                    Ok(k) => {
+                        copied.fetch_add(k, std::sync::atomic::Ordering::Relaxed);
+                        job.advance(n);
+                    }
+                    Err(e) => {
+                        let _ = failed.lock().map(|mut f| {
+                            *f = Some(format!(
+                                "copying the clusters at {at}: {}",
+                                crate::logging::error_chain(&e)
+                            ))
+                        });
+                        return;
+                    }
+                }
+            });
         }
-        if !Arc::ptr_eq(&host.slot().get(), &image) {
-            return Err("the image was switched while the job ran".into());
-        }
-        match image.stream_cluster(cl, keep) {
-            Ok(true) => copied += c,
-            Ok(false) => {}
-            Err(e) => {
-                return Err(format!(
-                    "copying the cluster at {cl}: {}",
-                    crate::logging::error_chain(&e)
-                ))
-            }
-        }
-        job.advance(c.min(size - cl));
-        cl += c;
+    });
+    let copied = copied.into_inner();
+    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    if job.cancelled() {
+        return Err(format!("cancelled after copying {copied} bytes"));
     }
     // The new link: the kept backing file (relative to the image, with its format), or none.
     let dir = top.parent().unwrap_or(Path::new("/"));

@@ -103,6 +103,13 @@ pub struct Opts {
     #[arg(long)]
     pub backup: bool,
 
+    /// Instead of workloads: a stream job over the running disk, vublk (`vublk ctl stream`)
+    /// against qemu-storage-daemon (QMP `block-stream`), on a new qcow2 overlay over a fully
+    /// written raw image of --size: the guest's 4 KiB random write IOPS without and during
+    /// the job, and the job's MB/s.
+    #[arg(long)]
+    pub stream: bool,
+
     /// Instead of workloads: measure the all-zero scanner on host buffers.
     #[arg(long)]
     pub zero_scan: bool,

@@ -12,7 +12,7 @@
 //! - `alternate`: runs alternating round by round; `report`: medians, the Markdown report,
 //!   `--report`.
 //! - `modes`: the other modes, one a module (`--zero-scan`, `--zero-fill`, `--fresh-file`,
-//!   `--compress-fill`, `--parallels-fill`, `--hop`, `--seed-check`, `--backup`).
+//!   `--compress-fill`, `--parallels-fill`, `--hop`, `--seed-check`, `--backup`, `--stream`).
 
 mod alternate;
 mod args;
@@ -76,6 +76,10 @@ fn main() -> ExitCode {
     }
     if opts.backup {
         modes::backup::run(&opts, &backends, &vublk, &work);
+        return ExitCode::SUCCESS;
+    }
+    if opts.stream {
+        modes::stream::run(&opts, &backends, &vublk, &work);
         return ExitCode::SUCCESS;
     }
     if opts.zero_fill {

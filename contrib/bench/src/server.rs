@@ -133,7 +133,7 @@ pub fn spawn(mut cmd: Command, socket: PathBuf, name: &str) -> Server {
 /// qemu-storage-daemon's `--blockdev` for `image` (node file0): the driver chain the image's
 /// kind and the variant's options call for, O_DIRECT and io_uring unless an option says
 /// otherwise.
-fn qsd_blockdev(backend: &Backend, image: &Path) -> String {
+pub fn qsd_blockdev(backend: &Backend, image: &Path) -> String {
     let extra = backend
         .extra
         .iter()

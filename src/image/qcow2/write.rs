@@ -79,7 +79,7 @@ impl Qcow2Image {
 
     /// A stream job's step: give guest cluster `cl`, if this image does not hold it (it
     /// reads from the backing file), a cluster of its own with the contents `fill_old` reads
-    /// (the backing chain's); all-zero contents become the zero flag (v3) instead of data.
+    /// (the backing chain's, which is read-only: read before the allocation lock is taken); all-zero contents become the zero flag (v3) instead of data.
     /// Nothing changes where the image holds the cluster, zero-flagged or compressed: the
     /// guest wrote it first. Serialised with guest writes of the cluster as a synchronous
     /// write is (the allocation lock; a copy-on-write or install in flight is waited for), so
@@ -95,6 +95,14 @@ impl Qcow2Image {
         }
         let c = self.cluster_size();
         let cl = cl & !(c - 1);
+        let held = |e: u64| e & L2_OFFSET_MASK != 0 || e & L2_COMPRESSED != 0 || e & L2_ZERO != 0;
+        if held(self.l2_entry(file, cl)?) {
+            return Ok(false);
+        }
+        // The backing chain is read-only: what it holds for the cluster cannot change, so it
+        // is read before the allocation lock is taken (guest writes go on meanwhile).
+        let mut buf = AlignedBuf::new(c as usize, 4096).map_err(ImageError::Io)?;
+        fill_old(cl, buf.as_mut_slice())?;
         let mut ws = loop {
             let guard = self.lock_write()?;
             let busy = self.cow.lock();
@@ -105,12 +113,10 @@ impl Qcow2Image {
             drop(guard);
             self.cow.wait(busy);
         };
-        let e = self.l2_entry(file, cl)?;
-        if e & L2_OFFSET_MASK != 0 || e & L2_COMPRESSED != 0 || e & L2_ZERO != 0 {
+        // Under the lock: still not the image's (a guest write may have got there).
+        if held(self.l2_entry(file, cl)?) {
             return Ok(false);
         }
-        let mut buf = AlignedBuf::new(c as usize, 4096).map_err(ImageError::Io)?;
-        fill_old(cl, buf.as_mut_slice())?;
         let entry = if self.version >= 3 && crate::zero::is_zero(buf.as_mut_slice()) {
             L2_ZERO
         } else {

@@ -146,7 +146,7 @@ fn qsd_fleecing(opts: &Opts, image: &Path, work: &Path, nbd: &Path) -> Server {
 }
 
 /// A connected client with its buffers: 4 KiB writes at depth 32 until `stop` or `until`.
-fn writes(
+pub(crate) fn writes(
     backend: &Backend,
     server: &Server,
     image: &Path,

@@ -7,5 +7,6 @@ pub mod fresh_file;
 pub mod hop;
 pub mod parallels_fill;
 pub mod seed_check;
+pub mod stream;
 pub mod zero_fill;
 pub mod zero_scan;

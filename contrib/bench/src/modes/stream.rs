@@ -1,0 +1,259 @@
+//! `--stream`: a stream job over the running disk, vublk (`vublk ctl stream`) against
+//! qemu-storage-daemon (QMP `block-stream`) on the same images: a qcow2 overlay (empty) over
+//! a fully written raw image of --size, served by each in turn.
+//!
+//! Each run: 4 KiB random writes at depth 32 on the overlay for --seconds without a job (the
+//! baseline), then the job starts (unlimited speed, both daemons' default) and the same
+//! writes go on until it concludes. Reported: the guest's write IOPS without and during the
+//! job, and the job's rate (the disk's size over its time).
+
+use std::fmt::Write as _;
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::alternate::{alternate, Order};
+use crate::args::Opts;
+use crate::backends::{Backend, BackendKind};
+use crate::images::prepare_image;
+use crate::modes::backup::writes;
+use crate::report::{self, median_by};
+use crate::server::{qsd_blockdev, spawn, start_server, Server};
+
+struct StreamResult {
+    base_iops: f64,
+    iops: f64,
+    job_mbps: f64,
+}
+
+/// A QMP connection to qemu-storage-daemon, capabilities negotiated.
+struct Qmp {
+    r: BufReader<UnixStream>,
+    w: UnixStream,
+}
+
+impl Qmp {
+    fn connect(path: &Path) -> Qmp {
+        let s = UnixStream::connect(path).expect("QMP socket");
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
+        let mut q = Qmp {
+            r: BufReader::new(s.try_clone().expect("dup")),
+            w: s,
+        };
+        let mut greeting = String::new();
+        q.r.read_line(&mut greeting).expect("QMP greeting");
+        q.cmd(r#"{"execute":"qmp_capabilities"}"#);
+        q
+    }
+
+    /// Send `json`; the answer line (events skipped). Panics on an error answer.
+    fn cmd(&mut self, json: &str) -> String {
+        writeln!(self.w, "{json}").expect("QMP write");
+        loop {
+            let mut l = String::new();
+            assert!(
+                self.r.read_line(&mut l).expect("QMP read") > 0,
+                "QMP closed"
+            );
+            if l.contains("\"return\"") {
+                return l;
+            }
+            assert!(!l.contains("\"error\""), "QMP {json}: {l}");
+        }
+    }
+}
+
+/// qemu-storage-daemon serving `top` (its backing file opened from its header) with a QMP
+/// monitor on `qmp`.
+fn qsd_with_qmp(backend: &Backend, opts: &Opts, top: &Path, work: &Path, qmp: &Path) -> Server {
+    let socket = work.join("qsd.sock");
+    let _ = fs::remove_file(&socket);
+    let _ = fs::remove_file(qmp);
+    let log = File::create(work.join("qsd.log")).expect("qsd log");
+    let mut c = Command::new(&opts.qsd);
+    c.arg("--blockdev")
+        .arg(qsd_blockdev(backend, top))
+        .arg("--export")
+        .arg(format!(
+            "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},\
+             writable=on,num-queues={}",
+            socket.display(),
+            opts.backend_queues
+        ))
+        .arg("--chardev")
+        .arg(format!(
+            "socket,id=qmp0,path={},server=on,wait=off",
+            qmp.display()
+        ))
+        .arg("--monitor")
+        .arg("chardev=qmp0,mode=control")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("dup"))
+        .stderr(log);
+    spawn(c, socket, "qsd")
+}
+
+/// `vublk ctl` with `args`: its standard output (which must be a success).
+fn ctl(binary: &Path, sock: &Path, args: &[&str]) -> String {
+    let o = Command::new(binary)
+        .args(["ctl", "--control-socket"])
+        .arg(sock)
+        .args(args)
+        .output()
+        .expect("vublk ctl");
+    assert!(
+        o.status.success(),
+        "vublk ctl {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A new qcow2 overlay `top` over `base` (nothing of it copied yet).
+fn new_overlay(base: &Path, top: &Path, work: &Path) {
+    let _ = fs::remove_file(top);
+    let _ = fs::remove_file(work.join(".stream-top.qcow2.vublk-chain"));
+    let st = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+        .arg(base)
+        .arg(top)
+        .status()
+        .expect("qemu-img");
+    assert!(st.success(), "qemu-img create of the overlay");
+}
+
+/// One run through `backend`: the baseline on one new overlay (its writes copy clusters
+/// up from the base), the job on another, so that the job has the whole disk to copy.
+fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> StreamResult {
+    let base = work.join("stream-base.raw");
+    prepare_image(&base, opts.size);
+    let top = work.join("stream-top.qcow2");
+    let never = AtomicBool::new(false);
+    let ctl_sock = work.join("stream-ctl.sock");
+    let qmp_sock = work.join("stream-qmp.sock");
+    let binary = backend
+        .binary
+        .clone()
+        .unwrap_or_else(|| vublk.to_path_buf());
+    let serve = || match backend.kind {
+        BackendKind::Vublk => {
+            let mut b = backend.clone();
+            b.extra
+                .extend(["--control-socket".into(), ctl_sock.display().to_string()]);
+            start_server(&b, &top, opts, vublk, work)
+        }
+        BackendKind::Qsd => qsd_with_qmp(backend, opts, &top, work, &qmp_sock),
+        BackendKind::File => panic!("--stream measures vublk and qsd"),
+    };
+    new_overlay(&base, &top, work);
+    let server = serve();
+    let until = Instant::now() + Duration::from_secs_f64(opts.seconds);
+    let (ios, secs) = writes(backend, &server, &top, &never, Some(until));
+    let base_iops = ios as f64 / secs;
+    drop(server);
+    new_overlay(&base, &top, work);
+    let server = serve();
+    let stop = AtomicBool::new(false);
+    let (job_secs, (ios, secs)) = std::thread::scope(|s| {
+        let job = s.spawn(|| {
+            let t0 = Instant::now();
+            match backend.kind {
+                BackendKind::Vublk => {
+                    ctl(&binary, &ctl_sock, &["stream", "--id", "bench"]);
+                    loop {
+                        let v: String = ctl(&binary, &ctl_sock, &["jobs"])
+                            .chars()
+                            .filter(|c| !c.is_whitespace())
+                            .collect();
+                        if v.contains(r#""state":"concluded""#) {
+                            assert!(v.contains(r#""error":null"#), "the stream failed: {v}");
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+                _ => {
+                    let mut q = Qmp::connect(&qmp_sock);
+                    q.cmd(r#"{"execute":"block-stream","arguments":{"job-id":"bench","device":"file0"}}"#);
+                    // Auto-dismissed when it concludes: the list empties.
+                    while q.cmd(r#"{"execute":"query-jobs"}"#).contains("\"bench\"") {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            stop.store(true, Ordering::Relaxed);
+            secs
+        });
+        let w = writes(backend, &server, &top, &stop, None);
+        (job.join().expect("job thread"), w)
+    });
+    drop(server);
+    let _ = fs::remove_file(&top);
+    let _ = fs::remove_file(work.join(".stream-top.qcow2.vublk-chain"));
+    StreamResult {
+        base_iops,
+        iops: ios as f64 / secs,
+        job_mbps: opts.size as f64 / job_secs / 1e6,
+    }
+}
+
+/// `--stream`: every backend (vublk and qsd builds), `--runs` times, alternating.
+pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
+    let backends: Vec<Backend> = backends
+        .iter()
+        .filter(|b| b.kind != BackendKind::File)
+        .cloned()
+        .collect();
+    let results = alternate(
+        opts.runs,
+        Order::of(opts),
+        &backends,
+        |b| measure(b, opts, vublk, work),
+        |run, b, r| {
+            format!(
+                "run {run} {:8} writes {:.0} IOPS without, {:.0} during the stream; stream {:.0} MB/s",
+                b.name(),
+                r.base_iops,
+                r.iops,
+                r.job_mbps
+            )
+        },
+    );
+    let mut rows = String::new();
+    for (b, rs) in backends.iter().zip(&results) {
+        let base = median_by(rs, |r| r.base_iops);
+        let during = median_by(rs, |r| r.iops);
+        let _ = writeln!(
+            rows,
+            "| {} | {:.0} | {:.0} | {:.2} | {:.0} |",
+            b.name(),
+            base,
+            during,
+            during / base,
+            median_by(rs, |r| r.job_mbps)
+        );
+    }
+    let how = format!(
+        "A new qcow2 overlay over a fully written {} MiB raw image; 4 KiB random writes at \
+         depth 32 (one queue) on the overlay for {} s without a job, then during a stream job \
+         (unlimited speed) until it concludes; {} runs, medians.",
+        opts.size >> 20,
+        opts.seconds,
+        opts.runs
+    );
+    report::emit(
+        opts,
+        &report::table(
+            &how,
+            "| backend | write IOPS, no job | write IOPS during the stream | during / without | stream MB/s |",
+            "|---|---:|---:|---:|---:|",
+            &rows,
+        ),
+    );
+}
