@@ -351,21 +351,6 @@ fn metrics_parse_and_match_stats() {
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
 }
 
-/// The body of an HTTP GET (status 200), "" otherwise.
-fn http_get(addr: &str, path: &str) -> String {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
-    if head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200") {
-        body.to_owned()
-    } else {
-        String::new()
-    }
-}
-
 /// `name{labels} value` lines of the text format, keyed by `name{labels}` (comments skipped;
 /// every other line must parse).
 fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {

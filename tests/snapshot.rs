@@ -353,59 +353,20 @@ fn sigkill_during_a_snapshot_loses_no_flushed_write() {
             &model,
             &format!("run {run}: the disk at start"),
         );
-        let mut c = Shared(c);
-        // Flushed writes, logged once their flush completed, until the daemon dies.
-        let stop = Arc::new(AtomicBool::new(false));
-        let flushed = Arc::new(std::sync::Mutex::new(Vec::<(u64, u8)>::new()));
-        // The write in flight when the daemon died, if any: on disk or not.
-        let pending = Arc::new(std::sync::Mutex::new(None::<(u64, u8)>));
-        let n = Arc::new(AtomicU64::new(0));
-        let (s, f, w, p) = (stop.clone(), flushed.clone(), n.clone(), pending.clone());
-        let seed = rng.next_u64();
-        let writer = std::thread::spawn(move || {
-            // The daemon is killed under it: its last request gives up within a second.
-            set_io_deadline_for_this_thread(Duration::from_secs(1));
-            let mut r = Rng::new(seed);
-            while !s.load(Ordering::Relaxed) {
-                let block = r.below(SIZE / 65536) * 65536;
-                let byte = (r.below(255) + 1) as u8;
-                *p.lock().unwrap() = Some((block, byte));
-                if c.0.write_at(0, block, &[byte; 65536]) != 0 || c.0.submit(0, Op::Flush) != 0 {
-                    break;
-                }
-                f.lock().unwrap().push((block, byte));
-                *p.lock().unwrap() = None;
-                w.fetch_add(1, Ordering::Relaxed);
-            }
-            drop(c);
-        });
-        while n.load(Ordering::Relaxed) < 20 {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        let writer = FlushingWriter::start(c, rng.next_u64());
+        writer.wait_for(20);
         let ov = dir.join(&format!("k{run}.qcow2")).display().to_string();
         let sock2 = sock.clone();
         let snap = std::thread::spawn(move || ctl(&sock2, "snapshot", &["--overlay", &ov]).0);
         std::thread::sleep(Duration::from_micros(rng.below(40_000)));
         backend.signal(libc::SIGKILL);
         let _ = backend.wait_exit(STOP);
-        stop.store(true, Ordering::Relaxed);
-        // The client's wait for the dead daemon's last request times out (a panic in that
-        // thread): what it logged before is what counts.
-        let _ = writer.join();
+        let writes = writer.stop();
         if snap.join().unwrap() {
             snapshots += 1;
         }
         drop(backend);
         wait_unlocked(&img, STOP);
-        // The last flushed write of each block is what the disk must hold there.
-        let last: std::collections::BTreeMap<u64, u8> =
-            flushed.lock().unwrap().iter().copied().collect();
-        for (block, byte) in &last {
-            let b = *block as usize;
-            model[b..b + 65536].fill(*byte);
-        }
-        // The restart's disk holds every flushed write; the one write in flight at the kill
-        // may or may not be there: take the disk as it is for it.
         let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
         let serving = ctl_ok(&sock, "status", &[])["serving"]
             .as_str()
@@ -413,20 +374,7 @@ fn sigkill_during_a_snapshot_loses_no_flushed_write() {
             .to_owned();
         let mut c = connect(&backend.socket, ClientOpts::default());
         let disk = c.read_all(0);
-        let unconfirmed = *pending.lock().unwrap();
-        for (block, byte) in &last {
-            let b = *block as usize;
-            let here = &disk[b..b + 65536];
-            if unconfirmed
-                .is_some_and(|(pb, pbyte)| pb == *block && here.iter().all(|x| *x == pbyte))
-            {
-                continue;
-            }
-            assert!(
-                here.iter().all(|x| x == byte),
-                "run {run}: a flushed write at {b} is lost (serving {serving})"
-            );
-        }
+        writes.check(&disk, &format!("run {run} (serving {serving})"));
         drop(c);
         assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
         model = disk;
@@ -557,12 +505,7 @@ fn a_slow_stream_is_listed_refuses_company_and_can_be_cancelled_and_run_again() 
     }
     let dir = TestDir::new("stream-cancel");
     let img = make_disk(&dir, "raw");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = format!("127.0.0.1:{}", free_port());
     let (backend, sock) = start_with_control(&dir, &img, 1, &["--metrics-addr", &addr]);
     let (ok, _, err) = ctl(&sock, "stream", &[]);
     assert!(!ok && err.contains("no backing file"), "{err}");
@@ -652,58 +595,23 @@ fn sigkill_during_a_stream_loses_no_flushed_write() {
         let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
         let s1 = dir.join("s1.qcow2");
         ctl_ok(&sock, "snapshot", &["--overlay", &s1.display().to_string()]);
-        let mut c = Shared(connect(&backend.socket, ClientOpts::default()));
-        let flushed = Arc::new(std::sync::Mutex::new(Vec::<(u64, u8)>::new()));
-        let pending = Arc::new(std::sync::Mutex::new(None::<(u64, u8)>));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (s, f, p) = (stop.clone(), flushed.clone(), pending.clone());
-        let seed = rng.next_u64();
-        let writer = std::thread::spawn(move || {
-            set_io_deadline_for_this_thread(Duration::from_secs(1));
-            let mut r = Rng::new(seed);
-            while !s.load(Ordering::Relaxed) {
-                let block = r.below(SIZE / 65536) * 65536;
-                let byte = (r.below(255) + 1) as u8;
-                *p.lock().unwrap() = Some((block, byte));
-                if c.0.write_at(0, block, &[byte; 65536]) != 0 || c.0.submit(0, Op::Flush) != 0 {
-                    break;
-                }
-                f.lock().unwrap().push((block, byte));
-                *p.lock().unwrap() = None;
-            }
-            drop(c);
-        });
+        let writer = FlushingWriter::start(
+            connect(&backend.socket, ClientOpts::default()),
+            rng.next_u64(),
+        );
         // Slow enough to be killed in the middle, or (sometimes) at the very end.
         let speed = if run % 3 == 2 { "0" } else { "16M" };
         ctl_ok(&sock, "stream", &["--speed", speed]);
         std::thread::sleep(Duration::from_micros(rng.below(1_500_000)));
         backend.signal(libc::SIGKILL);
         let _ = backend.wait_exit(STOP);
-        stop.store(true, Ordering::Relaxed);
-        let _ = writer.join();
+        let writes = writer.stop();
         drop(backend);
         wait_unlocked(&s1, STOP);
-        let last: std::collections::BTreeMap<u64, u8> =
-            flushed.lock().unwrap().iter().copied().collect();
-        let unconfirmed = *pending.lock().unwrap();
         let (backend, _sock) = start_with_control(&dir, &img, 1, &[]);
         let mut c = connect(&backend.socket, ClientOpts::default());
-        let check = |disk: &[u8], when: &str| {
-            for (block, byte) in &last {
-                let here = &disk[*block as usize..*block as usize + 65536];
-                if unconfirmed
-                    .is_some_and(|(pb, pbyte)| pb == *block && here.iter().all(|x| *x == pbyte))
-                {
-                    continue;
-                }
-                assert!(
-                    here.iter().all(|x| x == byte),
-                    "run {run}: a flushed write at {block} is lost {when}"
-                );
-            }
-        };
         let disk = c.read_all(0);
-        check(&disk, "after the kill");
+        writes.check(&disk, &format!("run {run}, after the kill"));
         drop(c);
         assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
         for (name, fmt) in chain(&s1).into_iter().filter(|(_, f)| f != "raw") {
@@ -733,14 +641,90 @@ fn sigkill_during_a_stream_loses_no_flushed_write() {
     }
 }
 
-/// The body of an HTTP GET.
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    resp.split_once("\r\n\r\n")
-        .map_or(resp.clone(), |(_, b)| b.to_owned())
+/// A writer that flushes after every write, on a thread of its own, until the daemon dies
+/// under it (`stop`): 64 KiB blocks of one byte value at random places of the disk.
+struct FlushingWriter {
+    stop: Arc<AtomicBool>,
+    writes: Arc<AtomicU64>,
+    log: Arc<std::sync::Mutex<Written>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// What a [`FlushingWriter`] wrote: the writes whose flush completed, in order, and the
+/// write in flight when the daemon died (on disk or not).
+#[derive(Default)]
+struct Written {
+    flushed: Vec<(u64, u8)>,
+    pending: Option<(u64, u8)>,
+}
+
+impl FlushingWriter {
+    fn start(c: Client, seed: u64) -> Self {
+        let mut c = Shared(c);
+        let stop = Arc::new(AtomicBool::new(false));
+        let writes = Arc::new(AtomicU64::new(0));
+        let log = Arc::new(std::sync::Mutex::new(Written::default()));
+        let (s, w, l) = (stop.clone(), writes.clone(), log.clone());
+        let thread = std::thread::spawn(move || {
+            // The daemon is killed under it: its last request gives up within a second.
+            set_io_deadline_for_this_thread(Duration::from_secs(1));
+            let mut r = Rng::new(seed);
+            while !s.load(Ordering::Relaxed) {
+                let block = r.below(SIZE / 65536) * 65536;
+                let byte = (r.below(255) + 1) as u8;
+                l.lock().unwrap().pending = Some((block, byte));
+                if c.0.write_at(0, block, &[byte; 65536]) != 0 || c.0.submit(0, Op::Flush) != 0 {
+                    break;
+                }
+                let mut g = l.lock().unwrap();
+                g.flushed.push((block, byte));
+                g.pending = None;
+                drop(g);
+                w.fetch_add(1, Ordering::Relaxed);
+            }
+            drop(c);
+        });
+        FlushingWriter {
+            stop,
+            writes,
+            log,
+            thread,
+        }
+    }
+
+    /// Wait until `n` writes were flushed.
+    fn wait_for(&self, n: u64) {
+        while self.writes.load(Ordering::Relaxed) < n {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// After the daemon died: what was written. (The client's wait for the dead daemon's
+    /// last request times out, a panic in that thread: what it logged before counts.)
+    fn stop(self) -> Written {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.thread.join();
+        std::mem::take(&mut *self.log.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+impl Written {
+    /// `disk` holds the last flushed write of every block written (the write in flight at
+    /// the kill may be there instead).
+    fn check(&self, disk: &[u8], what: &str) {
+        let last: std::collections::BTreeMap<u64, u8> = self.flushed.iter().copied().collect();
+        for (block, byte) in &last {
+            let here = &disk[*block as usize..*block as usize + 65536];
+            if self
+                .pending
+                .is_some_and(|(pb, pbyte)| pb == *block && here.iter().all(|x| *x == pbyte))
+            {
+                continue;
+            }
+            assert!(
+                here.iter().all(|x| x == byte),
+                "{what}: a flushed write at {block} is lost"
+            );
+        }
+    }
 }

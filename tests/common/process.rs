@@ -529,3 +529,28 @@ pub fn byte_locked(path: &Path, byte: i64) -> bool {
     assert_eq!(r, 0);
     fl.l_type != libc::F_UNLCK as libc::c_short
 }
+
+/// The body of an HTTP GET (status 200), "" otherwise.
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+    if head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200") {
+        body.to_owned()
+    } else {
+        String::new()
+    }
+}
+
+/// A local TCP port free a moment ago (for `--metrics-addr 127.0.0.1:PORT`).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -87,12 +87,7 @@ pub fn start_server(
             c.arg("--blockdev")
                 .arg(qsd_blockdev(backend, image))
                 .arg("--export")
-                .arg(format!(
-                    "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},\
-                     writable=on,num-queues={}",
-                    socket.display(),
-                    opts.backend_queues
-                ));
+                .arg(qsd_export("file0", &socket, opts.backend_queues));
             c
         }
     };
@@ -133,6 +128,16 @@ pub fn spawn(mut cmd: Command, socket: PathBuf, name: &str) -> Server {
 /// qemu-storage-daemon's `--blockdev` for `image` (node file0): the driver chain the image's
 /// kind and the variant's options call for, O_DIRECT and io_uring unless an option says
 /// otherwise.
+/// qemu-storage-daemon's `--export` of node `node` as a writable vhost-user-blk device on
+/// `socket` with `queues` queues.
+pub fn qsd_export(node: &str, socket: &Path, queues: u32) -> String {
+    format!(
+        "type=vhost-user-blk,id=exp0,node-name={node},addr.type=unix,addr.path={},\
+         writable=on,num-queues={queues}",
+        socket.display()
+    )
+}
+
 pub fn qsd_blockdev(backend: &Backend, image: &Path) -> String {
     let extra = backend
         .extra

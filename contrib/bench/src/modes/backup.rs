@@ -25,19 +25,19 @@ use crate::backends::{Backend, BackendKind};
 use crate::client::connect_client;
 use crate::images::prepare_image;
 use crate::report::{self, median_by};
-use crate::server::{spawn, start_server, Server};
+use crate::server::{qsd_export, spawn, start_server, Server};
 
 const BS: usize = 4096;
 const DEPTH: usize = 32;
 
 /// One run's result.
-pub struct BackupResult {
-    /// Guest 4 KiB write IOPS without a backup.
+pub struct DuringResult {
+    /// Guest 4 KiB write IOPS without the task (a backup, a job).
     pub base_iops: f64,
-    /// Guest 4 KiB write IOPS while the backup is read.
+    /// Guest 4 KiB write IOPS while it runs.
     pub iops: f64,
-    /// The backup's read rate (the image size over `qemu-img convert`'s time).
-    pub read_mbps: f64,
+    /// The task's rate in MB/s (the image size over its time).
+    pub mbps: f64,
 }
 
 /// 4 KiB random writes at depth 32 on `q` until `stop` (or `until`); (I/Os, seconds).
@@ -128,12 +128,7 @@ fn qsd_fleecing(opts: &Opts, image: &Path, work: &Path, nbd: &Path) -> Server {
         "--blockdev",
         "driver=snapshot-access,node-name=acc,file=cbw",
         "--export",
-        &format!(
-            "type=vhost-user-blk,id=exp0,node-name=cbw,addr.type=unix,addr.path={},\
-             writable=on,num-queues={}",
-            socket.display(),
-            opts.backend_queues
-        ),
+        &qsd_export("cbw", &socket, opts.backend_queues),
         "--nbd-server",
         &format!("addr.type=unix,addr.path={}", nbd.display()),
         "--export",
@@ -168,7 +163,7 @@ pub(crate) fn writes(
 /// One run through `backend`. The baseline first (vublk: in the process that then begins
 /// the backup; qemu-storage-daemon: plain, since its fleecing runs from its start), then the
 /// backup from its begin on, every granule still to copy.
-fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> BackupResult {
+fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> DuringResult {
     let image = work.join("backup-bench.img");
     prepare_image(&image, opts.size);
     let nbd = work.join("backup-nbd.sock");
@@ -237,32 +232,56 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> BackupR
     let _ = fs::remove_file(&out);
     drop(server);
     let _ = fs::remove_file(&image);
-    BackupResult {
+    DuringResult {
         base_iops,
         iops: ios as f64 / secs,
-        read_mbps: opts.size as f64 / convert_secs / 1e6,
+        mbps: opts.size as f64 / convert_secs / 1e6,
     }
 }
 
 /// `--backup`: every backend (vublk and qsd builds), `--runs` times, alternating.
 pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
+    let how = format!(
+        "A fully written {} MiB raw image; 4 KiB random writes at depth 32 (one queue) for {} s \
+         without a backup, then during a backup read by `qemu-img convert` of the NBD export \
+         to /dev/shm; {} runs, medians.",
+        opts.size >> 20,
+        opts.seconds,
+        opts.runs
+    );
+    run_during(opts, backends, ("the backup", "backup read"), &how, |b| {
+        measure(b, opts, vublk, work)
+    });
+}
+
+/// Every backend but the file, `--runs` times, alternating, through `measure`: the guest's
+/// write IOPS without and during a task (`what`: its name in the lines, the name of its
+/// rate), the table after `how`.
+pub(crate) fn run_during(
+    opts: &Opts,
+    backends: &[Backend],
+    what: (&str, &str),
+    how: &str,
+    measure: impl FnMut(&Backend) -> DuringResult,
+) {
     let backends: Vec<Backend> = backends
         .iter()
         .filter(|b| b.kind != BackendKind::File)
         .cloned()
         .collect();
+    let (task, rate) = what;
     let results = alternate(
         opts.runs,
         Order::of(opts),
         &backends,
-        |b| measure(b, opts, vublk, work),
+        measure,
         |run, b, r| {
             format!(
-                "run {run} {:8} writes {:.0} IOPS without, {:.0} during the backup; backup read {:.0} MB/s",
+                "run {run} {:8} writes {:.0} IOPS without, {:.0} during {task}; {rate} {:.0} MB/s",
                 b.name(),
                 r.base_iops,
                 r.iops,
-                r.read_mbps
+                r.mbps
             )
         },
     );
@@ -277,22 +296,16 @@ pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
             base,
             during,
             during / base,
-            median_by(rs, |r| r.read_mbps)
+            median_by(rs, |r| r.mbps)
         );
     }
-    let how = format!(
-        "A fully written {} MiB raw image; 4 KiB random writes at depth 32 (one queue) for {} s \
-         without a backup, then during a backup read by `qemu-img convert` of the NBD export \
-         to /dev/shm; {} runs, medians.",
-        opts.size >> 20,
-        opts.seconds,
-        opts.runs
-    );
     report::emit(
         opts,
         &report::table(
-            &how,
-            "| backend | write IOPS, no backup | write IOPS during the backup | during / without | backup read MB/s |",
+            how,
+            &format!(
+                "| backend | write IOPS, without | write IOPS during {task} | during / without | {rate} MB/s |"
+            ),
             "|---|---:|---:|---:|---:|",
             &rows,
         ),

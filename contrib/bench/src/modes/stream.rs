@@ -7,7 +7,6 @@
 //! writes go on until it concludes. Reported: the guest's write IOPS without and during the
 //! job, and the job's rate (the disk's size over its time).
 
-use std::fmt::Write as _;
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -16,19 +15,11 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::alternate::{alternate, Order};
 use crate::args::Opts;
 use crate::backends::{Backend, BackendKind};
 use crate::images::prepare_image;
-use crate::modes::backup::writes;
-use crate::report::{self, median_by};
-use crate::server::{qsd_blockdev, spawn, start_server, Server};
-
-struct StreamResult {
-    base_iops: f64,
-    iops: f64,
-    job_mbps: f64,
-}
+use crate::modes::backup::{run_during, writes, DuringResult};
+use crate::server::{qsd_blockdev, qsd_export, spawn, start_server, Server};
 
 /// A QMP connection to qemu-storage-daemon, capabilities negotiated.
 struct Qmp {
@@ -79,12 +70,7 @@ fn qsd_with_qmp(backend: &Backend, opts: &Opts, top: &Path, work: &Path, qmp: &P
     c.arg("--blockdev")
         .arg(qsd_blockdev(backend, top))
         .arg("--export")
-        .arg(format!(
-            "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},\
-             writable=on,num-queues={}",
-            socket.display(),
-            opts.backend_queues
-        ))
+        .arg(qsd_export("file0", &socket, opts.backend_queues))
         .arg("--chardev")
         .arg(format!(
             "socket,id=qmp0,path={},server=on,wait=off",
@@ -129,7 +115,7 @@ fn new_overlay(base: &Path, top: &Path, work: &Path) {
 
 /// One run through `backend`: the baseline on one new overlay (its writes copy clusters
 /// up from the base), the job on another, so that the job has the whole disk to copy.
-fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> StreamResult {
+fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> DuringResult {
     let base = work.join("stream-base.raw");
     prepare_image(&base, opts.size);
     let top = work.join("stream-top.qcow2");
@@ -196,49 +182,15 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> StreamR
     drop(server);
     let _ = fs::remove_file(&top);
     let _ = fs::remove_file(work.join(".stream-top.qcow2.vublk-chain"));
-    StreamResult {
+    DuringResult {
         base_iops,
         iops: ios as f64 / secs,
-        job_mbps: opts.size as f64 / job_secs / 1e6,
+        mbps: opts.size as f64 / job_secs / 1e6,
     }
 }
 
 /// `--stream`: every backend (vublk and qsd builds), `--runs` times, alternating.
 pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
-    let backends: Vec<Backend> = backends
-        .iter()
-        .filter(|b| b.kind != BackendKind::File)
-        .cloned()
-        .collect();
-    let results = alternate(
-        opts.runs,
-        Order::of(opts),
-        &backends,
-        |b| measure(b, opts, vublk, work),
-        |run, b, r| {
-            format!(
-                "run {run} {:8} writes {:.0} IOPS without, {:.0} during the stream; stream {:.0} MB/s",
-                b.name(),
-                r.base_iops,
-                r.iops,
-                r.job_mbps
-            )
-        },
-    );
-    let mut rows = String::new();
-    for (b, rs) in backends.iter().zip(&results) {
-        let base = median_by(rs, |r| r.base_iops);
-        let during = median_by(rs, |r| r.iops);
-        let _ = writeln!(
-            rows,
-            "| {} | {:.0} | {:.0} | {:.2} | {:.0} |",
-            b.name(),
-            base,
-            during,
-            during / base,
-            median_by(rs, |r| r.job_mbps)
-        );
-    }
     let how = format!(
         "A new qcow2 overlay over a fully written {} MiB raw image; 4 KiB random writes at \
          depth 32 (one queue) on the overlay for {} s without a job, then during a stream job \
@@ -247,13 +199,7 @@ pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
         opts.seconds,
         opts.runs
     );
-    report::emit(
-        opts,
-        &report::table(
-            &how,
-            "| backend | write IOPS, no job | write IOPS during the stream | during / without | stream MB/s |",
-            "|---|---:|---:|---:|---:|",
-            &rows,
-        ),
-    );
+    run_during(opts, backends, ("the stream", "stream"), &how, |b| {
+        measure(b, opts, vublk, work)
+    });
 }
