@@ -14,14 +14,13 @@ mod common;
 mod vm;
 
 use std::env;
-use std::fs::{self, File};
+use std::fs;
 use std::path::Path;
-use std::process::Stdio;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use vm::qmp::Qmp;
-use vm::{check_blocks, markers, read_log, ChildGuard, LineCollector, ScratchDir, MARK};
+use vm::writing::WritingGuest;
+use vm::{check_blocks, ScratchDir};
 
 const DISK: u64 = 512 << 20;
 const WRITERS: u64 = 2;
@@ -51,64 +50,17 @@ fn a_backup_under_a_writing_guest_is_its_disk_at_the_begin() {
         &["--control-socket", &ctl_arg],
     );
     vm::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
-    let qmp_path = run.path.join("qemu.qmp");
-    let mut qcmd = vm::guest_command(
-        &qemu,
-        &guest,
-        "512M",
-        1,
-        &format!("path={}", sock.display()),
-        ",num-queues=1",
-        &format!(
-            "console=ttyS0 panic=-1 loglevel=4 E2E_QUEUES=1 E2E_LBS=512 E2E_MODE=restart \
-             E2E_WRITERS={WRITERS} E2E_SECONDS={SECONDS} E2E_VERIFY_FIRST=32"
-        ),
-    );
-    qcmd.arg("-qmp")
-        .arg(format!("unix:{},server=on,wait=off", qmp_path.display()));
-    qcmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(File::create(run.path.join("qemu.log")).unwrap());
-    let mut q = ChildGuard::spawn("qemu", &mut qcmd).unwrap();
-    let stdout = q.child_mut().stdout.take().unwrap();
-    let mut serial = LineCollector::new(stdout, File::create(run.path.join("serial.log")).ok());
-    let mut qmp = Qmp::connect(&qmp_path, &mut q);
-    let dump = |lines: &[String]| {
-        format!(
-            "--- serial:\n{}\n--- vublk:\n{}\n--- qemu:\n{}",
-            lines.join("\n"),
-            read_log(&log),
-            read_log(&run.path.join("qemu.log"))
-        )
-    };
-    let t0 = Instant::now();
-    let mut lines = Vec::new();
-    loop {
-        let new = serial.poll();
-        let started = new
-            .iter()
-            .any(|l| l.contains(&format!("{MARK}RESTART-START")));
-        lines.extend(new);
-        if started {
-            break;
-        }
-        if q.try_wait().unwrap().is_some() || t0.elapsed() > Duration::from_secs(300) {
-            let _ = q.kill();
-            lines.extend(serial.finish());
-            panic!("the guest did not start writing\n{}", dump(&lines));
-        }
-        thread::sleep(Duration::from_millis(50));
-    }
+    let mut g = WritingGuest::start(&qemu, &guest, &sock, &run.path, &log, WRITERS, SECONDS);
     // Let it write, then pause it between two requests and take the reference.
     thread::sleep(Duration::from_secs(5));
-    qmp.ok(r#"{"execute":"stop"}"#);
+    g.qmp.ok(r#"{"execute":"stop"}"#);
     let reference = fs::read(&image).unwrap();
     let nbd = run.path.join("nbd.sock");
     let uri = common::backup_begin(
         &ctl_sock,
         &["--checkpoint", "vm", "--socket", &nbd.display().to_string()],
     );
-    qmp.ok(r#"{"execute":"cont"}"#);
+    g.qmp.ok(r#"{"execute":"cont"}"#);
     // The guest writes on while the export is copied.
     thread::sleep(Duration::from_secs(3));
     let out = run.path.join("backup.raw");
@@ -126,24 +78,9 @@ fn a_backup_under_a_writing_guest_is_its_disk_at_the_begin() {
     );
     println!("[backup] the export equals the disk at the begin; {copied} bytes copied before guest writes");
     common::ctl_ok(&ctl_sock, "backup-end", &["--checkpoint", "vm"]);
-    // The guest finishes its workload and powers off.
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let done = q.wait_until(deadline).unwrap();
-    if done.is_none() {
-        let _ = q.kill();
-    }
-    lines.extend(serial.finish());
-    let marks = markers(&lines);
-    if let Some(f) = marks.iter().find(|m| m.starts_with("FAIL")) {
-        panic!("guest reported {f}\n{}", dump(&lines));
-    }
-    assert!(done.is_some(), "the guest hung\n{}", dump(&lines));
-    assert!(
-        marks.iter().any(|m| m.starts_with("PASS")),
-        "no PASS\n{}",
-        dump(&lines)
-    );
+    // The guest finishes its workload (PASS) and powers off.
+    let marks = g.finish();
     vublk.terminate(Duration::from_secs(20));
     let checked = check_blocks(&marks, &image, &guest.pattern, WRITERS, DISK);
-    assert!(checked > 0, "no block checked\n{}", dump(&lines));
+    assert!(checked > 0, "no block checked");
 }

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod qmp;
+pub mod writing;
 
 use std::env;
 use std::ffi::OsStr;

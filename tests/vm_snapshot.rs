@@ -1,0 +1,100 @@
+//! A snapshot and a stream under a running Linux guest (QEMU, TCG; docs/snapshots.md): the
+//! guest's `restart` workload writes 4 KiB and 1 MiB blocks all over its raw disk and
+//! verifies them; the test pauses the VM (QMP `stop`), copies the image file as the
+//! reference, takes a snapshot, resumes the VM, and after a while streams the chain into
+//! the overlay while the guest goes on writing. The guest finishes its workload (PASS);
+//! the old image is still the disk at the snapshot, the overlay stands alone (no backing
+//! file, `qemu-img check` clean), and every block the guest wrote is in it.
+//!
+//! Environment: `VUBLK_E2E_REQUIRE=1` fails instead of skipping when QEMU or the guest
+//! kernel is missing; `VUBLK_E2E_KEEP=1` keeps the run directory.
+
+mod common;
+mod vm;
+
+use std::env;
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use vm::writing::WritingGuest;
+use vm::{check_blocks, ScratchDir};
+
+const DISK: u64 = 512 << 20;
+const WRITERS: u64 = 2;
+const SECONDS: u64 = 40;
+
+#[test]
+fn a_snapshot_and_a_stream_under_a_writing_guest() {
+    let Some((qemu, guest)) = vm::guest_prerequisites(&["qemu-img"]) else {
+        return;
+    };
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let mut run = ScratchDir::new(tmp, &format!("vm-snapshot-{}", std::process::id())).unwrap();
+    run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
+    let image = run.path.join("disk.raw");
+    common::qemu_img_create(&image, "raw", &DISK.to_string());
+    let sock = env::temp_dir().join(format!("vublk-vm-snapshot-{}.sock", std::process::id()));
+    let _ = fs::remove_file(&sock);
+    let ctl_sock = run.path.join("ctl.sock");
+    let log = run.path.join("vublk.log");
+    let ctl_arg = ctl_sock.display().to_string();
+    let mut vublk = vm::spawn_vublk(
+        "vublk",
+        &log,
+        &sock,
+        &image,
+        1,
+        &["--control-socket", &ctl_arg],
+    );
+    vm::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
+    let mut g = WritingGuest::start(&qemu, &guest, &sock, &run.path, &log, WRITERS, SECONDS);
+    // Let it write, then pause it between two requests, take the reference and snapshot.
+    thread::sleep(Duration::from_secs(5));
+    g.qmp.ok(r#"{"execute":"stop"}"#);
+    let reference = fs::read(&image).unwrap();
+    let overlay = run.path.join("s1.qcow2");
+    let snap = common::ctl_ok(
+        &ctl_sock,
+        "snapshot",
+        &["--overlay", &overlay.display().to_string()],
+    );
+    g.qmp.ok(r#"{"execute":"cont"}"#);
+    println!("[snapshot] {snap}");
+    // The guest writes into the overlay; then the chain is streamed into it meanwhile.
+    thread::sleep(Duration::from_secs(5));
+    common::ctl_ok(&ctl_sock, "stream", &["--id", "vm"]);
+    let t0 = Instant::now();
+    let job = loop {
+        let v = common::ctl_ok(&ctl_sock, "jobs", &[]);
+        let j = v["jobs"][0].clone();
+        if j["state"] == "concluded" {
+            break j;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "the stream runs on: {v}"
+        );
+        thread::sleep(Duration::from_millis(100));
+    };
+    assert!(job["error"].is_null(), "{job}");
+    println!("[stream] {job}");
+    let status = common::ctl_ok(&ctl_sock, "status", &[]);
+    assert_eq!(status["chain"].as_array().unwrap().len(), 1, "{status}");
+    // The guest finishes its workload (PASS) and powers off.
+    let marks = g.finish();
+    vublk.terminate(Duration::from_secs(20));
+    // The old image is the disk at the snapshot; the overlay stands alone and holds every
+    // block the guest wrote.
+    common::assert_same(&fs::read(&image).unwrap(), &reference, "the old image");
+    let info = common::run_ok(Command::new("qemu-img").arg("info").arg(&overlay));
+    assert!(!info.contains("backing file"), "{info}");
+    common::assert_check_allows_leaks(&overlay, "qcow2", "the streamed overlay");
+    let flat = run.path.join("flat.raw");
+    common::convert_to_raw(&overlay, "qcow2", &flat);
+    let checked = check_blocks(&marks, &flat, &guest.pattern, WRITERS, DISK);
+    assert!(checked > 0, "no block checked");
+    println!("[check] {checked} blocks the guest wrote are in the overlay");
+}
