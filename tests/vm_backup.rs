@@ -13,14 +13,12 @@
 mod common;
 mod vm;
 
-use std::env;
 use std::fs;
-use std::path::Path;
 use std::thread;
 use std::time::Duration;
 
-use vm::writing::WritingGuest;
-use vm::{check_blocks, ScratchDir};
+use vm::writing::Rig;
+use vm::check_blocks;
 
 const DISK: u64 = 512 << 20;
 const WRITERS: u64 = 2;
@@ -28,29 +26,23 @@ const SECONDS: u64 = 40;
 
 #[test]
 fn a_backup_under_a_writing_guest_is_its_disk_at_the_begin() {
-    let Some((qemu, guest)) = vm::guest_prerequisites(&["qemu-img", "nbdcopy"]) else {
+    let Some(Rig {
+        run,
+        image,
+        ctl: ctl_sock,
+        mut vublk,
+        guest,
+        mut g,
+    }) = Rig::start(
+        "vm-backup",
+        &["qemu-img", "nbdcopy"],
+        DISK,
+        WRITERS,
+        SECONDS,
+    )
+    else {
         return;
     };
-    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let mut run = ScratchDir::new(tmp, &format!("vm-backup-{}", std::process::id())).unwrap();
-    run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
-    let image = run.path.join("disk.raw");
-    common::qemu_img_create(&image, "raw", &DISK.to_string());
-    let sock = env::temp_dir().join(format!("vublk-vm-backup-{}.sock", std::process::id()));
-    let _ = fs::remove_file(&sock);
-    let ctl_sock = run.path.join("ctl.sock");
-    let log = run.path.join("vublk.log");
-    let ctl_arg = ctl_sock.display().to_string();
-    let mut vublk = vm::spawn_vublk(
-        "vublk",
-        &log,
-        &sock,
-        &image,
-        1,
-        &["--control-socket", &ctl_arg],
-    );
-    vm::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
-    let mut g = WritingGuest::start(&qemu, &guest, &sock, &run.path, &log, WRITERS, SECONDS);
     // Let it write, then pause it between two requests and take the reference.
     thread::sleep(Duration::from_secs(5));
     g.qmp.ok(r#"{"execute":"stop"}"#);

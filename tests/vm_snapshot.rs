@@ -12,15 +12,13 @@
 mod common;
 mod vm;
 
-use std::env;
 use std::fs;
-use std::path::Path;
 use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::writing::WritingGuest;
-use vm::{check_blocks, ScratchDir};
+use vm::writing::Rig;
+use vm::check_blocks;
 
 const DISK: u64 = 512 << 20;
 const WRITERS: u64 = 2;
@@ -28,29 +26,17 @@ const SECONDS: u64 = 40;
 
 #[test]
 fn a_snapshot_and_a_stream_under_a_writing_guest() {
-    let Some((qemu, guest)) = vm::guest_prerequisites(&["qemu-img"]) else {
+    let Some(Rig {
+        run,
+        image,
+        ctl: ctl_sock,
+        mut vublk,
+        guest,
+        mut g,
+    }) = Rig::start("vm-snapshot", &["qemu-img"], DISK, WRITERS, SECONDS)
+    else {
         return;
     };
-    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let mut run = ScratchDir::new(tmp, &format!("vm-snapshot-{}", std::process::id())).unwrap();
-    run.keep = env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
-    let image = run.path.join("disk.raw");
-    common::qemu_img_create(&image, "raw", &DISK.to_string());
-    let sock = env::temp_dir().join(format!("vublk-vm-snapshot-{}.sock", std::process::id()));
-    let _ = fs::remove_file(&sock);
-    let ctl_sock = run.path.join("ctl.sock");
-    let log = run.path.join("vublk.log");
-    let ctl_arg = ctl_sock.display().to_string();
-    let mut vublk = vm::spawn_vublk(
-        "vublk",
-        &log,
-        &sock,
-        &image,
-        1,
-        &["--control-socket", &ctl_arg],
-    );
-    vm::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
-    let mut g = WritingGuest::start(&qemu, &guest, &sock, &run.path, &log, WRITERS, SECONDS);
     // Let it write, then pause it between two requests, take the reference and snapshot.
     thread::sleep(Duration::from_secs(5));
     g.qmp.ok(r#"{"execute":"stop"}"#);

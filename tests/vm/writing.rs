@@ -123,3 +123,52 @@ impl WritingGuest {
         marks
     }
 }
+
+/// The usual set-up around a [`WritingGuest`]: a scratch directory, a raw disk, vublk
+/// serving it with a control socket, the guest writing.
+pub struct Rig {
+    pub run: super::ScratchDir,
+    pub image: PathBuf,
+    /// vublk's control socket.
+    pub ctl: PathBuf,
+    pub vublk: ChildGuard,
+    pub guest: Guest,
+    pub g: WritingGuest,
+}
+
+impl Rig {
+    /// `name` names the scratch directory and the socket; `tools` are needed besides QEMU
+    /// (None: skipped, saying why).
+    pub fn start(name: &str, tools: &[&str], disk: u64, writers: u64, seconds: u64) -> Option<Rig> {
+        let (qemu, guest) = super::guest_prerequisites(tools)?;
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let mut run =
+            super::ScratchDir::new(tmp, &format!("{name}-{}", std::process::id())).unwrap();
+        run.keep = std::env::var("VUBLK_E2E_KEEP").is_ok_and(|v| v == "1");
+        let image = run.path.join("disk.raw");
+        crate::common::qemu_img_create(&image, "raw", &disk.to_string());
+        let sock = std::env::temp_dir().join(format!("vublk-{name}-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&sock);
+        let ctl = run.path.join("ctl.sock");
+        let log = run.path.join("vublk.log");
+        let ctl_arg = ctl.display().to_string();
+        let mut vublk = super::spawn_vublk(
+            "vublk",
+            &log,
+            &sock,
+            &image,
+            1,
+            &["--control-socket", &ctl_arg],
+        );
+        super::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
+        let g = WritingGuest::start(&qemu, &guest, &sock, &run.path, &log, writers, seconds);
+        Some(Rig {
+            run,
+            image,
+            ctl,
+            vublk,
+            guest,
+            g,
+        })
+    }
+}
