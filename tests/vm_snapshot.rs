@@ -17,8 +17,8 @@ use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::writing::Rig;
 use vm::check_blocks;
+use vm::writing::Rig;
 
 const DISK: u64 = 512 << 20;
 const WRITERS: u64 = 2;

@@ -28,6 +28,7 @@ use log::info;
 use serde_json::{json, Value};
 
 mod client;
+mod jobs;
 
 pub use client::{client, request_of};
 
@@ -35,6 +36,7 @@ use crate::device::Device;
 use crate::locks::Locked;
 use crate::stats::QueueSnapshot;
 use crate::throttle::Limits;
+use jobs::{image_busy, JobHost, JobParams};
 
 /// Longest request line accepted (bytes, newline excluded).
 pub const MAX_LINE: usize = 64 * 1024;
@@ -616,86 +618,6 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
             })
         }
         _ => Err((METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
-    }
-}
-
-/// Why the served image cannot be switched now (a backup's view holds it, a migration).
-fn image_busy(dev: &Device) -> Option<String> {
-    if dev.backups.any() {
-        Some("a backup is running over the image served now: end it first (backup-end)".into())
-    } else if dev.dirty_log.load(Ordering::Acquire) {
-        Some("the frontend is migrating the guest: wait for the migration to end".into())
-    } else {
-        None
-    }
-}
-
-/// What a block job needs of the device (`jobs::Host`).
-struct JobHost {
-    dev: Arc<Device>,
-    base: PathBuf,
-    state: Option<PathBuf>,
-}
-
-impl crate::jobs::Host for JobHost {
-    fn slot(&self) -> &crate::image::handover::ImageSlot {
-        &self.dev.image
-    }
-    fn paused(&self, f: &mut dyn FnMut()) {
-        self.dev.with_queues_paused(f)
-    }
-    fn bitmaps(&self) -> &crate::bitmaps::Bitmaps {
-        &self.dev.bitmaps
-    }
-    fn busy(&self) -> Option<String> {
-        image_busy(&self.dev)
-    }
-    fn base(&self) -> &std::path::Path {
-        &self.base
-    }
-    fn chain_state(&self) -> Option<&std::path::Path> {
-        self.state.as_deref()
-    }
-}
-
-/// The parameters every job takes: `id` (optional) and `speed` (bytes per second, 0:
-/// unlimited); `extra` names the job's own (strings).
-struct JobParams {
-    id: Option<String>,
-    speed: u64,
-}
-
-impl JobParams {
-    fn parse(params: &Value, extra: &[&str]) -> Result<Self, (i64, String)> {
-        let m = match params {
-            Value::Null => return Ok(JobParams { id: None, speed: 0 }),
-            Value::Object(m) => m,
-            _ => return Err((INVALID_PARAMS, "a job takes an object of parameters".into())),
-        };
-        if let Some(k) = m
-            .keys()
-            .find(|k| !["id", "speed"].contains(&k.as_str()) && !extra.contains(&k.as_str()))
-        {
-            return Err((INVALID_PARAMS, format!("unknown parameter {k:?}")));
-        }
-        for k in extra {
-            if m.get(*k).is_some_and(|v| !v.is_string()) {
-                return Err((INVALID_PARAMS, format!("{k}: a string")));
-            }
-        }
-        let id = match m.get("id") {
-            None => None,
-            Some(Value::String(s)) => Some(s.clone()),
-            Some(_) => return Err((INVALID_PARAMS, "id: a string".into())),
-        };
-        let speed = match m.get("speed") {
-            None => 0,
-            Some(v) => v.as_u64().ok_or((
-                INVALID_PARAMS,
-                "speed: bytes per second, a non-negative integer".to_owned(),
-            ))?,
-        };
-        Ok(JobParams { id, speed })
     }
 }
 
