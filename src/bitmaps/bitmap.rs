@@ -235,6 +235,53 @@ impl DirtyBitmap {
     }
 }
 
+impl DirtyBitmap {
+    /// Clear the dirty granules from byte `from` on and return them as extents (offset,
+    /// length in bytes), at most `max_bytes` of them (at least one granule when any is
+    /// dirty); and where the next call would go on (None: the end was reached). Each word is
+    /// taken with one atomic swap: a bit set after the swap is left for the next call (a
+    /// block job copies what it took, and what the guest changes meanwhile comes again).
+    pub fn take_extents(&self, from: u64, max_bytes: u64) -> (Vec<(u64, u64)>, Option<u64>) {
+        let size = self.size();
+        let chunks = self.chunks.locked().clone();
+        let bits = self.bits_for(size);
+        let g = self.granularity();
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        let mut taken = 0u64;
+        let mut i = (from >> self.shift) / 64;
+        let words = bits.div_ceil(64);
+        while i < words {
+            if taken >= max_bytes {
+                return (out, Some(i * 64 * g));
+            }
+            let Some(w) = word(&chunks, i) else { break };
+            let v = if w.load(Ordering::Relaxed) == 0 {
+                0
+            } else {
+                w.swap(0, Ordering::AcqRel)
+            };
+            let mut v = v;
+            while v != 0 {
+                let k = u64::from(v.trailing_zeros());
+                v &= v - 1;
+                let bit = i * 64 + k;
+                if bit >= bits {
+                    break;
+                }
+                let start = bit << self.shift;
+                let end = (start + g).min(size);
+                taken += end - start;
+                match out.last_mut() {
+                    Some(l) if l.0 + l.1 == start => l.1 = end - l.0,
+                    _ => out.push((start, end - start)),
+                }
+            }
+            i += 1;
+        }
+        (out, None)
+    }
+}
+
 /// Word `i` of the bitmap, if its chunk exists.
 fn word(chunks: &[Chunk], i: u64) -> Option<&AtomicU64> {
     let c = chunks.get(usize::try_from(i / CHUNK_WORDS as u64).ok()?)?;
@@ -408,5 +455,29 @@ mod tests {
             t.join().unwrap();
         }
         assert_eq!(b.dirty_extents(0, 10).0, [(0, 80_000 * 512)]);
+    }
+
+    #[test]
+    fn taking_extents_clears_them_and_stops_at_the_limit() {
+        let b = bitmap(4096, 64 << 20);
+        for i in 0..100u64 {
+            b.mark(i * 8192, 4096);
+        }
+        b.mark(70 << 12, 3 << 12);
+        let (first, next) = b.take_extents(0, 10 * 4096);
+        // A whole word (64 granules) is taken with one swap, past the limit.
+        assert_eq!(next, Some(64 * 4096));
+        assert_eq!(first.len(), 32);
+        assert_eq!(first[0], (0, 4096));
+        assert_eq!(b.dirty_bytes(), (100 - 32) * 4096 + 4096);
+        // What the guest dirties again before the next pass comes again.
+        b.mark(0, 4096);
+        let (rest, next) = b.take_extents(next.unwrap(), u64::MAX);
+        assert_eq!(next, None);
+        assert_eq!(rest[3], (70 << 12, 3 << 12));
+        assert_eq!(rest.iter().map(|e| e.1).sum::<u64>(), (100 - 32 + 1) * 4096);
+        assert_eq!(b.take_extents(0, u64::MAX).0, [(0, 4096)]);
+        assert_eq!(b.dirty_bytes(), 0);
+        assert_eq!(b.take_extents(0, u64::MAX), (vec![], None));
     }
 }

@@ -78,6 +78,9 @@ struct Entry {
     bitmap: Arc<DirtyBitmap>,
     persistent: bool,
     inconsistent: bool,
+    /// A block job's own record of what the guest changes (`track`): not listed, not
+    /// reachable by name, never persistent.
+    internal: bool,
 }
 
 /// The disk's bitmaps.
@@ -199,6 +202,7 @@ impl Bitmaps {
                 bitmap: l.bitmap,
                 persistent: true,
                 inconsistent: l.inconsistent,
+                internal: false,
             });
         }
         drop(e);
@@ -241,6 +245,7 @@ impl Bitmaps {
             bitmap: Arc::new(DirtyBitmap::new(name, granularity, size, recording)),
             persistent,
             inconsistent: false,
+            internal: false,
         });
         if let Err(err) = Self::save_if(&e, persistent, save) {
             e.pop();
@@ -256,7 +261,7 @@ impl Bitmaps {
         let mut e = self.entries.locked();
         let i = e
             .iter()
-            .position(|x| x.bitmap.name() == name)
+            .position(|x| !x.internal && x.bitmap.name() == name)
             .ok_or_else(|| BitmapError::NotFound(name.to_owned()))?;
         let gone = e.remove(i);
         if let Err(err) = Self::save_if(&e, gone.persistent, save) {
@@ -272,7 +277,7 @@ impl Bitmaps {
     fn usable_in(e: &[Entry], name: &str) -> Result<(Arc<DirtyBitmap>, bool), BitmapError> {
         let x = e
             .iter()
-            .find(|x| x.bitmap.name() == name)
+            .find(|x| !x.internal && x.bitmap.name() == name)
             .ok_or_else(|| BitmapError::NotFound(name.to_owned()))?;
         if x.inconsistent {
             return Err(BitmapError::Inconsistent(name.to_owned()));
@@ -337,6 +342,7 @@ impl Bitmaps {
         self.entries
             .locked()
             .iter()
+            .filter(|x| !x.internal)
             .map(|x| BitmapInfo {
                 name: x.bitmap.name().to_owned(),
                 granularity: x.bitmap.granularity(),
@@ -351,6 +357,37 @@ impl Bitmaps {
                 size_bytes: x.bitmap.size(),
             })
             .collect()
+    }
+
+    /// A bitmap of its own for a block job (a commit, a mirror): recording from now on
+    /// everything the guest changes, as the named ones do, but not listed, not reachable by
+    /// name and never saved. [`Self::untrack`] drops it.
+    pub fn track(&self, granularity: u64) -> Arc<DirtyBitmap> {
+        let g = granularity
+            .clamp(MIN_GRANULARITY, MAX_GRANULARITY)
+            .next_power_of_two();
+        let b = Arc::new(DirtyBitmap::new(
+            "\u{1}job",
+            g,
+            self.size.load(Ordering::Acquire),
+            true,
+        ));
+        self.entries.locked().push(Entry {
+            bitmap: b.clone(),
+            persistent: false,
+            inconsistent: false,
+            internal: true,
+        });
+        self.changed();
+        b
+    }
+
+    /// Stop recording into a job's bitmap.
+    pub fn untrack(&self, b: &Arc<DirtyBitmap>) {
+        self.entries
+            .locked()
+            .retain(|x| !(x.internal && Arc::ptr_eq(&x.bitmap, b)));
+        self.changed();
     }
 
     /// The bitmap `name` (for reading its extents).
@@ -375,7 +412,7 @@ impl Bitmaps {
 
     /// Is any bitmap kept at all?
     pub fn is_empty(&self) -> bool {
-        self.entries.locked().is_empty()
+        self.entries.locked().iter().all(|x| x.internal)
     }
 }
 
@@ -495,5 +532,20 @@ mod tests {
         }
         assert_eq!(s.list()[0].dirty_bytes, 1024);
         assert_eq!(s.list()[1].dirty_bytes, 512);
+    }
+
+    #[test]
+    fn a_job_bitmap_records_but_is_hidden() {
+        let s = Bitmaps::new(1 << 30, None);
+        let mut r = Recorder::default();
+        let t = s.track(65536);
+        r.mark(&s, 1 << 20, 4096);
+        assert!(s.list().is_empty());
+        assert!(s.is_empty());
+        assert!(matches!(s.get("\u{1}job"), Err(BitmapError::NotFound(_))));
+        assert_eq!(t.dirty_bytes(), 65536);
+        s.untrack(&t);
+        r.mark(&s, 2 << 20, 4096);
+        assert_eq!(t.dirty_bytes(), 65536);
     }
 }
