@@ -8,14 +8,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use serde_json::Value;
 
 const SIZE: u64 = 32 * MIB;
 const STOP: Duration = Duration::from_secs(10);
@@ -30,70 +27,13 @@ fn skip(what: &str) -> bool {
     false
 }
 
-fn qemu_img(args: &[&str], paths: &[&Path]) -> String {
-    run_ok(Command::new("qemu-img").args(args).args(paths))
-}
-
-/// `qemu-img compare` of an image (its format probed, its backing chain followed) with a
-/// raw file: identical.
-fn assert_compare(image: &Path, raw: &Path, what: &str) {
-    let o = Command::new("qemu-img")
-        .args(["compare", "-F", "raw"])
-        .args([image, raw])
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "{what}: qemu-img compare {} {}: {}{}",
-        image.display(),
-        raw.display(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
-/// Does a process hold `img` open for writing? (QEMU's lock protocol: byte 101, the write
-/// permission, is locked by every user that holds it.)
-fn holds_write(img: &Path) -> bool {
-    byte_locked(img, 101)
-}
-
-/// A disk of `fmt` holding a pattern in its first half (the second half never written).
-fn make_disk(dir: &TestDir, fmt: &str) -> PathBuf {
-    let raw = dir.join("seed.raw");
-    create_sparse_image(&raw, SIZE);
-    write_file_range(&raw, 0, &pattern((SIZE / 2) as usize, 0, 5));
-    let img = dir.join(&format!("disk.{fmt}"));
-    qemu_img(&["convert", "-f", "raw", "-O", fmt], &[&raw, &img]);
-    std::fs::remove_file(&raw).unwrap();
-    img
-}
-
-/// The whole chain as qemu-img sees it: (file name, format) from the top down.
-fn chain(top: &Path) -> Vec<(String, String)> {
-    let out = qemu_img(&["info", "--backing-chain", "--output=json", "-U"], &[top]);
-    let v: Value = serde_json::from_str(&out).unwrap();
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|l| {
-            let name = Path::new(l["filename"].as_str().unwrap())
-                .file_name()
-                .unwrap()
-                .to_string_lossy()
-                .into_owned();
-            (name, l["format"].as_str().unwrap().to_owned())
-        })
-        .collect()
-}
-
 /// A snapshot under a writer, for a disk of `fmt`; then a restart that serves the overlay.
 fn snapshot_under_writes(fmt: &str) {
     if skip("snapshots") {
         return;
     }
     let dir = TestDir::new(&format!("snapshot-{fmt}"));
-    let img = make_disk(&dir, fmt);
+    let img = make_disk(&dir, fmt, SIZE);
     let (backend, sock) = start_with_control(&dir, &img, 2, &[]);
     let writer = Writer::start(connect_queues(&backend.socket, 2), 3);
     writer.run_for(100);
@@ -197,7 +137,7 @@ fn persistent_bitmaps_move_into_the_overlay() {
         return;
     }
     let dir = TestDir::new("snapshot-bitmaps");
-    let img = make_disk(&dir, "qcow2");
+    let img = make_disk(&dir, "qcow2", SIZE);
     let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
     ctl_ok(&sock, "bitmap-add", &["b", "--persistent"]);
     let mut c = connect(&backend.socket, ClientOpts::default());
@@ -228,7 +168,7 @@ fn refusals_say_why() {
         return;
     }
     let dir = TestDir::new("snapshot-refusals");
-    let img = make_disk(&dir, "raw");
+    let img = make_disk(&dir, "raw", SIZE);
     let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
     let exists = dir.join("exists.qcow2");
     std::fs::write(&exists, b"keep me").unwrap();
@@ -341,7 +281,7 @@ fn sigkill_during_a_snapshot_loses_no_flushed_write() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(6);
     let dir = TestDir::new("snapshot-kill");
-    let img = make_disk(&dir, "qcow2");
+    let img = make_disk(&dir, "qcow2", SIZE);
     let mut model = read_disk_via_qemu(&img, &dir);
     let mut rng = Rng::new(0x5eed);
     let mut snapshots = 0;
@@ -353,7 +293,7 @@ fn sigkill_during_a_snapshot_loses_no_flushed_write() {
             &model,
             &format!("run {run}: the disk at start"),
         );
-        let writer = FlushingWriter::start(c, rng.next_u64());
+        let writer = FlushingWriter::start(c, rng.next_u64(), SIZE);
         writer.wait_for(20);
         let ov = dir.join(&format!("k{run}.qcow2")).display().to_string();
         let sock2 = sock.clone();
@@ -403,38 +343,6 @@ fn sigkill_during_a_snapshot_loses_no_flushed_write() {
 }
 
 /// The disk `img` holds (its chain followed), read with qemu-img.
-fn read_disk_via_qemu(img: &Path, dir: &TestDir) -> Vec<u8> {
-    let raw = dir.join("model.raw");
-    let _ = std::fs::remove_file(&raw);
-    qemu_img(&["convert", "-O", "raw"], &[img, &raw]);
-    let v = read_file(&raw);
-    std::fs::remove_file(&raw).unwrap();
-    v
-}
-
-/// Poll `jobs` until job `id` concludes; its entry.
-fn wait_job(sock: &Path, id: &str) -> Value {
-    let t0 = std::time::Instant::now();
-    loop {
-        let v = ctl_ok(sock, "jobs", &[]);
-        let j = v["jobs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|j| j["id"] == id)
-            .cloned()
-            .unwrap_or_else(|| panic!("no job {id}: {v}"));
-        if j["state"] == "concluded" {
-            return j;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "job {id} runs on: {j}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// `stream` under a writer: after a snapshot, the overlay gets everything it read from its
 /// backing file and loses the link; with `--base`, the link points at the base.
 #[test]
@@ -444,7 +352,7 @@ fn stream_copies_the_chain_into_the_top_under_writes() {
     }
     for fmt in ["raw", "qcow2"] {
         let dir = TestDir::new(&format!("stream-{fmt}"));
-        let img = make_disk(&dir, fmt);
+        let img = make_disk(&dir, fmt, SIZE);
         let (backend, sock) = start_with_control(&dir, &img, 2, &[]);
         let writer = Writer::start(connect_queues(&backend.socket, 2), 9);
         writer.run_for(50);
@@ -504,7 +412,7 @@ fn a_slow_stream_is_listed_refuses_company_and_can_be_cancelled_and_run_again() 
         return;
     }
     let dir = TestDir::new("stream-cancel");
-    let img = make_disk(&dir, "raw");
+    let img = make_disk(&dir, "raw", SIZE);
     let addr = format!("127.0.0.1:{}", free_port());
     let (backend, sock) = start_with_control(&dir, &img, 1, &["--metrics-addr", &addr]);
     let (ok, _, err) = ctl(&sock, "stream", &[]);
@@ -591,13 +499,14 @@ fn sigkill_during_a_stream_loses_no_flushed_write() {
     let mut rng = Rng::new(0x57ea);
     for run in 0..runs {
         let dir = TestDir::new(&format!("stream-kill-{run}"));
-        let img = make_disk(&dir, "raw");
+        let img = make_disk(&dir, "raw", SIZE);
         let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
         let s1 = dir.join("s1.qcow2");
         ctl_ok(&sock, "snapshot", &["--overlay", &s1.display().to_string()]);
         let writer = FlushingWriter::start(
             connect(&backend.socket, ClientOpts::default()),
             rng.next_u64(),
+            SIZE,
         );
         // Slow enough to be killed in the middle, or (sometimes) at the very end.
         let speed = if run % 3 == 2 { "0" } else { "16M" };
@@ -638,93 +547,5 @@ fn sigkill_during_a_stream_loses_no_flushed_write() {
         assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
         assert_eq!(chain(&s1).len(), 1);
         assert_check_allows_leaks(&s1, "qcow2", &format!("run {run}: s1 streamed"));
-    }
-}
-
-/// A writer that flushes after every write, on a thread of its own, until the daemon dies
-/// under it (`stop`): 64 KiB blocks of one byte value at random places of the disk.
-struct FlushingWriter {
-    stop: Arc<AtomicBool>,
-    writes: Arc<AtomicU64>,
-    log: Arc<std::sync::Mutex<Written>>,
-    thread: std::thread::JoinHandle<()>,
-}
-
-/// What a [`FlushingWriter`] wrote: the writes whose flush completed, in order, and the
-/// write in flight when the daemon died (on disk or not).
-#[derive(Default)]
-struct Written {
-    flushed: Vec<(u64, u8)>,
-    pending: Option<(u64, u8)>,
-}
-
-impl FlushingWriter {
-    fn start(c: Client, seed: u64) -> Self {
-        let mut c = Shared(c);
-        let stop = Arc::new(AtomicBool::new(false));
-        let writes = Arc::new(AtomicU64::new(0));
-        let log = Arc::new(std::sync::Mutex::new(Written::default()));
-        let (s, w, l) = (stop.clone(), writes.clone(), log.clone());
-        let thread = std::thread::spawn(move || {
-            // The daemon is killed under it: its last request gives up within a second.
-            set_io_deadline_for_this_thread(Duration::from_secs(1));
-            let mut r = Rng::new(seed);
-            while !s.load(Ordering::Relaxed) {
-                let block = r.below(SIZE / 65536) * 65536;
-                let byte = (r.below(255) + 1) as u8;
-                l.lock().unwrap().pending = Some((block, byte));
-                if c.0.write_at(0, block, &[byte; 65536]) != 0 || c.0.submit(0, Op::Flush) != 0 {
-                    break;
-                }
-                let mut g = l.lock().unwrap();
-                g.flushed.push((block, byte));
-                g.pending = None;
-                drop(g);
-                w.fetch_add(1, Ordering::Relaxed);
-            }
-            drop(c);
-        });
-        FlushingWriter {
-            stop,
-            writes,
-            log,
-            thread,
-        }
-    }
-
-    /// Wait until `n` writes were flushed.
-    fn wait_for(&self, n: u64) {
-        while self.writes.load(Ordering::Relaxed) < n {
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
-    /// After the daemon died: what was written. (The client's wait for the dead daemon's
-    /// last request times out, a panic in that thread: what it logged before counts.)
-    fn stop(self) -> Written {
-        self.stop.store(true, Ordering::Relaxed);
-        let _ = self.thread.join();
-        std::mem::take(&mut *self.log.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-}
-
-impl Written {
-    /// `disk` holds the last flushed write of every block written (the write in flight at
-    /// the kill may be there instead).
-    fn check(&self, disk: &[u8], what: &str) {
-        let last: std::collections::BTreeMap<u64, u8> = self.flushed.iter().copied().collect();
-        for (block, byte) in &last {
-            let here = &disk[*block as usize..*block as usize + 65536];
-            if self
-                .pending
-                .is_some_and(|(pb, pbyte)| pb == *block && here.iter().all(|x| *x == pbyte))
-            {
-                continue;
-            }
-            assert!(
-                here.iter().all(|x| x == byte),
-                "{what}: a flushed write at {block} is lost"
-            );
-        }
     }
 }

@@ -11,6 +11,7 @@
 
 #[cfg(feature = "rbd")]
 mod ceph;
+mod chain;
 mod client;
 mod files;
 mod frontend;
@@ -26,6 +27,8 @@ mod writer;
 #[cfg(feature = "rbd")]
 #[allow(unused_imports)]
 pub use ceph::*;
+#[allow(unused_imports)]
+pub use chain::*;
 #[allow(unused_imports)]
 pub use client::*;
 #[allow(unused_imports)]
