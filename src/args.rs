@@ -437,6 +437,25 @@ pub enum CtlMethod {
         #[command(flatten)]
         job: JobArgs,
     },
+    /// Merge layers of the chain into a layer below while the guest runs (a commit job):
+    /// from --top (default: the image served) down to --base (default: the bottom), which
+    /// must not be --top; the merged layers leave the chain. Committing the image served
+    /// switches the guest to the base at the end.
+    Commit {
+        /// The top layer merged (a path or a file name in the chain; default: the image
+        /// served, an active commit).
+        #[arg(long, value_name = "NODE")]
+        top: Option<String>,
+        /// The layer merged into (default: the bottom of the chain).
+        #[arg(long, value_name = "NODE")]
+        base: Option<String>,
+        /// An active commit waits in the ready state (still copying what the guest
+        /// writes) until job-complete, instead of switching by itself.
+        #[arg(long)]
+        manual_complete: bool,
+        #[command(flatten)]
+        job: JobArgs,
+    },
     /// Block jobs: id, type, state, bytes done of the total, speed limit, error.
     Jobs,
     /// Stop a job at its next step.

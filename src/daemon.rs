@@ -89,7 +89,12 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
                 .display()
         );
         opts.path = r.top.clone();
-        opts.format = Some(crate::image::Format::Qcow2);
+        // The top's format (an active commit may leave a raw or parallels base on top).
+        opts.format = Some(match r.format.as_str() {
+            "raw" => crate::image::Format::Raw,
+            "parallels" => crate::image::Format::Parallels,
+            _ => crate::image::Format::Qcow2,
+        });
         opts.follow_backing = true;
     }
     let opened = if cfg.incoming {

@@ -89,6 +89,23 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
             }
             ("stream".to_owned(), Value::Object(p))
         }
+        M::Commit {
+            top,
+            base,
+            manual_complete,
+            job,
+        } => {
+            let mut p = job_params(job)?;
+            for (k, v) in [("top", top), ("base", base)] {
+                if let Some(v) = v {
+                    p.insert(k.into(), json!(v));
+                }
+            }
+            if *manual_complete {
+                p.insert("manual_complete".into(), json!(true));
+            }
+            ("commit".to_owned(), Value::Object(p))
+        }
         M::Jobs => ("jobs".to_owned(), Value::Null),
         M::JobCancel { id } => ("job-cancel".to_owned(), json!({ "id": id })),
         M::JobComplete { id } => ("job-complete".to_owned(), json!({ "id": id })),

@@ -1,5 +1,6 @@
-//! What the control methods of block jobs and snapshots need: why the image cannot be
-//! switched now, the device as a job's `Host`, and the parameters every job takes.
+//! The control methods of block jobs (stream, commit, jobs, job-cancel, job-complete) and
+//! what they and snapshots need: why the image cannot be switched now, the device as a
+//! job's `Host`, and the parameters every job takes.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -7,7 +8,9 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::INVALID_PARAMS;
+use serde_json::json;
+
+use super::{CallResult, Context, INVALID_PARAMS, METHOD_NOT_FOUND, REFUSED};
 use crate::device::Device;
 
 /// Why the served image cannot be switched now (a backup's view holds it, a migration).
@@ -22,10 +25,10 @@ pub(super) fn image_busy(dev: &Device) -> Option<String> {
 }
 
 /// What a block job needs of the device (`jobs::Host`).
-pub(super) struct JobHost {
-    pub(super) dev: Arc<Device>,
-    pub(super) base: PathBuf,
-    pub(super) state: Option<PathBuf>,
+struct JobHost {
+    dev: Arc<Device>,
+    base: PathBuf,
+    state: Option<PathBuf>,
 }
 
 impl crate::jobs::Host for JobHost {
@@ -51,23 +54,30 @@ impl crate::jobs::Host for JobHost {
 
 /// The parameters every job takes: `id` (optional) and `speed` (bytes per second, 0:
 /// unlimited); `extra` names the job's own (strings).
-pub(super) struct JobParams {
-    pub(super) id: Option<String>,
-    pub(super) speed: u64,
+struct JobParams {
+    id: Option<String>,
+    speed: u64,
 }
 
 impl JobParams {
-    pub(super) fn parse(params: &Value, extra: &[&str]) -> Result<Self, (i64, String)> {
+    /// `extra`: the job's own string parameters; `flags`: its own true/false ones.
+    fn parse(params: &Value, extra: &[&str], flags: &[&str]) -> Result<Self, (i64, String)> {
         let m = match params {
             Value::Null => return Ok(JobParams { id: None, speed: 0 }),
             Value::Object(m) => m,
             _ => return Err((INVALID_PARAMS, "a job takes an object of parameters".into())),
         };
-        if let Some(k) = m
-            .keys()
-            .find(|k| !["id", "speed"].contains(&k.as_str()) && !extra.contains(&k.as_str()))
-        {
+        if let Some(k) = m.keys().find(|k| {
+            !["id", "speed"].contains(&k.as_str())
+                && !extra.contains(&k.as_str())
+                && !flags.contains(&k.as_str())
+        }) {
             return Err((INVALID_PARAMS, format!("unknown parameter {k:?}")));
+        }
+        for k in flags {
+            if m.get(*k).is_some_and(|v| !v.is_boolean()) {
+                return Err((INVALID_PARAMS, format!("{k}: true or false")));
+            }
         }
         for k in extra {
             if m.get(*k).is_some_and(|v| !v.is_string()) {
@@ -87,5 +97,65 @@ impl JobParams {
             ))?,
         };
         Ok(JobParams { id, speed })
+    }
+}
+
+/// The block job methods: `stream`, `commit`, `jobs`, `job-cancel`, `job-complete`.
+pub(super) fn call(method: &str, params: &Value, ctx: &Context) -> CallResult {
+    let dev = &ctx.dev;
+    match method {
+        "stream" => {
+            let p = JobParams::parse(params, &["base"], &[])?;
+            let host = Arc::new(JobHost {
+                dev: dev.clone(),
+                base: ctx.image_path.clone(),
+                state: ctx.chain_state.clone(),
+            });
+            let base = params.get("base").and_then(Value::as_str);
+            crate::jobs::stream::start(&dev.jobs, host, base, p.id, p.speed)
+                .map(|j| serde_json::to_value(j).unwrap_or(Value::Null))
+                .map_err(|e| (REFUSED, e))
+        }
+        "commit" => {
+            let p = JobParams::parse(params, &["top", "base"], &["manual_complete"])?;
+            let manual = params
+                .get("manual_complete")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let host = Arc::new(JobHost {
+                dev: dev.clone(),
+                base: ctx.image_path.clone(),
+                state: ctx.chain_state.clone(),
+            });
+            let text = |k: &str| params.get(k).and_then(Value::as_str).map(str::to_owned);
+            let req = crate::jobs::commit::Request {
+                top: text("top"),
+                base: text("base"),
+                manual_complete: manual,
+                id: p.id,
+                speed: p.speed,
+            };
+            crate::jobs::commit::start(&dev.jobs, host, req)
+                .map(|j| serde_json::to_value(j).unwrap_or(Value::Null))
+                .map_err(|e| (REFUSED, e))
+        }
+        "jobs" => {
+            super::no_params(params)?;
+            Ok(json!({ "jobs": dev.jobs.list() }))
+        }
+        "job-cancel" | "job-complete" => {
+            let id = params
+                .get("id")
+                .and_then(Value::as_str)
+                .ok_or_else(|| (INVALID_PARAMS, format!("{method} takes {{\"id\": ID}}")))?;
+            let r = if method == "job-cancel" {
+                dev.jobs.cancel(id)
+            } else {
+                dev.jobs.complete(id)
+            };
+            r.map(|j| serde_json::to_value(j).unwrap_or(Value::Null))
+                .map_err(|e| (REFUSED, e))
+        }
+        _ => Err((METHOD_NOT_FOUND, format!("unknown method {method:?}"))),
     }
 }

@@ -36,7 +36,7 @@ use crate::device::Device;
 use crate::locks::Locked;
 use crate::stats::QueueSnapshot;
 use crate::throttle::Limits;
-use jobs::{image_busy, JobHost, JobParams};
+use jobs::image_busy;
 
 /// Longest request line accepted (bytes, newline excluded).
 pub const MAX_LINE: usize = 64 * 1024;
@@ -500,6 +500,12 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                 Value::Null => None,
                 _ => return Err((INVALID_PARAMS, "resize takes {\"size\": SIZE}".into())),
             };
+            if dev.jobs.any() {
+                return Err((
+                    REFUSED,
+                    "a block job is running: resize after it (or job-cancel it)".into(),
+                ));
+            }
             let r = dev.resize(size).map_err(|e| (INTERNAL_ERROR, e))?;
             Ok(serde_json::to_value(r).unwrap_or(Value::Null))
         }
@@ -546,34 +552,8 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                     CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
                 })
         }
-        "stream" => {
-            let p = JobParams::parse(&params, &["base"])?;
-            let host = Arc::new(JobHost {
-                dev: dev.clone(),
-                base: ctx.image_path.clone(),
-                state: ctx.chain_state.clone(),
-            });
-            let base = params.get("base").and_then(Value::as_str);
-            crate::jobs::stream::start(&dev.jobs, host, base, p.id, p.speed)
-                .map(|j| serde_json::to_value(j).unwrap_or(Value::Null))
-                .map_err(|e| (REFUSED, e))
-        }
-        "jobs" => {
-            no_params(&params)?;
-            Ok(json!({ "jobs": dev.jobs.list() }))
-        }
-        "job-cancel" | "job-complete" => {
-            let id = params
-                .get("id")
-                .and_then(Value::as_str)
-                .ok_or_else(|| (INVALID_PARAMS, format!("{method} takes {{\"id\": ID}}")))?;
-            let r = if method == "job-cancel" {
-                dev.jobs.cancel(id)
-            } else {
-                dev.jobs.complete(id)
-            };
-            r.map(|j| serde_json::to_value(j).unwrap_or(Value::Null))
-                .map_err(|e| (REFUSED, e))
+        "stream" | "commit" | "jobs" | "job-cancel" | "job-complete" => {
+            jobs::call(method, &params, ctx)
         }
         "snapshot" => {
             use crate::snapshot::CallError;

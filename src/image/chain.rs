@@ -148,6 +148,29 @@ pub fn resolve_read(
     resolve_in(Some(top), top_file, 0, chain, offset, len, scratch, out)
 }
 
+/// Resolve [offset, offset + len) as chain layer `layer` sees it (1: the first backing
+/// file, `chain[0]`), which must be a qcow2 image; piece layers are numbered as
+/// [`resolve_read`]'s (what a commit job reads of the layer it merges down).
+#[allow(clippy::too_many_arguments)]
+pub fn resolve_from_layer(
+    chain: &[Layer],
+    layer: usize,
+    offset: u64,
+    len: u64,
+    scratch: &mut Vec<Extent>,
+    out: &mut Vec<Piece>,
+) -> Result<(), ImageError> {
+    out.clear();
+    let l = layer
+        .checked_sub(1)
+        .and_then(|i| chain.get(i))
+        .ok_or(ImageError::Corrupt("no such chain layer"))?;
+    let q = l.qcow2.as_ref().ok_or(ImageError::Corrupt(
+        "a layer with a backing file that is not qcow2",
+    ))?;
+    resolve_in(Some(q), &l.file, layer, chain, offset, len, scratch, out)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn resolve_in(
     q: Option<&Qcow2Image>,

@@ -23,6 +23,7 @@
 
 mod bitmaps;
 pub mod chain;
+mod commit;
 pub mod create;
 pub mod durable;
 pub mod engine;
@@ -587,43 +588,7 @@ impl Image {
         cl_start: u64,
         buf: &mut [u8],
     ) -> Result<(), ImageError> {
-        let file = self.layer_file(0).ok_or(ImageError::Corrupt("bad layer"))?;
-        // The last cluster may extend past the virtual size: only map what exists.
-        let len = (buf.len() as u64).min(d.q.size_bytes().saturating_sub(cl_start));
-        buf.fill(0);
-        let mut plan = ReadPlan::default();
-        chain::resolve_read(
-            &d.q,
-            file,
-            &d.backing,
-            cl_start,
-            len,
-            &mut plan.scratch,
-            &mut plan.pieces,
-        )?;
-        let mut pos = 0usize;
-        let mut cluster_buf = Vec::new();
-        for p in &plan.pieces {
-            let n = p.len() as usize;
-            let dst = buf
-                .get_mut(pos..pos + n)
-                .ok_or(ImageError::Corrupt("plan longer than the cluster"))?;
-            match *p {
-                Piece::Zero { .. } => {}
-                Piece::Data {
-                    layer, host_offset, ..
-                } => {
-                    let file = self
-                        .layer_file(layer)
-                        .ok_or(ImageError::Corrupt("bad layer"))?;
-                    let data = crate::io::aligned::read_aligned(file, host_offset, n)?;
-                    dst.copy_from_slice(&data);
-                }
-                Piece::Compressed { .. } => self.read_piece(p, dst, &mut cluster_buf)?,
-            }
-            pos += n;
-        }
-        Ok(())
+        self.read_layer_cluster(d, 0, cl_start, buf)
     }
 
     /// DISCARD / WRITE_ZEROES go through the format ([`Self::zero_range`]) rather than the

@@ -5,9 +5,10 @@
 //! them, `job-cancel ID` stops one, `job-complete ID` finishes one that waits in `ready`.
 //! One job runs at a time per disk (two jobs on one chain would race for its layers).
 //!
-//! The job types live in their own files: `stream`. A job reaches the device through
+//! The job types live in their own files: `stream`, `commit`. A job reaches the device through
 //! [`Host`], which the device implements (so that this room does not reach up to it).
 
+pub mod commit;
 pub mod stream;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -60,6 +61,8 @@ pub struct Job {
     /// Bytes per second (0: unlimited).
     speed: AtomicU64,
     cancel: AtomicBool,
+    /// `job-complete` was asked for (a job in the ready state).
+    complete: AtomicBool,
     error: Mutex<Option<String>>,
     started: Instant,
 }
@@ -89,6 +92,7 @@ impl Job {
             total: AtomicU64::new(0),
             speed: AtomicU64::new(speed),
             cancel: AtomicBool::new(false),
+            complete: AtomicBool::new(false),
             error: Mutex::new(None),
             started: Instant::now(),
         }
@@ -99,16 +103,42 @@ impl Job {
     }
 
     fn set_state(&self, s: State) {
-        *self.state.locked() = s;
+        let mut st = self.state.locked();
+        // An asked-for cancel stays visible until the job ends.
+        if *st != State::Aborting || s == State::Concluded {
+            *st = s;
+        }
+    }
+
+    /// The job caught up and waits for `job-complete` (or `job-cancel`), still copying.
+    pub fn set_ready(&self) {
+        if self.state() == State::Running {
+            log::info!(
+                "job {} ({}) is ready: job-complete finishes it",
+                self.id,
+                self.kind
+            );
+        }
+        self.set_state(State::Ready);
+    }
+
+    /// Was `job-complete` asked for?
+    pub fn completion_requested(&self) -> bool {
+        self.complete.load(Ordering::Acquire)
     }
 
     pub fn set_total(&self, n: u64) {
         self.total.store(n, Ordering::Relaxed);
     }
 
+    /// `n` more bytes to do (what the guest dirtied while the job copied).
+    pub fn add_total(&self, n: u64) {
+        self.total.fetch_add(n, Ordering::Relaxed);
+    }
+
     /// `n` more bytes done; sleeps as long as the speed limit asks.
     pub fn advance(&self, n: u64) {
-        let done = self.done.fetch_add(n, Ordering::Relaxed) + n;
+        let done = self.count(n);
         let speed = self.speed.load(Ordering::Relaxed);
         if speed == 0 {
             return;
@@ -124,6 +154,12 @@ impl Job {
                 left -= step;
             }
         }
+    }
+
+    /// `n` more bytes done, without waiting (a step made while the guest is paused); the
+    /// bytes done now.
+    pub fn count(&self, n: u64) -> u64 {
+        self.done.fetch_add(n, Ordering::Relaxed) + n
     }
 
     /// Was `job-cancel` asked for?
@@ -180,6 +216,21 @@ impl Jobs {
             .cloned()
     }
 
+    /// Refused while a job runs: one job at a time.
+    pub fn free(&self) -> Result<(), String> {
+        Self::free_in(&self.list.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn free_in(list: &[Arc<Job>]) -> Result<(), String> {
+        match list.iter().find(|j| j.state() != State::Concluded) {
+            Some(j) => Err(format!(
+                "job {} ({}) is running: one job at a time (wait for it, or job-cancel it)",
+                j.id, j.kind
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Start a job of `kind` running `body` on a thread of its own; its id (`id`, or
     /// `job-N`). Refused while another job runs or the id is taken.
     pub fn start(
@@ -190,12 +241,7 @@ impl Jobs {
         body: impl FnOnce(&Job) -> Result<(), String> + Send + 'static,
     ) -> Result<Arc<Job>, String> {
         let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(j) = list.iter().find(|j| j.state() != State::Concluded) {
-            return Err(format!(
-                "job {} ({}) is running: one job at a time (wait for it, or job-cancel it)",
-                j.id, j.kind
-            ));
-        }
+        Self::free_in(&list)?;
         let id = match id {
             Some(id) if id.is_empty() || id.len() > 128 || id.chars().any(char::is_control) => {
                 return Err("a job id is 1 to 128 characters, no control characters".into())
@@ -254,15 +300,28 @@ impl Jobs {
         Ok(j.info())
     }
 
-    /// `job-complete ID`: only jobs that wait in `ready` (mirror) can be completed.
+    /// `job-complete ID`: a job that waits in `ready` (a mirror, a commit started with
+    /// `--manual-complete`) makes its last step (the switch) and concludes.
     pub fn complete(&self, id: &str) -> Result<JobInfo, String> {
         let j = self.find(id).ok_or_else(|| format!("no job {id:?}"))?;
-        Err(format!(
-            "job {id:?} ({}) is {:?}: only a job in the ready state can be completed, and \
-             {} jobs finish by themselves",
-            j.kind,
-            j.state(),
-            j.kind
-        ))
+        if j.state() != State::Ready {
+            return Err(format!(
+                "job {id:?} ({}) is {}: only a job in the ready state can be completed \
+                 (a {} job gets there once it has caught up{})",
+                j.kind,
+                serde_json::to_value(j.state())
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default(),
+                j.kind,
+                if j.kind == "stream" {
+                    "; stream jobs never do: they finish by themselves"
+                } else {
+                    ""
+                }
+            ));
+        }
+        j.complete.store(true, Ordering::Release);
+        Ok(j.info())
     }
 }

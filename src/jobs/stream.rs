@@ -69,7 +69,7 @@ pub fn start(
 }
 
 /// Does `base` (a path, or a file name) name `p`?
-fn names(p: &Path, base: &str) -> bool {
+pub(super) fn names(p: &Path, base: &str) -> bool {
     let b = Path::new(base);
     state::same_file(p, b) || (b.components().count() == 1 && p.file_name() == Some(b.as_os_str()))
 }

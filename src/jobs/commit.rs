@@ -1,0 +1,557 @@
+//! `commit [--top NODE] [--base NODE]`: merge the layers from NODE `top` (default: the
+//! image served, the active layer) down to, not including, NODE `base` (default: the
+//! bottom of the chain) into `base`, while the guest runs; the merged layers leave the
+//! chain.
+//!
+//! The base is opened read-write by the job (a second handle: the chain's handle stays
+//! read-only, locked as QEMU locks a backing file, so another process that holds the base
+//! for writing or refuses to share it makes the commit fail at its start). Every cluster a
+//! merged layer holds (data, compressed data or a zero flag) is written into the base as the
+//! top layer reads it; nothing else is. What the guest reads does not change while the job
+//! copies: every cluster written into the base is held by a layer above it.
+//!
+//! - Below the active layer (`--top` a backing file): those layers are read-only, so one
+//!   pass copies them; then, between two guest requests, the base is synced, the chain
+//!   state file updated if `--blk-file` leaves the chain, and the layer above `top` gets
+//!   the base as its backing file (one header write), and the image is opened again.
+//! - The active layer (QEMU's active commit): the job records what the guest writes from its
+//!   start (a bitmap of its own), copies every cluster the layers hold, then again and again
+//!   what the guest dirtied meanwhile, until little is left; then, with the guest paused, it
+//!   copies the rest, syncs the base, names the base in the chain state file and serves the
+//!   base from then on (the old top is left as it was: delete it when you like). With
+//!   `--manual-complete` it waits in `ready` (copying what the guest dirties) until
+//!   `job-complete`.
+//!
+//! A SIGKILL at any moment leaves the old chain, whole (the base holds extra copies of
+//! clusters that layers above it hold: invisible) until the state file or the header names
+//! the new one, which is complete on disk by then. A commit started again redoes the copy.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Host, Job, JobInfo, Jobs};
+use crate::image::{Format, Image, ImageOptions};
+use crate::io::bounce::AlignedBuf;
+use crate::snapshot::state;
+
+/// Bytes copied at once (rounded to whole clusters).
+const CHUNK: u64 = 1 << 20;
+/// The active commit switches once at most this much is left to copy with the guest paused.
+const CONVERGED: u64 = 4 << 20;
+
+/// What `commit` was asked for.
+pub struct Request {
+    pub top: Option<String>,
+    pub base: Option<String>,
+    /// Wait in `ready` for `job-complete` (active commit only).
+    pub manual_complete: bool,
+    pub id: Option<String>,
+    pub speed: u64,
+}
+
+/// The job's plan, decided at its start.
+struct Plan {
+    /// Chain layers: 0 the image served, i its backing file i - 1.
+    top: usize,
+    base: usize,
+    top_size: u64,
+    /// The base: path, format, and how the job (and, after an active commit, the device)
+    /// opens it.
+    base_path: PathBuf,
+    base_format: &'static str,
+    base_opts: ImageOptions,
+    /// The served image's options (reopened after a commit below it).
+    served: ImageOptions,
+    /// Every layer's path, 0 first.
+    paths: Vec<PathBuf>,
+    formats: Vec<&'static str>,
+    manual_complete: bool,
+}
+
+/// Start a commit job; what `jobs` lists for it.
+pub fn start(jobs: &Jobs, host: Arc<dyn Host>, req: Request) -> Result<JobInfo, String> {
+    let image = host.slot().get();
+    let served = host
+        .slot()
+        .options()
+        .ok_or("the image was not opened from a path")?;
+    if !image.is_active() {
+        return Err("the image is not served by this process now (a migration)".into());
+    }
+    if served.read_only {
+        return Err("the disk is served read-only: a commit writes".into());
+    }
+    let chain = image.backing_layers();
+    if image.cluster_size().is_none() || chain.is_empty() {
+        return Err(format!(
+            "{} has no backing file: nothing to commit",
+            served.path.display()
+        ));
+    }
+    let mut paths = vec![served.path.clone()];
+    let mut formats = vec!["qcow2"];
+    for (p, f) in &chain {
+        paths.push(p.clone());
+        formats.push(f);
+    }
+    let listing = || {
+        paths
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" <- ")
+    };
+    let find = |what: &str, n: &str| {
+        paths
+            .iter()
+            .position(|p| super::stream::names(p, n))
+            .ok_or_else(|| format!("--{what} {n}: not in the chain ({})", listing()))
+    };
+    let top = match &req.top {
+        None => 0,
+        Some(n) => find("top", n)?,
+    };
+    let base = match &req.base {
+        None => paths.len() - 1,
+        Some(n) => find("base", n)?,
+    };
+    if base <= top {
+        return Err(format!(
+            "--base {} is not below --top {} in the chain ({})",
+            paths[base].display(),
+            paths[top].display(),
+            listing()
+        ));
+    }
+    if req.manual_complete && top != 0 {
+        return Err(
+            "--manual-complete is for a commit of the active layer (a commit below it \
+             finishes by itself)"
+                .into(),
+        );
+    }
+    if top == 0 && host.chain_state().is_none() {
+        return Err(format!(
+            "{} is not a regular file: start vublk with --chain-state PATH, so that a restart \
+             serves the base after the commit",
+            host.base().display()
+        ));
+    }
+    if let Some(why) = host.busy() {
+        return Err(why);
+    }
+    // Before the base is opened (a running commit holds it).
+    jobs.free()?;
+    let top_size = image.layer_size(top).ok_or("no such layer")?;
+    let base_format = formats[base];
+    let mut base_opts = served.clone();
+    base_opts.path = paths[base].clone();
+    base_opts.format = Some(match base_format {
+        "qcow2" => Format::Qcow2,
+        "parallels" => Format::Parallels,
+        _ => Format::Raw,
+    });
+    base_opts.follow_backing = true;
+    base_opts.compress = None;
+    let plan = Plan {
+        top,
+        base,
+        top_size,
+        base_path: paths[base].clone(),
+        base_format,
+        base_opts,
+        served,
+        paths,
+        formats,
+        manual_complete: req.manual_complete,
+    };
+    // The base, read-write: refused here if another process holds it.
+    let target = open_base(&plan)?;
+    if target.size_bytes() < top_size {
+        close_base(target);
+        return Err(format!(
+            "the base {} is {} bytes, smaller than {} ({top_size} bytes): grow it first \
+             (qemu-img resize while vublk is stopped)",
+            plan.base_path.display(),
+            plan.base_path.metadata().map(|m| m.len()).unwrap_or(0),
+            plan.paths[top].display()
+        ));
+    }
+    let job = jobs.start("commit", req.id, req.speed, move |job| {
+        run(job, &*host, &image, plan, target)
+    })?;
+    Ok(job.info())
+}
+
+fn open_base(plan: &Plan) -> Result<Image, String> {
+    Image::open(&plan.base_opts)
+        .map(|(i, _, _)| i)
+        .map_err(|e| {
+            format!(
+                "cannot open the base {} for writing: {}",
+                plan.base_path.display(),
+                crate::logging::error_chain(&e)
+            )
+        })
+}
+
+/// Everything written back and synced, the locks given up.
+fn close_base(target: Image) -> Option<String> {
+    let r = target.close();
+    target.release_locks();
+    drop(target);
+    r.err()
+        .map(|e| format!("syncing the base: {}", crate::logging::error_chain(&e)))
+}
+
+/// Where a copy reads and writes: chain layer `layer` of `src` (as it reads), into `dst`;
+/// `c` the cluster size.
+struct Route<'a> {
+    src: &'a Image,
+    layer: usize,
+    dst: &'a Image,
+    c: u64,
+}
+
+/// Copy [offset, offset + len) along `route` in chunks of whole clusters; `each` is told
+/// the bytes of every chunk.
+fn copy(
+    route: &Route,
+    offset: u64,
+    len: u64,
+    buf: &mut AlignedBuf,
+    each: &mut dyn FnMut(u64),
+) -> Result<(), String> {
+    let Route { src, layer, dst, c } = *route;
+    let end = offset + len;
+    let mut at = offset;
+    while at < end {
+        let n = (end - at).min(buf.len() as u64);
+        let data = &mut buf.as_mut_slice()[..n as usize];
+        src.read_layer(layer, at, data).map_err(|e| {
+            format!(
+                "reading the layers at {at}: {}",
+                crate::logging::error_chain(&e)
+            )
+        })?;
+        // Cluster by cluster: all-zero ones stay sparse in the base.
+        let mut k = 0u64;
+        while k < n {
+            let m = (c - (at + k) % c).min(n - k);
+            dst.job_write(at + k, &data[k as usize..(k + m) as usize])
+                .map_err(|e| {
+                    format!(
+                        "writing the base at {}: {}",
+                        at + k,
+                        crate::logging::error_chain(&e)
+                    )
+                })?;
+            k += m;
+        }
+        each(n);
+        at += n;
+    }
+    Ok(())
+}
+
+fn run(
+    job: &Job,
+    host: &dyn Host,
+    image: &Arc<Image>,
+    plan: Plan,
+    target: Image,
+) -> Result<(), String> {
+    let c = image.cluster_size().unwrap_or(65536);
+    let step = CHUNK.max(c) / c * c;
+    let mut buf = AlignedBuf::new(step as usize, 4096).map_err(|e| e.to_string())?;
+    // What the guest writes from now on (an active commit only: the layers below the
+    // active one do not change).
+    let tracker = (plan.top == 0).then(|| host.bitmaps().track(c));
+    let result = (|| {
+        job.set_total(plan.top_size);
+        let switched = || !Arc::ptr_eq(&host.slot().get(), image);
+        // Every cluster the merged layers hold, in runs.
+        let mut at = 0u64;
+        let mut copied = 0u64;
+        while at < plan.top_size {
+            if job.cancelled() {
+                return Err(format!("cancelled after copying {copied} bytes"));
+            }
+            if switched() {
+                return Err("the image was switched while the job ran".into());
+            }
+            let n = step.min(plan.top_size - at);
+            let mut cl = at;
+            while cl < at + n {
+                let held = |x: u64| {
+                    image
+                        .held_in_layers(x, c.min(plan.top_size - x), plan.top, plan.base)
+                        .map_err(|e| crate::logging::error_chain(&e))
+                };
+                if !held(cl)? {
+                    cl += c;
+                    continue;
+                }
+                let first = cl;
+                while cl < at + n && held(cl)? {
+                    cl += c;
+                }
+                let len = cl.min(plan.top_size) - first;
+                let route = Route {
+                    src: image,
+                    layer: plan.top,
+                    dst: &target,
+                    c,
+                };
+                copy(&route, first, len, &mut buf, &mut |_| {})?;
+                copied += len;
+            }
+            job.advance(n);
+            at += n;
+        }
+        let Some(tracker) = &tracker else {
+            return finish_below(job, host, &plan, target, copied);
+        };
+        // The active layer: again what the guest dirtied, until little is left.
+        let mut pending: Vec<(u64, u64)> = Vec::new();
+        loop {
+            if job.cancelled() {
+                return Err(format!("cancelled after copying {copied} bytes"));
+            }
+            if switched() {
+                return Err("the image was switched while the job ran".into());
+            }
+            let (more, _) = tracker.take_extents(0, u64::MAX);
+            pending.extend(more);
+            let dirty: u64 = pending.iter().map(|e| e.1).sum();
+            if dirty <= CONVERGED {
+                if !plan.manual_complete || job.completion_requested() {
+                    break;
+                }
+                job.set_ready();
+            }
+            job.add_total(dirty);
+            for (o, l) in pending.drain(..) {
+                let route = Route {
+                    src: image,
+                    layer: 0,
+                    dst: &target,
+                    c,
+                };
+                copy(&route, o, l, &mut buf, &mut |n| job.advance(n))?;
+                copied += l;
+            }
+            if dirty <= CONVERGED {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        finish_active(job, host, &plan, target, tracker, pending, &mut buf)
+    })();
+    if let Some(t) = &tracker {
+        host.bitmaps().untrack(t);
+    }
+    result
+}
+
+/// The last step of a commit below the active layer: the layer above `top` gets the base
+/// as its backing file.
+fn finish_below(
+    job: &Job,
+    host: &dyn Host,
+    plan: &Plan,
+    target: Image,
+    copied: u64,
+) -> Result<(), String> {
+    if let Some(e) = close_base(target) {
+        return Err(e);
+    }
+    if job.cancelled() {
+        return Err(format!("cancelled after copying {copied} bytes"));
+    }
+    let above = &plan.paths[plan.top - 1];
+    let dir = above.parent().unwrap_or(Path::new("/"));
+    let link = |i: usize| -> Result<String, String> {
+        let rel = state::relative(dir, &plan.paths[i]);
+        rel.to_str()
+            .map(str::to_owned)
+            .ok_or_else(|| format!("{}: not a UTF-8 path", rel.display()))
+    };
+    let new_link = link(plan.base)?;
+    let old_link = link(plan.top)?;
+    let state_path = host.chain_state().map(Path::to_path_buf);
+    let previous = match &state_path {
+        Some(p) => state::read(p)?,
+        None => None,
+    };
+    // --blk-file leaves the chain: the record no longer asks the top to hold it.
+    let leaves = plan.paths[plan.top..plan.base]
+        .iter()
+        .any(|p| state::same_file(p, host.base()));
+    let mut outcome = None;
+    host.paused(&mut || {
+        if let Some(why) = host.busy() {
+            outcome = Some(Err(format!("the last step (the new backing link): {why}")));
+            return;
+        }
+        let r = host.slot().switch(
+            plan.served.clone(),
+            || {
+                if let (Some(p), Some(prev), true) = (&state_path, &previous, leaves) {
+                    let mut r = prev.clone();
+                    r.detached = true;
+                    state::write(p, &r)?;
+                }
+                crate::image::qcow2::relink::set_backing(above, Some((&new_link, plan.base_format)))
+            },
+            || {
+                if let Err(e) = crate::image::qcow2::relink::set_backing(
+                    above,
+                    Some((&old_link, plan.formats[plan.top])),
+                ) {
+                    log::warn!(
+                        "commit: the backing link of {} could not be restored: {e}",
+                        above.display()
+                    );
+                }
+                if let (Some(p), Some(prev)) = (&state_path, &previous) {
+                    if let Err(e) = state::write(p, prev) {
+                        log::warn!("commit: the chain state file could not be restored: {e}");
+                    }
+                }
+            },
+        );
+        if let Ok(new) = &r {
+            host.bitmaps()
+                .adopt(new.persistent_bitmaps(), new.bitmaps_memory_only());
+        }
+        outcome = Some(r.map(|_| ()).map_err(|e| crate::logging::error_chain(&e)));
+    });
+    outcome.unwrap_or_else(|| Err("the queues could not be paused".into()))?;
+    log::info!(
+        "commit: {copied} bytes of {} merged into {}; {} now reads from it",
+        plan.paths[plan.top..plan.base]
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        plan.base_path.display(),
+        above.display()
+    );
+    Ok(())
+}
+
+/// The last step of an active commit, with the guest paused: the rest copied, the base
+/// synced and named in the chain state file, and served from then on.
+fn finish_active(
+    job: &Job,
+    host: &dyn Host,
+    plan: &Plan,
+    target: Image,
+    tracker: &Arc<crate::bitmaps::DirtyBitmap>,
+    pending: Vec<(u64, u64)>,
+    buf: &mut AlignedBuf,
+) -> Result<(), String> {
+    let image = host.slot().get();
+    let c = image.cluster_size().unwrap_or(65536);
+    let Some(state_path) = host.chain_state().map(Path::to_path_buf) else {
+        return Err("no chain state file".into());
+    };
+    let previous = state::read(&state_path)?;
+    let blk = state::absolute(host.base());
+    // The base is --blk-file itself: no record (it is served as the command line says).
+    let record = (!state::same_file(&plan.base_path, &blk)).then(|| state::Record {
+        image: blk.clone(),
+        top: plan.base_path.clone(),
+        format: plan.base_format.to_owned(),
+        detached: !plan.paths[plan.base..]
+            .iter()
+            .any(|p| state::same_file(p, &blk)),
+    });
+    let mut target = Some(target);
+    let mut pending = Some(pending);
+    let mut outcome = None;
+    let t0 = std::time::Instant::now();
+    host.paused(&mut || {
+        let r = (|| {
+            if let Some(why) = host.busy() {
+                return Err(format!("the last step (the switch to the base): {why}"));
+            }
+            if image.size_bytes() != plan.top_size {
+                return Err("the disk was resized while the job ran".into());
+            }
+            let Some(t) = target.take() else {
+                return Err("the base is gone".into());
+            };
+            let mut rest = pending.take().unwrap_or_default();
+            rest.extend(tracker.take_extents(0, u64::MAX).0);
+            let mut failed = None;
+            for (o, l) in rest {
+                job.add_total(l);
+                let route = Route {
+                    src: &image,
+                    layer: 0,
+                    dst: &t,
+                    c,
+                };
+                if let Err(e) = copy(&route, o, l, buf, &mut |n| {
+                    job.count(n);
+                }) {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            let synced = close_base(t);
+            if let Some(e) = failed.or(synced) {
+                return Err(e);
+            }
+            let r = host.slot().switch(
+                plan.base_opts.clone(),
+                || match &record {
+                    Some(r) => state::write(&state_path, r),
+                    None => state::remove(&state_path),
+                },
+                || {
+                    let undone = match &previous {
+                        Some(p) => state::write(&state_path, p),
+                        None => state::remove(&state_path),
+                    };
+                    if let Err(e) = undone {
+                        log::warn!(
+                            "commit failed, and the chain state file could not be restored: {e}"
+                        );
+                    }
+                },
+            );
+            let new = r.map_err(|e| crate::logging::error_chain(&e))?;
+            // The persistent bitmaps go on in the base's file.
+            let list = host.bitmaps().persistent();
+            if !list.is_empty() && new.bitmaps_memory_only().is_none() {
+                if let Err(e) = new.save_bitmaps(&list) {
+                    log::warn!(
+                        "commit: the persistent bitmaps could not be written to the base (they \
+                         go on in memory): {}",
+                        crate::logging::error_chain(&e)
+                    );
+                }
+            }
+            host.bitmaps()
+                .adopt(new.persistent_bitmaps(), new.bitmaps_memory_only());
+            Ok(())
+        })();
+        outcome = Some(r);
+    });
+    outcome.unwrap_or_else(|| Err("the queues could not be paused".into()))?;
+    log::info!(
+        "commit: serving {} ({}) now; {} left the chain; guest paused {:.1} ms",
+        plan.base_path.display(),
+        plan.base_format,
+        plan.paths[..plan.base]
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        t0.elapsed().as_secs_f64() * 1000.0
+    );
+    Ok(())
+}
