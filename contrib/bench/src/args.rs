@@ -110,6 +110,13 @@ pub struct Opts {
     #[arg(long)]
     pub stream: bool,
 
+    /// Instead of workloads: an active commit job over the running disk, vublk (`vublk ctl
+    /// commit`) against qemu-storage-daemon (QMP `block-commit`, `block-job-complete` once
+    /// ready), of a fully written qcow2 overlay into a fully written raw image of --size: the
+    /// guest's 4 KiB random write IOPS without and during the job, and the job's MB/s.
+    #[arg(long)]
+    pub commit: bool,
+
     /// Instead of workloads: measure the all-zero scanner on host buffers.
     #[arg(long)]
     pub zero_scan: bool,

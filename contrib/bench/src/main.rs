@@ -12,7 +12,7 @@
 //! - `alternate`: runs alternating round by round; `report`: medians, the Markdown report,
 //!   `--report`.
 //! - `modes`: the other modes, one a module (`--zero-scan`, `--zero-fill`, `--fresh-file`,
-//!   `--compress-fill`, `--parallels-fill`, `--hop`, `--seed-check`, `--backup`, `--stream`).
+//!   `--compress-fill`, `--parallels-fill`, `--hop`, `--seed-check`, `--backup`, `--stream`, `--commit`).
 
 mod alternate;
 mod args;
@@ -79,7 +79,11 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if opts.stream {
-        modes::stream::run(&opts, &backends, &vublk, &work);
+        modes::stream::run(&opts, &backends, &vublk, &work, modes::stream::Job::Stream);
+        return ExitCode::SUCCESS;
+    }
+    if opts.commit {
+        modes::stream::run(&opts, &backends, &vublk, &work, modes::stream::Job::Commit);
         return ExitCode::SUCCESS;
     }
     if opts.zero_fill {

@@ -1,6 +1,9 @@
-//! `--stream`: a stream job over the running disk, vublk (`vublk ctl stream`) against
-//! qemu-storage-daemon (QMP `block-stream`) on the same images: a qcow2 overlay (empty) over
-//! a fully written raw image of --size, served by each in turn.
+//! `--stream` and `--commit`: a block job over the running disk, vublk (`vublk ctl stream`,
+//! `vublk ctl commit`) against qemu-storage-daemon (QMP `block-stream`, `block-commit` then
+//! `block-job-complete` once ready) on the same images: a qcow2 overlay over a fully written
+//! raw image of --size, served by each in turn. For a stream the overlay is new (empty: the
+//! job copies the base up into it); for a commit it is fully written first with `qemu-io`
+//! (the job copies all of it down into the base, then the guest is switched to the base).
 //!
 //! Each run: 4 KiB random writes at depth 32 on the overlay for --seconds without a job (the
 //! baseline), then the job starts (unlimited speed, both daemons' default) and the same
@@ -100,8 +103,15 @@ fn ctl(binary: &Path, sock: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-/// A new qcow2 overlay `top` over `base` (nothing of it copied yet).
-fn new_overlay(base: &Path, top: &Path, work: &Path) {
+/// Which job a run measures.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Job {
+    Stream,
+    Commit,
+}
+
+/// A new qcow2 overlay `top` over `base`: empty for a stream, fully written for a commit.
+fn new_overlay(base: &Path, top: &Path, work: &Path, job: Job, size: u64) {
     let _ = fs::remove_file(top);
     let _ = fs::remove_file(work.join(".stream-top.qcow2.vublk-chain"));
     let st = Command::new("qemu-img")
@@ -111,11 +121,19 @@ fn new_overlay(base: &Path, top: &Path, work: &Path) {
         .status()
         .expect("qemu-img");
     assert!(st.success(), "qemu-img create of the overlay");
+    if job == Job::Commit {
+        let st = Command::new("qemu-io")
+            .args(["-f", "qcow2", "-c", &format!("write -q -P 0x33 0 {size}")])
+            .arg(top)
+            .status()
+            .expect("qemu-io");
+        assert!(st.success(), "qemu-io filling the overlay");
+    }
 }
 
 /// One run through `backend`: the baseline on one new overlay (its writes copy clusters
 /// up from the base), the job on another, so that the job has the whole disk to copy.
-fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> DuringResult {
+fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job) -> DuringResult {
     let base = work.join("stream-base.raw");
     prepare_image(&base, opts.size);
     let top = work.join("stream-top.qcow2");
@@ -134,15 +152,15 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> DuringR
             start_server(&b, &top, opts, vublk, work)
         }
         BackendKind::Qsd => qsd_with_qmp(backend, opts, &top, work, &qmp_sock),
-        BackendKind::File => panic!("--stream measures vublk and qsd"),
+        BackendKind::File => panic!("--stream and --commit measure vublk and qsd"),
     };
-    new_overlay(&base, &top, work);
+    new_overlay(&base, &top, work, kind, opts.size);
     let server = serve();
     let until = Instant::now() + Duration::from_secs_f64(opts.seconds);
     let (ios, secs) = writes(backend, &server, &top, &never, Some(until));
     let base_iops = ios as f64 / secs;
     drop(server);
-    new_overlay(&base, &top, work);
+    new_overlay(&base, &top, work, kind, opts.size);
     let server = serve();
     let stop = AtomicBool::new(false);
     let (job_secs, (ios, secs)) = std::thread::scope(|s| {
@@ -150,14 +168,15 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> DuringR
             let t0 = Instant::now();
             match backend.kind {
                 BackendKind::Vublk => {
-                    ctl(&binary, &ctl_sock, &["stream", "--id", "bench"]);
+                    let verb = if kind == Job::Commit { "commit" } else { "stream" };
+                    ctl(&binary, &ctl_sock, &[verb, "--id", "bench"]);
                     loop {
                         let v: String = ctl(&binary, &ctl_sock, &["jobs"])
                             .chars()
                             .filter(|c| !c.is_whitespace())
                             .collect();
                         if v.contains(r#""state":"concluded""#) {
-                            assert!(v.contains(r#""error":null"#), "the stream failed: {v}");
+                            assert!(v.contains(r#""error":null"#), "the {verb} failed: {v}");
                             break;
                         }
                         std::thread::sleep(Duration::from_millis(10));
@@ -165,9 +184,22 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> DuringR
                 }
                 _ => {
                     let mut q = Qmp::connect(&qmp_sock);
-                    q.cmd(r#"{"execute":"block-stream","arguments":{"job-id":"bench","device":"file0"}}"#);
-                    // Auto-dismissed when it concludes: the list empties.
-                    while q.cmd(r#"{"execute":"query-jobs"}"#).contains("\"bench\"") {
+                    let verb = if kind == Job::Commit { "commit" } else { "stream" };
+                    q.cmd(&format!(
+                        r#"{{"execute":"block-{verb}","arguments":{{"job-id":"bench","device":"file0"}}}}"#
+                    ));
+                    // Auto-dismissed when it concludes: the list empties. An active
+                    // commit waits in ready for block-job-complete.
+                    let mut completed = false;
+                    loop {
+                        let l = q.cmd(r#"{"execute":"query-jobs"}"#);
+                        if !l.contains("\"bench\"") {
+                            break;
+                        }
+                        if !completed && l.replace(' ', "").contains("\"status\":\"ready\"") {
+                            q.cmd(r#"{"execute":"block-job-complete","arguments":{"device":"bench"}}"#);
+                            completed = true;
+                        }
                         std::thread::sleep(Duration::from_millis(10));
                     }
                 }
@@ -189,17 +221,23 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path) -> DuringR
     }
 }
 
-/// `--stream`: every backend (vublk and qsd builds), `--runs` times, alternating.
-pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
+/// `--stream` or `--commit`: every backend (vublk and qsd builds), `--runs` times,
+/// alternating.
+pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path, kind: Job) {
+    let (overlay, what) = match kind {
+        Job::Stream => ("A new qcow2 overlay", ("the stream", "stream")),
+        Job::Commit => ("A fully written qcow2 overlay", ("the commit", "commit")),
+    };
     let how = format!(
-        "A new qcow2 overlay over a fully written {} MiB raw image; 4 KiB random writes at \
-         depth 32 (one queue) on the overlay for {} s without a job, then during a stream job \
-         (unlimited speed) until it concludes; {} runs, medians.",
+        "{overlay} over a fully written {} MiB raw image; 4 KiB random writes at depth 32 \
+         (one queue) on the overlay for {} s without a job, then during a {} job (unlimited \
+         speed) until it concludes; {} runs, medians.",
         opts.size >> 20,
         opts.seconds,
+        what.1,
         opts.runs
     );
-    run_during(opts, backends, ("the stream", "stream"), &how, |b| {
-        measure(b, opts, vublk, work)
+    run_during(opts, backends, what, &how, |b| {
+        measure(b, opts, vublk, work, kind)
     });
 }
