@@ -9,6 +9,7 @@
 //! [`Host`], which the device implements (so that this room does not reach up to it).
 
 pub mod commit;
+mod copy;
 pub mod stream;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

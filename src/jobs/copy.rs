@@ -1,0 +1,234 @@
+//! What the block jobs that copy share: copying extents from a chain's layer into another
+//! image with several threads, the job bitmap's granularity, and an active job's passes
+//! over what the guest dirtied until little is left (a commit of the active layer, a
+//! mirror).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::Job;
+use crate::bitmaps::DirtyBitmap;
+use crate::image::Image;
+use crate::io::bounce::AlignedBuf;
+use crate::locks::Locked;
+
+/// Bytes copied at once (rounded to whole clusters).
+pub(super) const CHUNK: u64 = 1 << 20;
+/// Threads that copy at once (QEMU's mirror keeps as many requests in flight). One at a
+/// time, each of the job's reads waits behind the guest's queue (32 requests deep in the
+/// benchmark): under 4 KiB random writes the job copied 45 MB/s, no faster than the guest
+/// dirtied, and an active commit never converged; 4 and 8 threads did not either on the
+/// test machine (65 and 83 MB/s), 16 did (149 MB/s, BENCHMARKS.md).
+const COPIERS: usize = 16;
+/// The first pass looks at this much of the disk at a time (then copies what the layers
+/// hold there with the copiers).
+pub(super) const WINDOW: u64 = 64 << 20;
+/// After this many passes in a row without less to copy, the log says the job is not
+/// converging.
+const NOT_CONVERGING: u32 = 4;
+/// An active job (commit, mirror) switches once at most this much is left to copy with the
+/// guest paused.
+const CONVERGED: u64 = 4 << 20;
+
+/// The granularity of an active job's own bitmap: 4 KiB (a guest's 4 KiB write costs
+/// the job 4 KiB, not a cluster: random small writes would otherwise dirty 16 times what
+/// they wrote with 64 KiB clusters, faster than the job copies), coarser on disks over
+/// 256 GiB so that the bitmap stays within 8 MiB.
+pub(super) fn track_granularity(size: u64) -> u64 {
+    (size >> 26).next_power_of_two().max(4096)
+}
+
+/// Where a copy reads and writes: chain layer `layer` of `src` (as it reads), into `dst`;
+/// `c` the cluster size.
+pub(super) struct Route<'a> {
+    pub(super) src: &'a Image,
+    pub(super) layer: usize,
+    pub(super) dst: &'a Image,
+    pub(super) c: u64,
+    /// What `dst` is, for messages ("the base").
+    pub(super) to: &'static str,
+}
+
+/// Copy [offset, offset + len) along `route` in chunks of whole clusters; `each` is told
+/// the bytes of every chunk.
+fn copy(
+    route: &Route,
+    offset: u64,
+    len: u64,
+    buf: &mut AlignedBuf,
+    each: &mut dyn FnMut(u64),
+) -> Result<(), String> {
+    let Route {
+        src,
+        layer,
+        dst,
+        c,
+        to,
+    } = *route;
+    let end = offset + len;
+    let mut at = offset;
+    while at < end {
+        let n = (end - at).min(buf.len() as u64);
+        let data = &mut buf.as_mut_slice()[..n as usize];
+        src.read_layer(layer, at, data).map_err(|e| {
+            format!(
+                "reading the layers at {at}: {}",
+                crate::logging::error_chain(&e)
+            )
+        })?;
+        // Runs of whole clusters with one write each; all-zero clusters in runs of their
+        // own, which stay sparse in the destination.
+        let piece = |k: u64| (c - (at + k) % c).min(n - k);
+        let zero = |k: u64, m: u64| crate::zero::is_zero(&data[k as usize..(k + m) as usize]);
+        let mut k = 0u64;
+        while k < n {
+            let start = k;
+            let z = zero(k, piece(k));
+            k += piece(k);
+            while k < n && zero(k, piece(k)) == z {
+                k += piece(k);
+            }
+            dst.job_write(at + start, &data[start as usize..k as usize])
+                .map_err(|e| {
+                    format!(
+                        "writing {to} at {}: {}",
+                        at + start,
+                        crate::logging::error_chain(&e)
+                    )
+                })?;
+        }
+        each(n);
+        at += n;
+    }
+    Ok(())
+}
+
+/// Copy `extents` along `route` with up to [`COPIERS`] threads, in pieces of at most
+/// `step` bytes; `each` is told the bytes of every chunk; `stop` ends it early (what was
+/// copied stays; the caller looks at why).
+pub(super) fn copy_extents(
+    route: &Route,
+    extents: &[(u64, u64)],
+    step: u64,
+    each: &(dyn Fn(u64) + Sync),
+    stop: &(dyn Fn() -> bool + Sync),
+) -> Result<(), String> {
+    let pieces: Vec<(u64, u64)> = extents
+        .iter()
+        .flat_map(|&(o, l)| {
+            (0..l.div_ceil(step)).map(move |i| (o + i * step, step.min(l - i * step)))
+        })
+        .collect();
+    let next = AtomicUsize::new(0);
+    let failed: Mutex<Option<String>> = Mutex::new(None);
+    let work = || {
+        let mut buf = match AlignedBuf::new(step as usize, 4096) {
+            Ok(b) => b,
+            Err(e) => {
+                *failed.locked() = Some(e.to_string());
+                return;
+            }
+        };
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&(o, l)) = pieces.get(i) else { break };
+            if stop() || failed.locked().is_some() {
+                break;
+            }
+            if let Err(e) = copy(route, o, l, &mut buf, &mut |n| each(n)) {
+                failed.locked().get_or_insert(e);
+                break;
+            }
+        }
+    };
+    let threads = COPIERS.min(pieces.len());
+    if threads <= 1 {
+        work();
+    } else {
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(work);
+            }
+        });
+    }
+    match failed.into_inner() {
+        Ok(None) => Ok(()),
+        Ok(Some(e)) => Err(e),
+        Err(_) => Err("a copying thread panicked".into()),
+    }
+}
+
+/// An active job's passes: copy again what the guest dirtied (`tracker`) along `route`,
+/// until at most [`CONVERGED`] bytes are left; with `manual`, wait in `ready` (still
+/// copying) until `job-complete`. Returns what is left, for the paused last step.
+pub(super) fn converge(
+    job: &Job,
+    route: &Route,
+    tracker: &DirtyBitmap,
+    step: u64,
+    manual: bool,
+    stop: &(dyn Fn() -> bool + Sync),
+) -> Result<Vec<(u64, u64)>, String> {
+    let mut pending: Vec<(u64, u64)> = Vec::new();
+    // Passes in a row whose dirty bytes did not shrink (said once in the log).
+    let (mut last, mut growing, mut warned) = (u64::MAX, 0u32, false);
+    let mut pass = Instant::now();
+    loop {
+        if stop() {
+            return Err(if job.cancelled() {
+                "cancelled".into()
+            } else {
+                "the image was switched while the job ran".into()
+            });
+        }
+        let (more, _) = tracker.take_extents(0, u64::MAX);
+        pending.extend(more);
+        let dirty: u64 = pending.iter().map(|e| e.1).sum();
+        if dirty <= CONVERGED {
+            if !manual || job.completion_requested() {
+                return Ok(pending);
+            }
+            job.set_ready();
+        } else {
+            growing = if dirty >= last { growing + 1 } else { 0 };
+            if growing >= NOT_CONVERGING && !warned {
+                warned = true;
+                log::warn!(
+                    "{} job {}: the guest dirtied {} MiB during the last pass ({:.1} s), no \
+                     less than before: it writes about as fast as the job copies, and the job \
+                     will not reach its switch until the guest writes less (vublk ctl \
+                     set-throttle --write-iops N) or the job is cancelled",
+                    job.kind,
+                    job.id,
+                    dirty >> 20,
+                    pass.elapsed().as_secs_f64()
+                );
+            }
+            last = dirty;
+        }
+        pass = Instant::now();
+        job.add_total(dirty);
+        copy_extents(route, &pending, step, &|k| job.advance(k), stop)?;
+        pending.clear();
+        if dirty <= CONVERGED {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::track_granularity;
+
+    #[test]
+    fn the_job_bitmap_is_fine_but_bounded() {
+        assert_eq!(track_granularity(1 << 30), 4096);
+        assert_eq!(track_granularity(256 << 30), 4096);
+        assert_eq!(track_granularity(1 << 40), 16384);
+        // 64 Mi bits at most: 8 MiB.
+        for size in [1u64 << 40, 3 << 40, 1 << 50] {
+            assert!(size / track_granularity(size) <= 1 << 26);
+        }
+    }
+}
