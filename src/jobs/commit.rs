@@ -29,7 +29,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::copy::{converge, copy_extents, track_granularity, Route, CHUNK, WINDOW};
+use super::copy::{close_image, converge, copy_extents, track_granularity, Route, CHUNK, WINDOW};
+use super::switch::{switch_to, Switch};
 use super::{Host, Job, JobInfo, Jobs};
 use crate::image::{Format, Image, ImageOptions};
 use crate::snapshot::state;
@@ -163,7 +164,7 @@ pub fn start(jobs: &Jobs, host: Arc<dyn Host>, req: Request) -> Result<JobInfo, 
     // The base, read-write: refused here if another process holds it.
     let target = open_base(&plan)?;
     if target.size_bytes() < top_size {
-        close_base(target);
+        close_image(target, "the base");
         return Err(format!(
             "the base {} is {} bytes, smaller than {} ({top_size} bytes): grow it first \
              (qemu-img resize while vublk is stopped)",
@@ -180,7 +181,7 @@ pub fn start(jobs: &Jobs, host: Arc<dyn Host>, req: Request) -> Result<JobInfo, 
 
 /// The job's own handle on the base: through the page cache whatever the disk's cache
 /// mode (the job's writes then cost a copy, not a wait for the disk, and the kernel writes
-/// them back in large runs); [`close_base`] syncs it before anything names the base.
+/// them back in large runs); [`close_image`](super::copy::close_image) syncs it before anything names the base.
 fn open_base(plan: &Plan) -> Result<Image, String> {
     let mut opts = plan.base_opts.clone();
     opts.direct = false;
@@ -191,15 +192,6 @@ fn open_base(plan: &Plan) -> Result<Image, String> {
             crate::logging::error_chain(&e)
         )
     })
-}
-
-/// Everything written back and synced, the locks given up.
-fn close_base(target: Image) -> Option<String> {
-    let r = target.close();
-    target.release_locks();
-    drop(target);
-    r.err()
-        .map(|e| format!("syncing the base: {}", crate::logging::error_chain(&e)))
 }
 
 fn run(
@@ -286,7 +278,7 @@ fn finish_below(
     target: Image,
     copied: u64,
 ) -> Result<(), String> {
-    if let Some(e) = close_base(target) {
+    if let Some(e) = close_image(target, "the base") {
         return Err(e);
     }
     if job.cancelled() {
@@ -364,8 +356,7 @@ fn finish_below(
     Ok(())
 }
 
-/// The last step of an active commit, with the guest paused: the rest copied, the base
-/// synced and named in the chain state file, and served from then on.
+/// The last step of an active commit: the base served from now on.
 fn finish_active(
     job: &Job,
     host: &dyn Host,
@@ -374,99 +365,19 @@ fn finish_active(
     tracker: &Arc<crate::bitmaps::DirtyBitmap>,
     pending: Vec<(u64, u64)>,
 ) -> Result<(), String> {
-    let image = host.slot().get();
-    let c = image.cluster_size().unwrap_or(65536);
-    let Some(state_path) = host.chain_state().map(Path::to_path_buf) else {
-        return Err("no chain state file".into());
-    };
-    let previous = state::read(&state_path)?;
     let blk = state::absolute(host.base());
-    // The base is --blk-file itself: no record (it is served as the command line says).
-    let record = (!state::same_file(&plan.base_path, &blk)).then(|| state::Record {
-        image: blk.clone(),
-        top: plan.base_path.clone(),
-        format: plan.base_format.to_owned(),
-        detached: !plan.paths[plan.base..]
+    let sw = Switch {
+        kind: "commit",
+        to: "the base",
+        path: &plan.base_path,
+        format: plan.base_format,
+        opts: plan.base_opts.clone(),
+        size: plan.top_size,
+        holds_blk: plan.paths[plan.base..]
             .iter()
             .any(|p| state::same_file(p, &blk)),
-    });
-    let mut target = Some(target);
-    let mut pending = Some(pending);
-    let mut outcome = None;
-    let t0 = std::time::Instant::now();
-    host.paused(&mut || {
-        let r = (|| {
-            if let Some(why) = host.busy() {
-                return Err(format!("the last step (the switch to the base): {why}"));
-            }
-            if image.size_bytes() != plan.top_size {
-                return Err("the disk was resized while the job ran".into());
-            }
-            let Some(t) = target.take() else {
-                return Err("the base is gone".into());
-            };
-            let mut rest = pending.take().unwrap_or_default();
-            rest.extend(tracker.take_extents(0, u64::MAX).0);
-            job.add_total(rest.iter().map(|e| e.1).sum());
-            let route = Route {
-                src: &image,
-                layer: 0,
-                dst: &t,
-                c,
-                to: "the base",
-            };
-            let step = CHUNK.max(c) / c * c;
-            let failed = copy_extents(
-                &route,
-                &rest,
-                step,
-                &|n| {
-                    job.count(n);
-                },
-                &|| false,
-            )
-            .err();
-            let synced = close_base(t);
-            if let Some(e) = failed.or(synced) {
-                return Err(e);
-            }
-            let r = host.slot().switch(
-                plan.base_opts.clone(),
-                || match &record {
-                    Some(r) => state::write(&state_path, r),
-                    None => state::remove(&state_path),
-                },
-                || {
-                    let undone = match &previous {
-                        Some(p) => state::write(&state_path, p),
-                        None => state::remove(&state_path),
-                    };
-                    if let Err(e) = undone {
-                        log::warn!(
-                            "commit failed, and the chain state file could not be restored: {e}"
-                        );
-                    }
-                },
-            );
-            let new = r.map_err(|e| crate::logging::error_chain(&e))?;
-            // The persistent bitmaps go on in the base's file.
-            let list = host.bitmaps().persistent();
-            if !list.is_empty() && new.bitmaps_memory_only().is_none() {
-                if let Err(e) = new.save_bitmaps(&list) {
-                    log::warn!(
-                        "commit: the persistent bitmaps could not be written to the base (they \
-                         go on in memory): {}",
-                        crate::logging::error_chain(&e)
-                    );
-                }
-            }
-            host.bitmaps()
-                .adopt(new.persistent_bitmaps(), new.bitmaps_memory_only());
-            Ok(())
-        })();
-        outcome = Some(r);
-    });
-    outcome.unwrap_or_else(|| Err("the queues could not be paused".into()))?;
+    };
+    let paused = switch_to(job, host, &sw, target, tracker, pending)?;
     log::info!(
         "commit: serving {} ({}) now; {} left the chain; guest paused {:.1} ms",
         plan.base_path.display(),
@@ -476,7 +387,7 @@ fn finish_active(
             .map(|p| p.display().to_string())
             .collect::<Vec<_>>()
             .join(", "),
-        t0.elapsed().as_secs_f64() * 1000.0
+        paused
     );
     Ok(())
 }

@@ -39,6 +39,16 @@ pub(super) fn track_granularity(size: u64) -> u64 {
     (size >> 26).next_power_of_two().max(4096)
 }
 
+/// Everything the job wrote to `target` written back and synced, the locks given up;
+/// `what` names it in the message.
+pub(super) fn close_image(target: Image, what: &str) -> Option<String> {
+    let r = target.close();
+    target.release_locks();
+    drop(target);
+    r.err()
+        .map(|e| format!("syncing {what}: {}", crate::logging::error_chain(&e)))
+}
+
 /// Where a copy reads and writes: chain layer `layer` of `src` (as it reads), into `dst`;
 /// `c` the cluster size.
 pub(super) struct Route<'a> {

@@ -11,6 +11,7 @@
 pub mod commit;
 mod copy;
 pub mod stream;
+mod switch;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
