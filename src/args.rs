@@ -456,6 +456,27 @@ pub enum CtlMethod {
         #[command(flatten)]
         job: JobArgs,
     },
+    /// Copy the running disk to another image (a mirror job), keep copying what the guest
+    /// writes, wait in the ready state, and on job-complete switch the guest to it.
+    Mirror {
+        /// The new image (a path; it must not exist), or with --bitmap an existing copy.
+        #[arg(long, value_name = "PATH")]
+        target: String,
+        /// The target's format: raw, qcow2 or parallels (default: the disk's; qcow2 with
+        /// --sync top; probed with --bitmap).
+        #[arg(long, value_name = "F")]
+        format: Option<String>,
+        /// full: everything the guest reads, into a stand-alone image; top: what the served
+        /// image itself holds, into a qcow2 image over the same backing file.
+        #[arg(long, value_name = "full|top")]
+        sync: Option<String>,
+        /// The target holds an older copy already: copy only what this dirty bitmap marks
+        /// first.
+        #[arg(long, value_name = "NAME")]
+        bitmap: Option<String>,
+        #[command(flatten)]
+        job: JobArgs,
+    },
     /// Block jobs: id, type, state, bytes done of the total, speed limit, error.
     Jobs,
     /// Stop a job at its next step.

@@ -106,6 +106,22 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
             }
             ("commit".to_owned(), Value::Object(p))
         }
+        M::Mirror {
+            target,
+            format,
+            sync,
+            bitmap,
+            job,
+        } => {
+            let mut p = job_params(job)?;
+            p.insert("target".into(), json!(target));
+            for (k, v) in [("format", format), ("sync", sync), ("bitmap", bitmap)] {
+                if let Some(v) = v {
+                    p.insert(k.into(), json!(v));
+                }
+            }
+            ("mirror".to_owned(), Value::Object(p))
+        }
         M::Jobs => ("jobs".to_owned(), Value::Null),
         M::JobCancel { id } => ("job-cancel".to_owned(), json!({ "id": id })),
         M::JobComplete { id } => ("job-complete".to_owned(), json!({ "id": id })),

@@ -1,4 +1,5 @@
-//! The control methods of block jobs (stream, commit, jobs, job-cancel, job-complete) and
+//! The control methods of block jobs (stream, commit, mirror, jobs, job-cancel,
+//! job-complete) and
 //! what they and snapshots need: why the image cannot be switched now, the device as a
 //! job's `Host`, and the parameters every job takes.
 
@@ -100,7 +101,8 @@ impl JobParams {
     }
 }
 
-/// The block job methods: `stream`, `commit`, `jobs`, `job-cancel`, `job-complete`.
+/// The block job methods: `stream`, `commit`, `mirror`, `jobs`, `job-cancel`,
+/// `job-complete`.
 pub(super) fn call(method: &str, params: &Value, ctx: &Context) -> CallResult {
     let dev = &ctx.dev;
     match method {
@@ -136,6 +138,28 @@ pub(super) fn call(method: &str, params: &Value, ctx: &Context) -> CallResult {
                 speed: p.speed,
             };
             crate::jobs::commit::start(&dev.jobs, host, req)
+                .map(|j| serde_json::to_value(j).unwrap_or(Value::Null))
+                .map_err(|e| (REFUSED, e))
+        }
+        "mirror" => {
+            let p = JobParams::parse(params, &["target", "format", "sync", "bitmap"], &[])?;
+            let text = |k: &str| params.get(k).and_then(Value::as_str).map(str::to_owned);
+            let target = text("target")
+                .ok_or_else(|| (INVALID_PARAMS, "mirror takes {\"target\": PATH}".to_owned()))?;
+            let host = Arc::new(JobHost {
+                dev: dev.clone(),
+                base: ctx.image_path.clone(),
+                state: ctx.chain_state.clone(),
+            });
+            let req = crate::jobs::mirror::Request {
+                target,
+                format: text("format"),
+                sync: text("sync"),
+                bitmap: text("bitmap"),
+                id: p.id,
+                speed: p.speed,
+            };
+            crate::jobs::mirror::start(&dev.jobs, host, req)
                 .map(|j| serde_json::to_value(j).unwrap_or(Value::Null))
                 .map_err(|e| (REFUSED, e))
         }

@@ -552,7 +552,7 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                     CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
                 })
         }
-        "stream" | "commit" | "jobs" | "job-cancel" | "job-complete" => {
+        "stream" | "commit" | "mirror" | "jobs" | "job-cancel" | "job-complete" => {
             jobs::call(method, &params, ctx)
         }
         "snapshot" => {

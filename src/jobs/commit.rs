@@ -212,7 +212,7 @@ fn run(
         // Every cluster the merged layers hold, in runs, a window at a time.
         let route = Route {
             src: image,
-            layer: plan.top,
+            layer: Some(plan.top),
             dst: &target,
             c,
             to: "the base",
@@ -255,7 +255,7 @@ fn run(
         // The active layer: again what the guest dirtied, until little is left.
         let route = Route {
             src: image,
-            layer: 0,
+            layer: Some(0),
             dst: &target,
             c,
             to: "the base",

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::Job;
 use crate::bitmaps::DirtyBitmap;
-use crate::image::Image;
+use crate::image::{Image, Reader};
 use crate::io::bounce::AlignedBuf;
 use crate::locks::Locked;
 
@@ -53,7 +53,9 @@ pub(super) fn close_image(target: Image, what: &str) -> Option<String> {
 /// `c` the cluster size.
 pub(super) struct Route<'a> {
     pub(super) src: &'a Image,
-    pub(super) layer: usize,
+    /// The chain layer read (a qcow2 image's); None: the disk as the guest reads it, in any
+    /// format (through a [`Reader`] per copying thread).
+    pub(super) layer: Option<usize>,
     pub(super) dst: &'a Image,
     pub(super) c: u64,
     /// What `dst` is, for messages ("the base").
@@ -67,6 +69,7 @@ fn copy(
     offset: u64,
     len: u64,
     buf: &mut AlignedBuf,
+    reader: &mut Option<Reader>,
     each: &mut dyn FnMut(u64),
 ) -> Result<(), String> {
     let Route {
@@ -81,9 +84,24 @@ fn copy(
     while at < end {
         let n = (end - at).min(buf.len() as u64);
         let data = &mut buf.as_mut_slice()[..n as usize];
-        src.read_layer(layer, at, data).map_err(|e| {
+        let read = match layer {
+            Some(layer) => src.read_layer(layer, at, data),
+            None => {
+                if reader.is_none() {
+                    *reader = Some(
+                        src.reader()
+                            .map_err(|e| format!("a reader of the disk: {e}"))?,
+                    );
+                }
+                match reader {
+                    Some(r) => r.read_into(src, at, data),
+                    None => Ok(()),
+                }
+            }
+        };
+        read.map_err(|e| {
             format!(
-                "reading the layers at {at}: {}",
+                "reading the disk at {at}: {}",
                 crate::logging::error_chain(&e)
             )
         })?;
@@ -140,13 +158,14 @@ pub(super) fn copy_extents(
                 return;
             }
         };
+        let mut reader = None;
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
             let Some(&(o, l)) = pieces.get(i) else { break };
             if stop() || failed.locked().is_some() {
                 break;
             }
-            if let Err(e) = copy(route, o, l, &mut buf, &mut |n| each(n)) {
+            if let Err(e) = copy(route, o, l, &mut buf, &mut reader, &mut |n| each(n)) {
                 failed.locked().get_or_insert(e);
                 break;
             }

@@ -10,6 +10,7 @@
 
 pub mod commit;
 mod copy;
+pub mod mirror;
 pub mod stream;
 mod switch;
 

@@ -71,7 +71,7 @@ pub(super) fn switch_to(
             job.add_total(rest.iter().map(|e| e.1).sum());
             let route = Route {
                 src: &image,
-                layer: 0,
+                layer: None,
                 dst: &t,
                 c,
                 to: sw.to,
