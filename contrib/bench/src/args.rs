@@ -117,6 +117,14 @@ pub struct Opts {
     #[arg(long)]
     pub commit: bool,
 
+    /// Instead of workloads: a mirror job over the running disk (a fully written qcow2
+    /// overlay over a fully written raw image of --size) to a new raw image, completed once
+    /// ready, vublk (`vublk ctl mirror`, `job-complete`) against qemu-storage-daemon (QMP
+    /// `drive-mirror`, `block-job-complete`): the guest's 4 KiB random write IOPS without
+    /// and during the job, and the job's MB/s.
+    #[arg(long)]
+    pub mirror: bool,
+
     /// Instead of workloads: measure the all-zero scanner on host buffers.
     #[arg(long)]
     pub zero_scan: bool,

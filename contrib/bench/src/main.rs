@@ -12,7 +12,7 @@
 //! - `alternate`: runs alternating round by round; `report`: medians, the Markdown report,
 //!   `--report`.
 //! - `modes`: the other modes, one a module (`--zero-scan`, `--zero-fill`, `--fresh-file`,
-//!   `--compress-fill`, `--parallels-fill`, `--hop`, `--seed-check`, `--backup`, `--stream`, `--commit`).
+//!   `--compress-fill`, `--parallels-fill`, `--hop`, `--seed-check`, `--backup`, `--stream`, `--commit`, `--mirror`).
 
 mod alternate;
 mod args;
@@ -80,6 +80,10 @@ fn main() -> ExitCode {
     }
     if opts.stream {
         modes::stream::run(&opts, &backends, &vublk, &work, modes::stream::Job::Stream);
+        return ExitCode::SUCCESS;
+    }
+    if opts.mirror {
+        modes::stream::run(&opts, &backends, &vublk, &work, modes::stream::Job::Mirror);
         return ExitCode::SUCCESS;
     }
     if opts.commit {

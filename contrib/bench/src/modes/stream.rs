@@ -1,13 +1,16 @@
-//! `--stream` and `--commit`: a block job over the running disk, vublk (`vublk ctl stream`,
-//! `vublk ctl commit`) against qemu-storage-daemon (QMP `block-stream`, `block-commit` then
-//! `block-job-complete` once ready) on the same images: a qcow2 overlay over a fully written
-//! raw image of --size, served by each in turn. For a stream the overlay is new (empty: the
-//! job copies the base up into it); for a commit it is fully written first with `qemu-io`
-//! (the job copies all of it down into the base, then the guest is switched to the base).
+//! `--stream`, `--commit` and `--mirror`: a block job over the running disk, vublk (`vublk
+//! ctl stream`, `commit`, `mirror` with `job-complete` once ready) against
+//! qemu-storage-daemon (QMP `block-stream`, `block-commit`, `drive-mirror`, with
+//! `block-job-complete` once ready) on the same images: a qcow2 overlay over a fully
+//! written raw image of --size, served by each in turn. For a stream the overlay is new
+//! (empty: the job copies the base up into it); for a commit and a mirror it is fully
+//! written first with `qemu-io` (a commit copies all of it down into the base, then the
+//! guest is switched to the base; a mirror copies the whole disk to a new raw image and
+//! switches the guest to it).
 //!
 //! Each run: 4 KiB random writes at depth 32 on the overlay for --seconds without a job (the
-//! baseline), then the job starts (unlimited speed, both daemons' default) and the same
-//! writes go on until it concludes. Reported: the guest's write IOPS without and during the
+//! baseline), then the same writes start again and, half a second later, the job
+//! (unlimited speed, both daemons' default); they go on until it concludes. Reported: the guest's write IOPS without and during the
 //! job, and the job's rate (the disk's size over its time).
 
 use std::fs::{self, File};
@@ -108,6 +111,18 @@ fn ctl(binary: &Path, sock: &Path, args: &[&str]) -> String {
 pub enum Job {
     Stream,
     Commit,
+    /// To a new raw image beside the others, completed once ready.
+    Mirror,
+}
+
+impl Job {
+    fn verb(self) -> &'static str {
+        match self {
+            Job::Stream => "stream",
+            Job::Commit => "commit",
+            Job::Mirror => "mirror",
+        }
+    }
 }
 
 /// A new qcow2 overlay `top` over `base`: empty for a stream, fully written for a commit.
@@ -121,7 +136,7 @@ fn new_overlay(base: &Path, top: &Path, work: &Path, job: Job, size: u64) {
         .status()
         .expect("qemu-img");
     assert!(st.success(), "qemu-img create of the overlay");
-    if job == Job::Commit {
+    if job != Job::Stream {
         let st = Command::new("qemu-io")
             .args(["-f", "qcow2", "-c", &format!("write -q -P 0x33 0 {size}")])
             .arg(top)
@@ -137,6 +152,7 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
     let base = work.join("stream-base.raw");
     prepare_image(&base, opts.size);
     let top = work.join("stream-top.qcow2");
+    let target = work.join("mirror-target.raw");
     let never = AtomicBool::new(false);
     let ctl_sock = work.join("stream-ctl.sock");
     let qmp_sock = work.join("stream-qmp.sock");
@@ -161,20 +177,34 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
     let base_iops = ios as f64 / secs;
     drop(server);
     new_overlay(&base, &top, work, kind, opts.size);
+    let _ = fs::remove_file(&target);
     let server = serve();
     let stop = AtomicBool::new(false);
     let (job_secs, (ios, secs)) = std::thread::scope(|s| {
         let job = s.spawn(|| {
+            // The writer connected and writing first: qemu-storage-daemon 10.0.2 segfaults
+            // when a mirror or commit starts while a vhost-user client is connecting.
+            std::thread::sleep(Duration::from_millis(500));
             let t0 = Instant::now();
             match backend.kind {
                 BackendKind::Vublk => {
-                    let verb = if kind == Job::Commit { "commit" } else { "stream" };
-                    ctl(&binary, &ctl_sock, &[verb, "--id", "bench"]);
+                    let verb = kind.verb();
+                    let target_arg = target.display().to_string();
+                    let mut args = vec![verb, "--id", "bench"];
+                    if kind == Job::Mirror {
+                        args.extend(["--target", &target_arg, "--format", "raw"]);
+                    }
+                    ctl(&binary, &ctl_sock, &args);
+                    let mut completed = false;
                     loop {
                         let v: String = ctl(&binary, &ctl_sock, &["jobs"])
                             .chars()
                             .filter(|c| !c.is_whitespace())
                             .collect();
+                        if !completed && v.contains(r#""state":"ready""#) {
+                            ctl(&binary, &ctl_sock, &["job-complete", "bench"]);
+                            completed = true;
+                        }
                         if v.contains(r#""state":"concluded""#) {
                             assert!(v.contains(r#""error":null"#), "the {verb} failed: {v}");
                             break;
@@ -184,10 +214,17 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
                 }
                 _ => {
                     let mut q = Qmp::connect(&qmp_sock);
-                    let verb = if kind == Job::Commit { "commit" } else { "stream" };
-                    q.cmd(&format!(
-                        r#"{{"execute":"block-{verb}","arguments":{{"job-id":"bench","device":"file0"}}}}"#
-                    ));
+                    if kind == Job::Mirror {
+                        q.cmd(&format!(
+                            r#"{{"execute":"drive-mirror","arguments":{{"job-id":"bench","device":"file0","target":"{}","format":"raw","sync":"full","mode":"absolute-paths"}}}}"#,
+                            target.display()
+                        ));
+                    } else {
+                        q.cmd(&format!(
+                            r#"{{"execute":"block-{}","arguments":{{"job-id":"bench","device":"file0"}}}}"#,
+                            kind.verb()
+                        ));
+                    }
                     // Auto-dismissed when it concludes: the list empties. An active
                     // commit waits in ready for block-job-complete.
                     let mut completed = false;
@@ -213,6 +250,7 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
     });
     drop(server);
     let _ = fs::remove_file(&top);
+    let _ = fs::remove_file(&target);
     let _ = fs::remove_file(work.join(".stream-top.qcow2.vublk-chain"));
     DuringResult {
         base_iops,
@@ -227,6 +265,10 @@ pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path, kind: J
     let (overlay, what) = match kind {
         Job::Stream => ("A new qcow2 overlay", ("the stream", "stream")),
         Job::Commit => ("A fully written qcow2 overlay", ("the commit", "commit")),
+        Job::Mirror => (
+            "A fully written qcow2 overlay (mirrored to a new raw image, completed once ready)",
+            ("the mirror", "mirror"),
+        ),
     };
     let how = format!(
         "{overlay} over a fully written {} MiB raw image; 4 KiB random writes at depth 32 \
