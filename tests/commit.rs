@@ -12,20 +12,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use serde_json::Value;
 
 const SIZE: u64 = 32 * MIB;
 const STOP: Duration = Duration::from_secs(10);
-
-fn skip(what: &str) -> bool {
-    if skip_unless_vublk(what) {
-        return true;
-    }
-    if !have_qemu_img() {
-        return skip_or_fail::<()>("qemu-img missing (qemu-utils)").is_none();
-    }
-    false
-}
 
 fn chain_len(sock: &Path) -> usize {
     ctl_ok(sock, "status", &[])["chain"]
@@ -34,33 +23,12 @@ fn chain_len(sock: &Path) -> usize {
         .len()
 }
 
-/// Poll `jobs` until job `id` is in `state`; its entry.
-fn wait_state(sock: &Path, id: &str, state: &str) -> Value {
-    let t0 = std::time::Instant::now();
-    loop {
-        let v = ctl_ok(sock, "jobs", &[]);
-        let j = v["jobs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|j| j["id"] == id)
-            .cloned()
-            .unwrap_or_else(|| panic!("no job {id}: {v}"));
-        if j["state"] == state {
-            return j;
-        }
-        assert!(j["state"] != "concluded", "job {id} concluded: {j}");
-        assert!(t0.elapsed() < Duration::from_secs(60), "job {id}: {j}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// The active layer committed into the base (`--blk-file`) under a writer, for raw, qcow2
 /// and parallels bases: two snapshots, then `commit`; the guest is switched to the base,
 /// which then holds the disk as the guest reads it, and a restart serves it.
 #[test]
 fn an_active_commit_under_writes_switches_the_guest_to_the_base() {
-    if skip("commit jobs") {
+    if skip_chain_test("commit jobs") {
         return;
     }
     for fmt in ["raw", "qcow2", "parallels"] {
@@ -119,7 +87,7 @@ fn an_active_commit_under_writes_switches_the_guest_to_the_base() {
 /// `job-complete`.
 #[test]
 fn commits_below_the_top_and_into_a_middle_layer_with_manual_complete() {
-    if skip("commit jobs") {
+    if skip_chain_test("commit jobs") {
         return;
     }
     let dir = TestDir::new("commit-below");
@@ -205,7 +173,7 @@ fn commits_below_the_top_and_into_a_middle_layer_with_manual_complete() {
 /// that is not ready, a resize while a job runs.
 #[test]
 fn commit_refusals_say_why() {
-    if skip("commit jobs") {
+    if skip_chain_test("commit jobs") {
         return;
     }
     let dir = TestDir::new("commit-refusals");
@@ -270,7 +238,7 @@ fn commit_refusals_say_why() {
 /// again finishes with the same disk.
 #[test]
 fn sigkill_during_a_commit_loses_no_flushed_write() {
-    if skip("commit jobs") {
+    if skip_chain_test("commit jobs") {
         return;
     }
     let runs: u64 = std::env::var("VUBLK_COMMIT_KILLS")

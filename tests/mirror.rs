@@ -16,39 +16,8 @@ use serde_json::Value;
 const SIZE: u64 = 32 * MIB;
 const STOP: Duration = Duration::from_secs(10);
 
-fn skip(what: &str) -> bool {
-    if skip_unless_vublk(what) {
-        return true;
-    }
-    if !have_qemu_img() {
-        return skip_or_fail::<()>("qemu-img missing (qemu-utils)").is_none();
-    }
-    false
-}
-
 fn status(sock: &Path) -> Value {
     ctl_ok(sock, "status", &[])
-}
-
-/// Poll `jobs` until job `id` is in `state`; its entry.
-fn wait_state(sock: &Path, id: &str, state: &str) -> Value {
-    let t0 = std::time::Instant::now();
-    loop {
-        let v = ctl_ok(sock, "jobs", &[]);
-        let j = v["jobs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|j| j["id"] == id)
-            .cloned()
-            .unwrap_or_else(|| panic!("no job {id}: {v}"));
-        if j["state"] == state {
-            return j;
-        }
-        assert!(j["state"] != "concluded", "job {id} concluded: {j}");
-        assert!(t0.elapsed() < Duration::from_secs(60), "job {id}: {j}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Mirror `src_fmt` disks to new targets under a writer: full to the same format, full to
@@ -57,7 +26,7 @@ fn wait_state(sock: &Path, id: &str, state: &str) -> Value {
 /// disk, passes `qemu-img check`, and a restart serves it.
 #[test]
 fn a_mirror_under_writes_switches_the_guest_on_job_complete() {
-    if skip("mirror jobs") {
+    if skip_chain_test("mirror jobs") {
         return;
     }
     for (src_fmt, target_fmt, sync) in [
@@ -156,7 +125,7 @@ fn a_mirror_under_writes_switches_the_guest_on_job_complete() {
 /// date by copying only what the bitmap marks, then the guest switched to it.
 #[test]
 fn a_bitmap_mirror_brings_an_older_copy_up_to_date() {
-    if skip("mirror jobs") {
+    if skip_chain_test("mirror jobs") {
         return;
     }
     let dir = TestDir::new("mirror-bitmap");
@@ -208,7 +177,7 @@ fn a_bitmap_mirror_brings_an_older_copy_up_to_date() {
 /// `job-cancel` in `ready` leaves the guest on the source; refusals name the reason.
 #[test]
 fn mirror_cancel_and_refusals() {
-    if skip("mirror jobs") {
+    if skip_chain_test("mirror jobs") {
         return;
     }
     let dir = TestDir::new("mirror-refusals");
@@ -273,7 +242,7 @@ fn mirror_cancel_and_refusals() {
 /// finishes with the same disk.
 #[test]
 fn sigkill_during_a_mirror_loses_no_flushed_write() {
-    if skip("mirror jobs") {
+    if skip_chain_test("mirror jobs") {
         return;
     }
     let runs: u64 = std::env::var("VUBLK_MIRROR_KILLS")

@@ -17,19 +17,9 @@ use common::*;
 const SIZE: u64 = 32 * MIB;
 const STOP: Duration = Duration::from_secs(10);
 
-fn skip(what: &str) -> bool {
-    if skip_unless_vublk(what) {
-        return true;
-    }
-    if !have_qemu_img() {
-        return skip_or_fail::<()>("qemu-img missing (qemu-utils)").is_none();
-    }
-    false
-}
-
 /// A snapshot under a writer, for a disk of `fmt`; then a restart that serves the overlay.
 fn snapshot_under_writes(fmt: &str) {
-    if skip("snapshots") {
+    if skip_chain_test("snapshots") {
         return;
     }
     let dir = TestDir::new(&format!("snapshot-{fmt}"));
@@ -133,7 +123,7 @@ fn a_snapshot_of_a_parallels_disk_under_writes() {
 /// the bitmap the restarted daemon loads.
 #[test]
 fn persistent_bitmaps_move_into_the_overlay() {
-    if skip("snapshots") {
+    if skip_chain_test("snapshots") {
         return;
     }
     let dir = TestDir::new("snapshot-bitmaps");
@@ -164,7 +154,7 @@ fn persistent_bitmaps_move_into_the_overlay() {
 /// and at start a state file about another disk or one that is not vublk's.
 #[test]
 fn refusals_say_why() {
-    if skip("snapshots") {
+    if skip_chain_test("snapshots") {
         return;
     }
     let dir = TestDir::new("snapshot-refusals");
@@ -273,7 +263,7 @@ fn refusals_say_why() {
 /// the chain, and a snapshot can be taken again.
 #[test]
 fn sigkill_during_a_snapshot_loses_no_flushed_write() {
-    if skip("snapshots") {
+    if skip_chain_test("snapshots") {
         return;
     }
     let runs: u64 = std::env::var("VUBLK_SNAPSHOT_KILLS")
@@ -347,7 +337,7 @@ fn sigkill_during_a_snapshot_loses_no_flushed_write() {
 /// backing file and loses the link; with `--base`, the link points at the base.
 #[test]
 fn stream_copies_the_chain_into_the_top_under_writes() {
-    if skip("stream jobs") {
+    if skip_chain_test("stream jobs") {
         return;
     }
     for fmt in ["raw", "qcow2"] {
@@ -408,7 +398,7 @@ fn stream_copies_the_chain_into_the_top_under_writes() {
 /// was), a second job and a snapshot are refused while it runs, and a new stream finishes.
 #[test]
 fn a_slow_stream_is_listed_refuses_company_and_can_be_cancelled_and_run_again() {
-    if skip("stream jobs") {
+    if skip_chain_test("stream jobs") {
         return;
     }
     let dir = TestDir::new("stream-cancel");
@@ -489,7 +479,7 @@ fn a_slow_stream_is_listed_refuses_company_and_can_be_cancelled_and_run_again() 
 /// check, and a stream started again completes.
 #[test]
 fn sigkill_during_a_stream_loses_no_flushed_write() {
-    if skip("stream jobs") {
+    if skip_chain_test("stream jobs") {
         return;
     }
     let runs: u64 = std::env::var("VUBLK_STREAM_KILLS")

@@ -78,8 +78,20 @@ pub fn read_disk_via_qemu(img: &Path, dir: &TestDir) -> Vec<u8> {
     v
 }
 
-/// Poll `jobs` until job `id` concludes; its entry.
-pub fn wait_job(sock: &Path, id: &str) -> Value {
+/// Skip (or, where the suite must run it, fail) a test of `what` without vublk or qemu-img.
+pub fn skip_chain_test(what: &str) -> bool {
+    if skip_unless_vublk(what) {
+        return true;
+    }
+    if !have_qemu_img() {
+        return skip_or_fail::<()>("qemu-img missing (qemu-utils)").is_none();
+    }
+    false
+}
+
+/// Poll `jobs` until job `id` is in `state` (within `limit`); its entry. A job that
+/// concludes while another state is awaited fails the test.
+fn wait_for_state(sock: &Path, id: &str, state: &str, limit: Duration) -> Value {
     let t0 = std::time::Instant::now();
     loop {
         let v = ctl_ok(sock, "jobs", &[]);
@@ -90,15 +102,23 @@ pub fn wait_job(sock: &Path, id: &str) -> Value {
             .find(|j| j["id"] == id)
             .cloned()
             .unwrap_or_else(|| panic!("no job {id}: {v}"));
-        if j["state"] == "concluded" {
+        if j["state"] == state {
             return j;
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "job {id} runs on: {j}"
-        );
+        assert!(j["state"] != "concluded", "job {id} concluded: {j}");
+        assert!(t0.elapsed() < limit, "job {id}, waiting for {state}: {j}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Poll `jobs` until job `id` concludes; its entry.
+pub fn wait_job(sock: &Path, id: &str) -> Value {
+    wait_for_state(sock, id, "concluded", Duration::from_secs(120))
+}
+
+/// Poll `jobs` until job `id` is in `state` (`ready`, `running`); its entry.
+pub fn wait_state(sock: &Path, id: &str, state: &str) -> Value {
+    wait_for_state(sock, id, state, Duration::from_secs(60))
 }
 
 /// A writer that flushes after every write, on a thread of its own, until the daemon dies
