@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::copy::{close_image, converge, copy_extents, track_granularity, Route, CHUNK, WINDOW};
-use super::switch::{switch_to, Switch};
+use super::switch::{relink, switch_to, Switch};
 use super::{Host, Job, JobInfo, Jobs};
 use crate::image::{Format, Image, ImageOptions};
 use crate::snapshot::state;
@@ -294,55 +294,19 @@ fn finish_below(
     };
     let new_link = link(plan.base)?;
     let old_link = link(plan.top)?;
-    let state_path = host.chain_state().map(Path::to_path_buf);
-    let previous = match &state_path {
-        Some(p) => state::read(p)?,
-        None => None,
-    };
     // --blk-file leaves the chain: the record no longer asks the top to hold it.
     let leaves = plan.paths[plan.top..plan.base]
         .iter()
         .any(|p| state::same_file(p, host.base()));
-    let mut outcome = None;
-    host.paused(&mut || {
-        if let Some(why) = host.busy() {
-            outcome = Some(Err(format!("the last step (the new backing link): {why}")));
-            return;
-        }
-        let r = host.slot().switch(
-            plan.served.clone(),
-            || {
-                if let (Some(p), Some(prev), true) = (&state_path, &previous, leaves) {
-                    let mut r = prev.clone();
-                    r.detached = true;
-                    state::write(p, &r)?;
-                }
-                crate::image::qcow2::relink::set_backing(above, Some((&new_link, plan.base_format)))
-            },
-            || {
-                if let Err(e) = crate::image::qcow2::relink::set_backing(
-                    above,
-                    Some((&old_link, plan.formats[plan.top])),
-                ) {
-                    log::warn!(
-                        "commit: the backing link of {} could not be restored: {e}",
-                        above.display()
-                    );
-                }
-                if let (Some(p), Some(prev)) = (&state_path, &previous) {
-                    if let Err(e) = state::write(p, prev) {
-                        log::warn!("commit: the chain state file could not be restored: {e}");
-                    }
-                }
-            },
-        );
-        if let Ok(new) = &r {
-            host.bitmaps()
-                .adopt(new.persistent_bitmaps(), new.bitmaps_memory_only());
-        }
-        outcome = Some(r.map(|_| ()).map_err(|e| crate::logging::error_chain(&e)));
-    });
-    outcome.unwrap_or_else(|| Err("the queues could not be paused".into()))?;
+    relink(
+        host,
+        "commit",
+        &plan.served,
+        above,
+        Some((&new_link, plan.base_format)),
+        Some(Some((&old_link, plan.formats[plan.top]))),
+        leaves,
+    )?;
     log::info!(
         "commit: {copied} bytes of {} merged into {}; {} now reads from it",
         plan.paths[plan.top..plan.base]

@@ -147,50 +147,20 @@ fn run(
         }
     };
     // The chain state: marked detached when --blk-file leaves the chain.
-    let state_path = host.chain_state().map(Path::to_path_buf);
-    let previous = match &state_path {
-        Some(p) => state::read(p)?,
-        None => None,
-    };
     let still_holds = keep.is_some_and(|k| {
         chain[k..]
             .iter()
             .any(|(p, _)| state::same_file(p, host.base()))
     });
-    let mut outcome = None;
-    host.paused(&mut || {
-        if let Some(why) = host.busy() {
-            outcome = Some(Err(format!("the last step (the new backing link): {why}")));
-            return;
-        }
-        let r = host.slot().switch(
-            opts.clone(),
-            || {
-                if let (Some(p), Some(prev), false) = (&state_path, &previous, still_holds) {
-                    let mut r = prev.clone();
-                    r.detached = true;
-                    state::write(p, &r)?;
-                }
-                crate::image::qcow2::relink::set_backing(
-                    top,
-                    link.as_ref().map(|(n, f)| (n.as_str(), *f)),
-                )
-            },
-            || {
-                if let (Some(p), Some(prev)) = (&state_path, &previous) {
-                    if let Err(e) = state::write(p, prev) {
-                        log::warn!("stream: the chain state file could not be restored: {e}");
-                    }
-                }
-            },
-        );
-        if let Ok(new) = &r {
-            host.bitmaps()
-                .adopt(new.persistent_bitmaps(), new.bitmaps_memory_only());
-        }
-        outcome = Some(r.map(|_| ()).map_err(|e| crate::logging::error_chain(&e)));
-    });
-    outcome.unwrap_or_else(|| Err("the queues could not be paused".into()))?;
+    super::switch::relink(
+        host,
+        "stream",
+        &opts,
+        top,
+        link.as_ref().map(|(n, f)| (n.as_str(), *f)),
+        None,
+        !still_holds,
+    )?;
     log::info!(
         "stream: {copied} bytes copied into {}; its backing file is now {}",
         top.display(),

@@ -1,6 +1,7 @@
-//! The last step of a job that moves the guest to another image (an active commit, a
-//! mirror): with the guest paused, the rest copied, the image synced, named in the chain
-//! state file and served from then on; persistent bitmaps go on in it.
+//! The last steps of jobs, with the guest paused: moving the guest to another image (an
+//! active commit, a mirror: the rest copied, the image synced, named in the chain state
+//! file and served from then on; persistent bitmaps go on in it), and rewriting a backing
+//! link in the chain (a stream, a commit below the active layer).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -132,4 +133,67 @@ pub(super) fn switch_to(
     });
     outcome.unwrap_or_else(|| Err("the queues could not be paused".into()))?;
     Ok(t0.elapsed().as_secs_f64() * 1000.0)
+}
+
+/// A backing link: the name as stored (relative to the image that holds it) and the format.
+pub(super) type Link<'a> = Option<(&'a str, &'static str)>;
+
+/// The last step of a job that changes a backing link (a stream, a commit below the active
+/// layer): between two guest requests, `image`'s header gets the backing file `new` (None:
+/// none), the chain state file is marked `detached` if `detaches` (`--blk-file` leaves the
+/// chain), and the chain is opened again with `opts`. If that fails, the state file is
+/// restored, and the header too when `undo` names the old link.
+pub(super) fn relink(
+    host: &dyn Host,
+    kind: &str,
+    opts: &ImageOptions,
+    image: &Path,
+    new: Link,
+    undo: Option<Link>,
+    detaches: bool,
+) -> Result<(), String> {
+    let state_path = host.chain_state().map(Path::to_path_buf);
+    let previous = match &state_path {
+        Some(p) => state::read(p)?,
+        None => None,
+    };
+    let mut outcome = None;
+    host.paused(&mut || {
+        if let Some(why) = host.busy() {
+            outcome = Some(Err(format!("the last step (the new backing link): {why}")));
+            return;
+        }
+        let r = host.slot().switch(
+            opts.clone(),
+            || {
+                if let (Some(p), Some(prev), true) = (&state_path, &previous, detaches) {
+                    let mut r = prev.clone();
+                    r.detached = true;
+                    state::write(p, &r)?;
+                }
+                crate::image::qcow2::relink::set_backing(image, new)
+            },
+            || {
+                if let Some(old) = undo {
+                    if let Err(e) = crate::image::qcow2::relink::set_backing(image, old) {
+                        log::warn!(
+                            "{kind}: the backing link of {} could not be restored: {e}",
+                            image.display()
+                        );
+                    }
+                }
+                if let (Some(p), Some(prev)) = (&state_path, &previous) {
+                    if let Err(e) = state::write(p, prev) {
+                        log::warn!("{kind}: the chain state file could not be restored: {e}");
+                    }
+                }
+            },
+        );
+        if let Ok(new) = &r {
+            host.bitmaps()
+                .adopt(new.persistent_bitmaps(), new.bitmaps_memory_only());
+        }
+        outcome = Some(r.map(|_| ()).map_err(|e| crate::logging::error_chain(&e)));
+    });
+    outcome.unwrap_or_else(|| Err("the queues could not be paused".into()))
 }
