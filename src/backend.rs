@@ -39,6 +39,9 @@ pub fn completion_event_id(num_queues: u16) -> u64 {
     u64::from(num_queues) + 1
 }
 
+/// Register queue `i`'s new engine completion eventfd with that queue's event loop.
+pub type ListenFn = Box<dyn Fn(usize, i32) -> io::Result<()> + Send + Sync>;
+
 /// The vhost-user-blk backend for one connection.
 pub struct VhostUserBlkBackend {
     dev: Arc<Device>,
@@ -46,6 +49,9 @@ pub struct VhostUserBlkBackend {
     /// Per queue: ask a busy-polling queue thread to let go of its worker.
     poll_abort: Vec<Arc<AtomicBool>>,
     acked_features: AtomicU64,
+    /// How the queues' engines are made again when a job moves the guest to another kind
+    /// of disk (a mirror onto an NBD export), and how their eventfds reach the event loops.
+    engines: Mutex<Option<(crate::image::EngineChoice, ListenFn)>>,
 }
 
 impl crate::device::QueuePause for VhostUserBlkBackend {
@@ -62,7 +68,12 @@ impl crate::device::QueuePause for VhostUserBlkBackend {
             w.settle();
         }
         f();
-        // `f` may have switched the image (a snapshot): each queue serves the new one.
+        // `f` may have switched the image (a snapshot): each queue serves the new one, on
+        // new engines if the new one is another kind of disk (a mirror onto an NBD export).
+        let image = self.dev.image.get();
+        if image.is_active() && held.iter().any(|w| !w.engine_fits(&image)) {
+            self.new_engines(&image, &mut held);
+        }
         for w in &mut held {
             w.follow_image();
         }
@@ -94,6 +105,45 @@ impl VhostUserBlkBackend {
             workers,
             poll_abort,
             acked_features: AtomicU64::new(0),
+            engines: Mutex::new(None),
+        }
+    }
+
+    /// How to make the queues' engines again (see [`Self::new_engines`]).
+    pub fn set_engine_maker(&self, choice: crate::image::EngineChoice, listen: ListenFn) {
+        *self.engines.locked() = Some((choice, listen));
+    }
+
+    /// Give every (paused, settled) queue a new engine for `image`, registered with its
+    /// event loop. If they cannot be made, each queue gets an engine bound to nothing, on
+    /// which every request fails (IOERR): never one still aimed at the files of the image
+    /// that was closed.
+    fn new_engines(&self, image: &crate::image::Image, held: &mut [MutexGuard<'_, QueueWorker>]) {
+        let maker = self.engines.locked();
+        let made = match maker.as_ref() {
+            Some((choice, _)) => image
+                .queue_engines(held.len() as u16, *choice)
+                .map_err(|e| e.to_string()),
+            None => Err("this connection cannot make engines".into()),
+        };
+        let engines = match made {
+            Ok(e) => e,
+            Err(e) => {
+                error!("the queues cannot reach the disk they were switched to: {e}; requests fail (IOERR)");
+                (0..held.len())
+                    .map(|_| crate::image::Engine::Sync(crate::io::SyncEngine::new()))
+                    .collect()
+            }
+        };
+        for (i, (w, e)) in held.iter_mut().zip(engines).enumerate() {
+            let fd = e.event_fd();
+            info!("queue {i}: I/O engine {} now", e.name());
+            w.replace_engine(e);
+            if let (Some(fd), Some((_, listen))) = (fd, maker.as_ref()) {
+                if let Err(e) = listen(i, fd) {
+                    error!("queue {i}: its new engine's completions go unseen: {e}");
+                }
+            }
         }
     }
 

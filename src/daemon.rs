@@ -480,6 +480,16 @@ fn serve_loop(
                 .map_err(DaemonError::RegisterCompletions)?;
             }
         }
+        // A job that moves the guest to another kind of disk gives the queues new engines.
+        let weak: Vec<_> = handlers.iter().map(Arc::downgrade).collect();
+        let id = completion_event_id(cfg.num_queues);
+        backend.set_engine_maker(
+            choice,
+            Box::new(move |i, fd| match weak.get(i).and_then(|h| h.upgrade()) {
+                Some(h) => h.register_listener(fd, EventSet::IN | EventSet::EDGE_TRIGGERED, id),
+                None => Err(std::io::Error::from_raw_os_error(libc::ENODEV)),
+            }),
+        );
         for (i, fd) in backend.timer_fds().into_iter().enumerate() {
             if let (Some(fd), Some(h)) = (fd, handlers.get(i)) {
                 h.register_listener(fd, EventSet::IN, completion_event_id(cfg.num_queues) + 1)

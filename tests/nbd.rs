@@ -8,99 +8,13 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
 use vublk::nbd::wire::*;
 use vublk::nbd::{connect as nbd_connect, NbdTarget, Stream};
-
-/// A server process, killed (by PID) and reaped when dropped.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn have(tool: &str) -> bool {
-    Command::new(tool)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !ok() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "{what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// qemu-nbd serving `file` (raw) as export `disk` on a UNIX socket in `dir`.
-fn qemu_nbd(dir: &TestDir, file: &Path) -> Option<(Server, PathBuf)> {
-    if !have("qemu-nbd") {
-        return skip_or_fail("qemu-nbd missing (apt-get install qemu-utils)");
-    }
-    let sock = dir.join("nbd.sock");
-    let child = Command::new("qemu-nbd")
-        .arg("--socket")
-        .arg(&sock)
-        .args(["--export-name", "disk", "--format", "raw", "--persistent"])
-        .args(["--shared", "8", "--cache", "none", "--aio", "io_uring"])
-        .arg(file)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let s = Server(child);
-    wait_until("qemu-nbd's socket", || sock.exists());
-    Some((s, sock))
-}
-
-/// nbdkit with `args` (filters, plugin, parameters) on 127.0.0.1 at a free port.
-fn nbdkit(args: &[&str]) -> Option<(Server, u16)> {
-    if !have("nbdkit") {
-        return skip_or_fail("nbdkit missing (apt-get install nbdkit)");
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("nbdkit")
-        .args([
-            "--foreground",
-            "--exit-with-parent",
-            "-i",
-            "127.0.0.1",
-            "-p",
-        ])
-        .arg(port.to_string())
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let s = Server(child);
-    wait_until("nbdkit listening", || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
-    Some((s, port))
-}
-
-/// nbdkit's memory plugin (`size`).
-fn nbdkit_memory(size: &str) -> Option<(Server, u16)> {
-    nbdkit(&["memory", size])
-}
 
 fn send(s: &mut Stream, r: Request, data: &[u8]) {
     s.write_all(&r.encode()).unwrap();

@@ -211,6 +211,25 @@ impl super::Image {
         Ok(engines)
     }
 
+    /// Is the disk remote (an NBD export, an RBD image), with no file here?
+    pub fn is_remote(&self) -> bool {
+        matches!(self.disk, Disk::Remote(_))
+    }
+
+    /// Can `engine`, made for another image, serve this one once bound to it
+    /// ([`Self::bind`])? A local file's engine serves any local image, a librbd engine any
+    /// RBD image; an NBD engine holds a connection to the export it was made for, so never.
+    /// A job that moves the guest to another kind of disk (a mirror onto an NBD export or an
+    /// RBD image) gives the queues new engines ([`Self::queue_engines`]) when this says no.
+    pub fn engine_fits(&self, engine: &Engine) -> bool {
+        match (&self.disk, engine) {
+            (Disk::Local(_), Engine::Uring(_) | Engine::Sync(_)) => true,
+            #[cfg(feature = "rbd")]
+            (Disk::Remote(super::remote::Remote::Rbd(_)), Engine::Rbd(_)) => true,
+            _ => false,
+        }
+    }
+
     /// Point `engine` at this image (a queue's engine after the image was replaced: a
     /// live migration's take-over): its files by layer, or its remote handle.
     pub fn bind(&self, engine: &mut Engine) {

@@ -305,6 +305,76 @@ impl Reader {
         Ok(())
     }
 
+    /// Write `data` at `offset` of a remote disk (an NBD export, an RBD image) through this
+    /// reader's own engine: a block job's copy into a remote target. Local images are
+    /// written through their format ([`Image::job_write`]).
+    pub fn write_remote(
+        &mut self,
+        image: &Image,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), ImageError> {
+        Self::remote_only(image)?;
+        let mut done = 0usize;
+        while done < data.len() {
+            let rest = &data[done..];
+            self.iov.clear();
+            self.iov.push(libc::iovec {
+                iov_base: rest.as_ptr() as *mut libc::c_void,
+                iov_len: rest.len().min(MAX_READ),
+            });
+            let op = Op::Writev {
+                iov: self.iov.as_ptr(),
+                iovcnt: 1,
+                offset: offset + done as u64,
+                dsync: false,
+            };
+            let result = self.run(0, &op);
+            self.iov.clear();
+            match result? {
+                r if r < 0 => return Err(ImageError::Io(io::Error::from_raw_os_error(-r))),
+                0 => return Err(ImageError::Io(io::Error::from_raw_os_error(libc::EIO))),
+                r => done += r as usize,
+            }
+        }
+        Ok(())
+    }
+
+    /// Zero [offset, offset + len) of a remote disk (the server or the cluster may
+    /// deallocate it: it reads as zeroes either way).
+    pub fn zero_remote(&mut self, image: &Image, offset: u64, len: u64) -> Result<(), ImageError> {
+        Self::remote_only(image)?;
+        let op = Op::Fallocate {
+            mode: crate::io::sys::PUNCH_HOLE,
+            offset,
+            len,
+        };
+        match self.run(0, &op)? {
+            r if r < 0 => Err(ImageError::Io(io::Error::from_raw_os_error(-r))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Make what this reader wrote to a remote disk durable (NBD's FLUSH on its own
+    /// connection, librbd's flush).
+    pub fn flush_remote(&mut self, image: &Image) -> Result<(), ImageError> {
+        Self::remote_only(image)?;
+        match self.run(0, &Op::Fdatasync)? {
+            r if r < 0 => Err(ImageError::Io(io::Error::from_raw_os_error(-r))),
+            _ => Ok(()),
+        }
+    }
+
+    fn remote_only(image: &Image) -> Result<(), ImageError> {
+        image.check_active()?;
+        match image.disk {
+            Disk::Remote(_) => Ok(()),
+            Disk::Local(_) => Err(ImageError::Unsupported(
+                "a local image is written through its format".into(),
+            )),
+        }
+    }
+
     /// Run one operation to completion: its result.
     fn run(&mut self, layer: usize, op: &Op) -> Result<i32, ImageError> {
         const TAG: u64 = 0x4241_434b_5550; // only ever one operation in flight

@@ -62,6 +62,28 @@ pub(super) struct Route<'a> {
     pub(super) to: &'static str,
 }
 
+/// A copying thread's own I/O: a reader of the source (the guest's view), and where the
+/// destination is remote, a connection to it (a local destination is written through its
+/// format by the job's handle).
+#[derive(Default)]
+struct ThreadIo {
+    reader: Option<Reader>,
+    writer: Option<Reader>,
+}
+
+impl ThreadIo {
+    /// What this thread wrote to a remote destination made durable (each connection flushes
+    /// its own writes).
+    fn flush(&mut self, dst: &Image, to: &str) -> Result<(), String> {
+        match &mut self.writer {
+            Some(w) => w
+                .flush_remote(dst)
+                .map_err(|e| format!("flushing {to}: {}", crate::logging::error_chain(&e))),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Copy [offset, offset + len) along `route` in chunks of whole clusters; `each` is told
 /// the bytes of every chunk.
 fn copy(
@@ -69,7 +91,7 @@ fn copy(
     offset: u64,
     len: u64,
     buf: &mut AlignedBuf,
-    reader: &mut Option<Reader>,
+    io: &mut ThreadIo,
     each: &mut dyn FnMut(u64),
 ) -> Result<(), String> {
     let Route {
@@ -87,13 +109,13 @@ fn copy(
         let read = match layer {
             Some(layer) => src.read_layer(layer, at, data),
             None => {
-                if reader.is_none() {
-                    *reader = Some(
+                if io.reader.is_none() {
+                    io.reader = Some(
                         src.reader()
                             .map_err(|e| format!("a reader of the disk: {e}"))?,
                     );
                 }
-                match reader {
+                match &mut io.reader {
                     Some(r) => r.read_into(src, at, data),
                     None => Ok(()),
                 }
@@ -117,14 +139,29 @@ fn copy(
             while k < n && zero(k, piece(k)) == z {
                 k += piece(k);
             }
-            dst.job_write(at + start, &data[start as usize..k as usize])
-                .map_err(|e| {
-                    format!(
-                        "writing {to} at {}: {}",
-                        at + start,
-                        crate::logging::error_chain(&e)
-                    )
-                })?;
+            let piece = &data[start as usize..k as usize];
+            let written = if dst.is_remote() {
+                if io.writer.is_none() {
+                    io.writer = Some(
+                        dst.reader()
+                            .map_err(|e| format!("a connection to {to}: {e}"))?,
+                    );
+                }
+                match &mut io.writer {
+                    Some(w) if z => w.zero_remote(dst, at + start, piece.len() as u64),
+                    Some(w) => w.write_remote(dst, at + start, piece),
+                    None => Ok(()),
+                }
+            } else {
+                dst.job_write(at + start, piece)
+            };
+            written.map_err(|e| {
+                format!(
+                    "writing {to} at {}: {}",
+                    at + start,
+                    crate::logging::error_chain(&e)
+                )
+            })?;
         }
         each(n);
         at += n;
@@ -158,17 +195,20 @@ pub(super) fn copy_extents(
                 return;
             }
         };
-        let mut reader = None;
+        let mut io = ThreadIo::default();
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
             let Some(&(o, l)) = pieces.get(i) else { break };
             if stop() || failed.locked().is_some() {
                 break;
             }
-            if let Err(e) = copy(route, o, l, &mut buf, &mut reader, &mut |n| each(n)) {
+            if let Err(e) = copy(route, o, l, &mut buf, &mut io, &mut |n| each(n)) {
                 failed.locked().get_or_insert(e);
                 break;
             }
+        }
+        if let Err(e) = io.flush(route.dst, route.to) {
+            failed.locked().get_or_insert(e);
         }
     };
     let threads = COPIERS.min(pieces.len());

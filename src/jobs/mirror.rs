@@ -46,6 +46,8 @@ enum First {
     Top,
     /// What the bitmap marks.
     Bitmap(Arc<crate::bitmaps::DirtyBitmap>),
+    /// The whole disk (a target that may hold anything: holes are written as zeroes).
+    Everything,
 }
 
 struct Plan {
@@ -77,14 +79,12 @@ pub fn start(jobs: &Jobs, host: Arc<dyn Host>, req: Request) -> Result<JobInfo, 
         return Err("the image is not served by this process now (a migration)".into());
     }
     let t = req.target.as_str();
-    if t.starts_with("nbd:") || t.starts_with("nbd+") || t.starts_with("rbd:") {
-        return Err(format!(
-            "--target {t}: mirroring to NBD and RBD targets is not supported yet; mirror to a \
-             file or block device"
-        ));
-    }
     if t.is_empty() {
-        return Err("--target: a path".into());
+        return Err("--target: a path, an NBD URI or an RBD image".into());
+    }
+    let remote = crate::nbd::is_nbd_uri(t) || t.starts_with("rbd:");
+    if remote {
+        return remote_start(jobs, host, image, served, req);
     }
     let sync_top = match req.sync.as_deref() {
         None | Some("full") => false,
@@ -226,6 +226,90 @@ pub fn start(jobs: &Jobs, host: Arc<dyn Host>, req: Request) -> Result<JobInfo, 
     Ok(job.info())
 }
 
+/// A mirror onto an NBD export or an RBD image, which exists already (vublk creates no
+/// remote disk) and is at least the disk's size: raw, `--sync full` (or `--bitmap`); the
+/// first pass copies the whole disk, its holes as zeroes (the target may hold anything).
+fn remote_start(
+    jobs: &Jobs,
+    host: Arc<dyn Host>,
+    image: Arc<Image>,
+    served: ImageOptions,
+    req: Request,
+) -> Result<JobInfo, String> {
+    let t = req.target.as_str();
+    match req.sync.as_deref() {
+        None | Some("full") => {}
+        Some("top") => {
+            return Err(format!(
+                "--sync top: {t} is a remote disk, which has no backing file; use --sync full"
+            ))
+        }
+        Some(o) => return Err(format!("--sync {o}: full or top")),
+    }
+    match req.format.as_deref() {
+        None | Some("raw") => {}
+        Some(o) => {
+            return Err(format!(
+                "--format {o}: {t} is a remote disk, which holds raw data (--format raw)"
+            ))
+        }
+    }
+    if host.chain_state().is_none() {
+        return Err(format!(
+            "{} is not a regular file: start vublk with --chain-state PATH, so that a restart \
+             serves the target after the mirror",
+            host.base().display()
+        ));
+    }
+    if served.path.to_str() == Some(t) {
+        return Err(format!("--target {t}: that is the disk itself"));
+    }
+    if let Some(why) = host.busy() {
+        return Err(why);
+    }
+    jobs.free()?;
+    let size = image.size_bytes();
+    let first = match &req.bitmap {
+        Some(name) => First::Bitmap(host.bitmaps().get(name).map_err(|e| e.to_string())?),
+        None => First::Everything,
+    };
+    let mut serve = served.clone();
+    serve.path = PathBuf::from(t);
+    serve.format = Some(Format::Raw);
+    serve.follow_backing = false;
+    serve.compress = None;
+    serve.read_only = false;
+    let dst = Image::open(&serve).map(|(i, _, _)| i).map_err(|e| {
+        format!(
+            "cannot open the target {t} for writing: {}",
+            crate::logging::error_chain(&e)
+        )
+    })?;
+    if dst.read_only() {
+        close_image(dst, "the target");
+        return Err(format!("the target {t} is read-only"));
+    }
+    if dst.size_bytes() < size {
+        let n = dst.size_bytes();
+        close_image(dst, "the target");
+        return Err(format!(
+            "the target {t} is {n} bytes, smaller than the disk ({size} bytes)"
+        ));
+    }
+    let plan = Plan {
+        target: PathBuf::from(t),
+        format: "raw",
+        serve,
+        size,
+        first,
+        holds_blk: false,
+    };
+    let job = jobs.start("mirror", req.id, req.speed, move |job| {
+        run(job, &*host, &image, plan, dst)
+    })?;
+    Ok(job.info())
+}
+
 /// The extents of [at, at + n) the first pass copies.
 fn first_extents(
     image: &Image,
@@ -241,6 +325,7 @@ fn first_extents(
         _ => out.push((o, l)),
     };
     match plan.first {
+        First::Everything => push(at, n),
         First::Top => {
             let mut cl = at;
             while cl < at + n {

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use virtio_queue::QueueT;
 
 use super::{new_inbox, ring_problem, Mem, QueueWorker};
+use crate::image::{Engine, Image};
 use crate::virtio_blk::Desc;
 
 /// How often a started queue whose image could not be taken tries again.
@@ -124,6 +125,22 @@ impl QueueWorker {
                 }
             }
         }
+    }
+
+    /// Can this queue's engine serve `image` (see [`Image::engine_fits`])?
+    pub fn engine_fits(&self, image: &Image) -> bool {
+        std::ptr::eq(image, &*self.image) || image.engine_fits(&self.engine)
+    }
+
+    /// Run this (settled) queue on `engine` from now on: a job moved the guest to another
+    /// kind of disk. The old engine has nothing in flight; `follow_image` binds the new one.
+    pub fn replace_engine(&mut self, engine: Engine) {
+        debug_assert_eq!(self.in_flight(), 0);
+        if let Some(c) = self.dev.queue_stats.get(usize::from(self.index)) {
+            c.watch.set_engine(engine.name());
+        }
+        self.engine = engine;
+        self.inbox = None;
     }
 
     /// Serve the device's image if it was switched while this queue was paused (a

@@ -17,6 +17,7 @@ mod files;
 mod frontend;
 mod loopdev;
 mod model;
+mod nbd_server;
 mod process;
 mod qemu_img;
 mod seccomp;
@@ -39,6 +40,8 @@ pub use frontend::*;
 pub use loopdev::*;
 #[allow(unused_imports)]
 pub use model::*;
+#[allow(unused_imports)]
+pub use nbd_server::*;
 #[allow(unused_imports)]
 pub use process::*;
 #[allow(unused_imports)]
