@@ -33,6 +33,10 @@ use crate::locks::Locked;
 #[path = "backend_fuzz.rs"]
 pub mod fuzz;
 
+/// How long a migration's handover waits for the jobs to finish (a ready mirror's last
+/// copy, a cancelled job's last step).
+const HANDOVER_JOBS: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Event id of a queue's engine completion eventfd. vhost-user-backend reserves
 /// 0..=num_queues on every worker thread (queues, then the exit event).
 pub fn completion_event_id(num_queues: u16) -> u64 {
@@ -438,6 +442,9 @@ impl VhostUserBackend for VhostUserBlkBackend {
             for j in 0..self.workers.len() {
                 self.with_worker(j, |w| w.drain());
             }
+            // A mirror to the destination's disk (a migration without shared storage)
+            // copies the rest now; other jobs stop.
+            self.dev.jobs.before_handover(HANDOVER_JOBS);
         };
         match self.dev.image.hand_over(drain) {
             Ok(true) => {}

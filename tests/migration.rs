@@ -537,6 +537,117 @@ fn handover(fmt: &str) {
     }
 }
 
+/// A live migration without shared storage (docs/live-migration.md#without-shared-storage),
+/// between two vublk processes: the destination's disk is a raw file of other bytes that
+/// qemu-nbd exports; the source vublk A mirrors onto the export while its guest writes,
+/// the job waits in ready; at the switch-over (the last queue stopped while logging) A
+/// copies the rest, flushes the export and concludes the job, then hands over. With
+/// qemu-nbd stopped, the destination vublk B (`--incoming` on the file) takes it when its
+/// queue starts and reads every block A's guest wrote, before and during the mirror; the
+/// file equals A's image (qemu-img compare).
+#[test]
+fn a_mirror_carries_the_disk_to_the_destination_at_the_handover() {
+    if skip_unless_vublk("vublk's mirror and handover") {
+        return;
+    }
+    if !have_qemu_img() {
+        return;
+    }
+    let dir_a = TestDir::new("migration-mirror-a");
+    let dir_b = TestDir::new("migration-mirror-b");
+    let img = dir_a.join("src.qcow2");
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&img)
+            .arg((64 * MIB).to_string()),
+    );
+    let dst = dir_b.join("dst.raw");
+    std::fs::write(&dst, vec![0xeeu8; (64 * MIB) as usize]).unwrap();
+    let Some((nbd, nbd_sock)) = qemu_nbd(&dir_b, &dst) else {
+        return;
+    };
+    let uri = format!("nbd+unix:///disk?socket={}", nbd_sock.display());
+    let ctl_a = dir_a.join("ctl.sock");
+    let a = Backend::start(
+        &dir_a,
+        &img,
+        &BackendOpts {
+            extra_args: vec!["--control-socket".into(), ctl_a.display().to_string()],
+            ..BackendOpts::default()
+        },
+    );
+    let b = Backend::start(
+        &dir_b,
+        &dst,
+        &BackendOpts {
+            extra_args: vec!["--incoming".into()],
+            ..BackendOpts::default()
+        },
+    );
+    let mut fe_a = frontend(&a.socket);
+    let g_a = guest();
+    fe_a.set_mem_table(&[g_a.region()]).unwrap();
+    let mut fe_b = frontend(&b.socket);
+    let g_b = guest();
+    fe_b.set_mem_table(&[g_b.region()]).unwrap();
+    // No migration yet: the frontend does not log.
+    set_log_all(&mut fe_a, false);
+    let (kick_a, _call_a) = start_logged_queue(&mut fe_a, &g_a, Some(USED));
+    // Before the mirror, then while it waits in ready and the migration runs (some of the
+    // same blocks again).
+    let before: Vec<(u64, u8)> = (0..12).map(|i| (i * 128 + 8, 0xa0 + i as u8)).collect();
+    write_blocks(&mut fe_a, &g_a, &kick_a, 0, &before);
+    ctl_ok(&ctl_a, "mirror", &["--id", "mig", "--target", &uri]);
+    let t0 = Instant::now();
+    while ctl_ok(&ctl_a, "jobs", &[])["jobs"][0]["state"] != "ready" {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the mirror is not ready"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The migration starts: the frontend logs.
+    let log = Log::new();
+    set_log_all(&mut fe_a, true);
+    fe_a.set_log_base(0, Some(log.region())).unwrap();
+    let during: Vec<(u64, u8)> = (0..12).map(|i| (i * 256 + 8, 0xc0 + i as u8)).collect();
+    write_blocks(&mut fe_a, &g_a, &kick_a, 12, &during);
+    // The switch-over.
+    assert_eq!(fe_a.get_vring_base(0).unwrap(), 24);
+    let la = a.log_contents();
+    assert!(la.contains("as the guest left it at the handover"), "{la}");
+    assert!(la.contains("handed the image over"), "{la}");
+    let jobs = ctl_ok(&ctl_a, "jobs", &[]);
+    assert_eq!(jobs["jobs"][0]["state"], "concluded", "{jobs}");
+    assert!(jobs["jobs"][0]["error"].is_null(), "{jobs}");
+    // The destination's export is stopped before its vublk takes the file.
+    drop(nbd);
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["compare", "-f", "qcow2", "-F", "raw"])
+            .arg(&img)
+            .arg(&dst),
+    );
+    let (kick_b, _call_b) = start_logged_queue(&mut fe_b, &g_b, None);
+    let mut expected: std::collections::BTreeMap<u64, u8> = before.iter().copied().collect();
+    expected.extend(during.iter().copied());
+    for (k, (&sector, &fill)) in expected.iter().enumerate() {
+        let got = read_block(&g_b, &kick_b, k as u16, sector);
+        assert!(
+            got.iter().all(|&x| x == fill),
+            "B reads sector {sector} as {:#x}, A's guest wrote {fill:#x}",
+            got[0]
+        );
+    }
+    let lb = b.log_contents();
+    assert!(lb.contains("took the image over"), "{lb}");
+    drop(fe_a);
+    assert_eq!(a.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    drop(fe_b);
+    assert_eq!(b.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
 /// Extents with the adjacent ones joined.
 fn merged(extents: impl Iterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();

@@ -253,6 +253,9 @@ pub(super) fn converge(
         }
         let (more, _) = tracker.take_extents(0, u64::MAX);
         pending.extend(more);
+        if job.handover_requested() {
+            return Ok(pending);
+        }
         let dirty: u64 = pending.iter().map(|e| e.1).sum();
         if dirty <= CONVERGED {
             if !manual || job.completion_requested() {

@@ -401,7 +401,31 @@ fn run(
                 at += n;
             }
         }
-        let pending = converge(job, &route, &tracker, step, true, &stop)?;
+        let mut pending = converge(job, &route, &tracker, step, true, &stop)?;
+        if job.handover_requested() {
+            // A migration's handover: the queues are stopped and drained; the rest goes to
+            // the target, which the destination serves from now on (the guest is not moved
+            // here: this process gives the disk up).
+            pending.extend(tracker.take_extents(0, u64::MAX).0);
+            job.add_total(pending.iter().map(|e| e.1).sum());
+            copy_extents(
+                &route,
+                &pending,
+                step,
+                &|k| {
+                    job.count(k);
+                },
+                &|| false,
+            )?;
+            if let Some(e) = close_image(target, "the target") {
+                return Err(e);
+            }
+            log::info!(
+                "mirror: {} holds the disk as the guest left it at the handover",
+                plan.target.display()
+            );
+            return Ok(());
+        }
         let sw = Switch {
             kind: "mirror",
             to: "the target",

@@ -66,6 +66,9 @@ pub struct Job {
     cancel: AtomicBool,
     /// `job-complete` was asked for (a job in the ready state).
     complete: AtomicBool,
+    /// The disk is being handed over to a live migration's destination: a ready mirror
+    /// copies the rest and concludes without moving the guest ([`Jobs::before_handover`]).
+    handover: AtomicBool,
     error: Mutex<Option<String>>,
     started: Instant,
 }
@@ -96,6 +99,7 @@ impl Job {
             speed: AtomicU64::new(speed),
             cancel: AtomicBool::new(false),
             complete: AtomicBool::new(false),
+            handover: AtomicBool::new(false),
             error: Mutex::new(None),
             started: Instant::now(),
         }
@@ -128,6 +132,11 @@ impl Job {
     /// Was `job-complete` asked for?
     pub fn completion_requested(&self) -> bool {
         self.complete.load(Ordering::Acquire)
+    }
+
+    /// Is the disk being handed over to a migration's destination (finish in place)?
+    pub fn handover_requested(&self) -> bool {
+        self.handover.load(Ordering::Acquire)
     }
 
     pub fn set_total(&self, n: u64) {
@@ -301,6 +310,53 @@ impl Jobs {
         j.cancel.store(true, Ordering::Relaxed);
         j.set_state(State::Aborting);
         Ok(j.info())
+    }
+
+    /// The source of a live migration hands the disk over (its queues are stopped and
+    /// drained, the image not yet closed): a mirror in `ready` copies what is left, flushes
+    /// its target and concludes without moving the guest (the target then holds the disk
+    /// as the guest left it: the migration without shared storage,
+    /// docs/live-migration.md); any other job is cancelled (it could not finish on an image
+    /// this process gives up). Returns once every job has concluded, or after `wait`.
+    pub fn before_handover(&self, wait: Duration) {
+        let running: Vec<Arc<Job>> = self
+            .list
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|j| j.state() != State::Concluded)
+            .cloned()
+            .collect();
+        for j in &running {
+            if j.kind == "mirror" && j.state() == State::Ready {
+                log::info!(
+                    "job {} (mirror): the disk is handed over; copying the rest to the target",
+                    j.id
+                );
+                j.handover.store(true, Ordering::Release);
+            } else {
+                log::warn!(
+                    "job {} ({}) was {:?} when the disk was handed over to a migration's \
+                     destination: cancelled",
+                    j.id,
+                    j.kind,
+                    j.state()
+                );
+                j.cancel.store(true, Ordering::Relaxed);
+                j.set_state(State::Aborting);
+            }
+        }
+        let t0 = Instant::now();
+        while running.iter().any(|j| j.state() != State::Concluded) {
+            if t0.elapsed() > wait {
+                log::error!(
+                    "jobs still running {} s after the handover began: the handover goes on",
+                    wait.as_secs()
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// `job-complete ID`: a job that waits in `ready` (a mirror, a commit started with
