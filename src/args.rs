@@ -453,6 +453,12 @@ pub enum CtlMethod {
         /// writes) until job-complete, instead of switching by itself.
         #[arg(long)]
         manual_complete: bool,
+        /// How an active commit keeps up with the guest's writes: background (copy again
+        /// what they dirty), write-blocking (from the end of the first pass, each guest
+        /// write also goes to the base before it completes), auto (background, then
+        /// write-blocking once passes stop shrinking; the default).
+        #[arg(long, value_name = "MODE")]
+        copy_mode: Option<String>,
         #[command(flatten)]
         job: JobArgs,
     },
@@ -474,6 +480,10 @@ pub enum CtlMethod {
         /// first.
         #[arg(long, value_name = "NAME")]
         bitmap: Option<String>,
+        /// How the mirror keeps up with the guest's writes: background, write-blocking or
+        /// auto (the default), as commit's --copy-mode.
+        #[arg(long, value_name = "MODE")]
+        copy_mode: Option<String>,
         #[command(flatten)]
         job: JobArgs,
     },

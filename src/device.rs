@@ -163,6 +163,8 @@ pub struct Device {
     pub backups: std::sync::Arc<crate::backup::Backups>,
     /// Block jobs (stream), each on a thread of its own.
     pub jobs: crate::jobs::Jobs,
+    /// An active job's write-through to its target (the write-blocking copy mode).
+    pub write_through: crate::jobs::active::ThroughSlot,
     /// What pauses the queues of the connected frontend (None: none is connected).
     pause: std::sync::Mutex<Option<std::sync::Weak<dyn QueuePause>>>,
 }
@@ -233,6 +235,7 @@ impl Device {
             bitmaps,
             backups: std::sync::Arc::default(),
             jobs: crate::jobs::Jobs::default(),
+            write_through: Default::default(),
             pause: std::sync::Mutex::new(None),
             write_ranges: rmw_possible.then(RangeLocks::default),
             zero_stats: ZeroStats::default(),

@@ -44,8 +44,19 @@ fn an_active_commit_under_writes_switches_the_guest_to_the_base() {
         ctl_ok(&sock, "snapshot", &["--overlay", &s2.display().to_string()]);
         writer.run_for(50);
         assert_eq!(chain_len(&sock), 3);
-        let j = ctl_ok(&sock, "commit", &["--id", "c"]);
+        // qcow2: in write-blocking mode, waiting in ready while the guest writes through.
+        let blocking = fmt == "qcow2";
+        let mut args = vec!["--id", "c"];
+        if blocking {
+            args.extend(["--copy-mode", "write-blocking", "--manual-complete"]);
+        }
+        let j = ctl_ok(&sock, "commit", &args);
         assert_eq!(j["type"], "commit", "{j}");
+        if blocking {
+            wait_state(&sock, "c", "ready");
+            writer.run_for(100);
+            ctl_ok(&sock, "job-complete", &["c"]);
+        }
         writer.run_for(100);
         let j = wait_job(&sock, "c");
         assert!(j["error"].is_null(), "{fmt}: {j}");
@@ -63,6 +74,12 @@ fn an_active_commit_under_writes_switches_the_guest_to_the_base() {
         assert_eq!(c.submit(0, Op::Flush), 0);
         let end = c.read_all(0);
         drop(c);
+        if blocking {
+            let log = backend.log_contents();
+            let through = written_through(&log);
+            println!("[{fmt}] guest writes written through: {through:?}");
+            assert!(through.is_some_and(|n| n > 0), "{fmt}: {log}");
+        }
         assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
         let r = dir.join("end.raw");
         std::fs::write(&r, &end).unwrap();

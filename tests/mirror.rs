@@ -29,13 +29,13 @@ fn a_mirror_under_writes_switches_the_guest_on_job_complete() {
     if skip_chain_test("mirror jobs") {
         return;
     }
-    for (src_fmt, target_fmt, sync) in [
-        ("raw", None, "full"),
-        ("qcow2", Some("raw"), "full"),
-        ("parallels", Some("qcow2"), "full"),
-        ("raw", None, "top"),
+    for (src_fmt, target_fmt, sync, mode) in [
+        ("raw", None, "full", "auto"),
+        ("qcow2", Some("raw"), "full", "write-blocking"),
+        ("parallels", Some("qcow2"), "full", "auto"),
+        ("raw", None, "top", "write-blocking"),
     ] {
-        let what = format!("{src_fmt} -> {target_fmt:?} sync {sync}");
+        let what = format!("{src_fmt} -> {target_fmt:?} sync {sync} copy-mode {mode}");
         let dir = TestDir::new(&format!("mirror-{src_fmt}-{sync}"));
         let img = make_disk(&dir, src_fmt, SIZE);
         let (backend, sock) = start_with_control(&dir, &img, 2, &[]);
@@ -59,6 +59,8 @@ fn a_mirror_under_writes_switches_the_guest_on_job_complete() {
             target.to_str().unwrap(),
             "--sync",
             sync,
+            "--copy-mode",
+            mode,
         ];
         if let Some(f) = target_fmt {
             args.extend(["--format", f]);
@@ -86,6 +88,13 @@ fn a_mirror_under_writes_switches_the_guest_on_job_complete() {
         assert_eq!(c.submit(0, Op::Flush), 0);
         let end = c.read_all(0);
         drop(c);
+        if mode == "write-blocking" {
+            // The guest's writes went to the target as they completed.
+            let log = backend.log_contents();
+            let through = written_through(&log);
+            println!("[{what}] guest writes written through: {through:?}");
+            assert!(through.is_some_and(|n| n > 0), "{what}: {log}");
+        }
         assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
         let r = dir.join("end.raw");
         std::fs::write(&r, &end).unwrap();

@@ -147,6 +147,31 @@ impl DirtyBitmap {
         }
     }
 
+    /// Clear the granules that lie wholly inside [offset, offset + len) (a job's bitmap,
+    /// for a range the guest's write was also written to the job's target: that granule
+    /// holds the same on both). The chunk list is taken: not for the data path's fast
+    /// case.
+    pub fn clear_within(&self, offset: u64, len: u64) {
+        let g = self.granularity();
+        let first = offset.div_ceil(g);
+        let end = offset.saturating_add(len).min(self.size());
+        // Granules [first, last): the last one may end at the disk's end.
+        let last = if end == self.size() {
+            end.div_ceil(g)
+        } else {
+            end / g
+        };
+        if first >= last {
+            return;
+        }
+        let chunks = self.chunks.locked().clone();
+        for bit in first..last {
+            if let Some(w) = word(&chunks, bit / 64) {
+                w.fetch_and(!(1 << (bit % 64)), Ordering::AcqRel);
+            }
+        }
+    }
+
     /// Clear every bit.
     pub fn clear(&self) {
         for c in self.chunks.locked().iter() {

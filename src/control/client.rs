@@ -93,10 +93,11 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
             top,
             base,
             manual_complete,
+            copy_mode,
             job,
         } => {
             let mut p = job_params(job)?;
-            for (k, v) in [("top", top), ("base", base)] {
+            for (k, v) in [("top", top), ("base", base), ("copy_mode", copy_mode)] {
                 if let Some(v) = v {
                     p.insert(k.into(), json!(v));
                 }
@@ -111,11 +112,17 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
             format,
             sync,
             bitmap,
+            copy_mode,
             job,
         } => {
             let mut p = job_params(job)?;
             p.insert("target".into(), json!(target));
-            for (k, v) in [("format", format), ("sync", sync), ("bitmap", bitmap)] {
+            for (k, v) in [
+                ("format", format),
+                ("sync", sync),
+                ("bitmap", bitmap),
+                ("copy_mode", copy_mode),
+            ] {
                 if let Some(v) = v {
                     p.insert(k.into(), json!(v));
                 }

@@ -45,6 +45,9 @@ impl crate::jobs::Host for JobHost {
     fn busy(&self) -> Option<String> {
         image_busy(&self.dev)
     }
+    fn write_through(&self) -> &crate::jobs::active::ThroughSlot {
+        &self.dev.write_through
+    }
     fn base(&self) -> &std::path::Path {
         &self.base
     }
@@ -101,6 +104,20 @@ impl JobParams {
     }
 }
 
+/// The `copy_mode` parameter of an active job (default: auto).
+fn copy_mode(params: &Value) -> Result<crate::jobs::CopyMode, (i64, String)> {
+    use crate::jobs::CopyMode;
+    match params.get("copy_mode").and_then(Value::as_str) {
+        None | Some("auto") => Ok(CopyMode::Auto),
+        Some("background") => Ok(CopyMode::Background),
+        Some("write-blocking") => Ok(CopyMode::WriteBlocking),
+        Some(o) => Err((
+            INVALID_PARAMS,
+            format!("--copy-mode {o}: background, write-blocking or auto"),
+        )),
+    }
+}
+
 /// The block job methods: `stream`, `commit`, `mirror`, `jobs`, `job-cancel`,
 /// `job-complete`.
 pub(super) fn call(method: &str, params: &Value, ctx: &Context) -> CallResult {
@@ -119,7 +136,7 @@ pub(super) fn call(method: &str, params: &Value, ctx: &Context) -> CallResult {
                 .map_err(|e| (REFUSED, e))
         }
         "commit" => {
-            let p = JobParams::parse(params, &["top", "base"], &["manual_complete"])?;
+            let p = JobParams::parse(params, &["top", "base", "copy_mode"], &["manual_complete"])?;
             let manual = params
                 .get("manual_complete")
                 .and_then(Value::as_bool)
@@ -134,6 +151,7 @@ pub(super) fn call(method: &str, params: &Value, ctx: &Context) -> CallResult {
                 top: text("top"),
                 base: text("base"),
                 manual_complete: manual,
+                copy_mode: copy_mode(params)?,
                 id: p.id,
                 speed: p.speed,
             };
@@ -142,7 +160,11 @@ pub(super) fn call(method: &str, params: &Value, ctx: &Context) -> CallResult {
                 .map_err(|e| (REFUSED, e))
         }
         "mirror" => {
-            let p = JobParams::parse(params, &["target", "format", "sync", "bitmap"], &[])?;
+            let p = JobParams::parse(
+                params,
+                &["target", "format", "sync", "bitmap", "copy_mode"],
+                &[],
+            )?;
             let text = |k: &str| params.get(k).and_then(Value::as_str).map(str::to_owned);
             let target = text("target")
                 .ok_or_else(|| (INVALID_PARAMS, "mirror takes {\"target\": PATH}".to_owned()))?;
@@ -156,6 +178,7 @@ pub(super) fn call(method: &str, params: &Value, ctx: &Context) -> CallResult {
                 format: text("format"),
                 sync: text("sync"),
                 bitmap: text("bitmap"),
+                copy_mode: copy_mode(params)?,
                 id: p.id,
                 speed: p.speed,
             };

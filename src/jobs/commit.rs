@@ -29,7 +29,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::copy::{close_image, converge, copy_extents, track_granularity, Route, CHUNK, WINDOW};
+use super::copy::{
+    close_image, converge, copy_extents, track_granularity, Active, Route, CHUNK, WINDOW,
+};
 use super::switch::{relink, switch_to, Switch};
 use super::{Host, Job, JobInfo, Jobs};
 use crate::image::{Format, Image, ImageOptions};
@@ -41,6 +43,8 @@ pub struct Request {
     pub base: Option<String>,
     /// Wait in `ready` for `job-complete` (active commit only).
     pub manual_complete: bool,
+    /// How an active job keeps up with the guest's writes.
+    pub copy_mode: super::CopyMode,
     pub id: Option<String>,
     pub speed: u64,
 }
@@ -62,6 +66,7 @@ struct Plan {
     paths: Vec<PathBuf>,
     formats: Vec<&'static str>,
     manual_complete: bool,
+    copy_mode: super::CopyMode,
 }
 
 /// Start a commit job; what `jobs` lists for it.
@@ -160,6 +165,7 @@ pub fn start(jobs: &Jobs, host: Arc<dyn Host>, req: Request) -> Result<JobInfo, 
         paths,
         formats,
         manual_complete: req.manual_complete,
+        copy_mode: req.copy_mode,
     };
     // The base, read-write: refused here if another process holds it.
     let target = open_base(&plan)?;
@@ -201,6 +207,7 @@ fn run(
     plan: Plan,
     target: Image,
 ) -> Result<(), String> {
+    let target = Arc::new(target);
     let c = image.cluster_size().unwrap_or(65536);
     let step = CHUNK.max(c) / c * c;
     // What the guest writes from now on (an active commit only: the layers below the
@@ -216,6 +223,7 @@ fn run(
             dst: &target,
             c,
             to: "the base",
+            through: None,
         };
         let stop = || job.cancelled() || switched();
         let mut at = 0u64;
@@ -259,10 +267,20 @@ fn run(
             dst: &target,
             c,
             to: "the base",
+            through: None,
         };
-        let pending = converge(job, &route, tracker, step, plan.manual_complete, &stop)?;
+        let active = Active {
+            host,
+            target: &target,
+            tracker,
+            mode: plan.copy_mode,
+        };
+        let pending = converge(job, &route, &active, step, plan.manual_complete, &stop)?;
         finish_active(job, host, &plan, target, tracker, pending)
     })();
+    if host.write_through().get().is_some() {
+        super::copy::set_write_through(host, None);
+    }
     if let Some(t) = &tracker {
         host.bitmaps().untrack(t);
     }
@@ -275,7 +293,7 @@ fn finish_below(
     job: &Job,
     host: &dyn Host,
     plan: &Plan,
-    target: Image,
+    target: Arc<Image>,
     copied: u64,
 ) -> Result<(), String> {
     if let Some(e) = close_image(target, "the base") {
@@ -325,7 +343,7 @@ fn finish_active(
     job: &Job,
     host: &dyn Host,
     plan: &Plan,
-    target: Image,
+    target: Arc<Image>,
     tracker: &Arc<crate::bitmaps::DirtyBitmap>,
     pending: Vec<(u64, u64)>,
 ) -> Result<(), String> {

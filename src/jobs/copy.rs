@@ -4,10 +4,11 @@
 //! mirror).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::Job;
+use super::active::WriteThrough;
+use super::{CopyMode, Host, Job};
 use crate::bitmaps::DirtyBitmap;
 use crate::image::{Image, Reader};
 use crate::io::bounce::AlignedBuf;
@@ -41,7 +42,8 @@ pub(super) fn track_granularity(size: u64) -> u64 {
 
 /// Everything the job wrote to `target` written back and synced, the locks given up;
 /// `what` names it in the message.
-pub(super) fn close_image(target: Image, what: &str) -> Option<String> {
+pub(super) fn close_image(target: impl Into<Arc<Image>>, what: &str) -> Option<String> {
+    let target: Arc<Image> = target.into();
     let r = target.close();
     target.release_locks();
     drop(target);
@@ -51,6 +53,7 @@ pub(super) fn close_image(target: Image, what: &str) -> Option<String> {
 
 /// Where a copy reads and writes: chain layer `layer` of `src` (as it reads), into `dst`;
 /// `c` the cluster size.
+#[derive(Clone, Copy)]
 pub(super) struct Route<'a> {
     pub(super) src: &'a Image,
     /// The chain layer read (a qcow2 image's); None: the disk as the guest reads it, in any
@@ -60,6 +63,8 @@ pub(super) struct Route<'a> {
     pub(super) c: u64,
     /// What `dst` is, for messages ("the base").
     pub(super) to: &'static str,
+    /// The write-through on (write-blocking mode): each copy holds its range there.
+    pub(super) through: Option<&'a WriteThrough>,
 }
 
 /// A copying thread's own I/O: a reader of the source (the guest's view), and where the
@@ -85,7 +90,8 @@ impl ThreadIo {
 }
 
 /// Copy [offset, offset + len) along `route` in chunks of whole clusters; `each` is told
-/// the bytes of every chunk.
+/// the bytes of every chunk. In write-blocking mode each chunk holds its range in the
+/// write-through while it is read and written (see `active`).
 fn copy(
     route: &Route,
     offset: u64,
@@ -94,79 +100,109 @@ fn copy(
     io: &mut ThreadIo,
     each: &mut dyn FnMut(u64),
 ) -> Result<(), String> {
+    let end = offset + len;
+    let mut at = offset;
+    while at < end {
+        let n = (end - at).min(buf.len() as u64);
+        if let Some(wt) = route.through {
+            wt.hold(at, at + n);
+        }
+        let r = copy_chunk(route, at, n, buf, io);
+        if let Some(wt) = route.through {
+            wt.release(at, at + n);
+        }
+        r?;
+        each(n);
+        at += n;
+    }
+    Ok(())
+}
+
+/// Copy [at, at + n) along `route` (n at most the buffer's length).
+fn copy_chunk(
+    route: &Route,
+    at: u64,
+    n: u64,
+    buf: &mut AlignedBuf,
+    io: &mut ThreadIo,
+) -> Result<(), String> {
     let Route {
         src,
         layer,
         dst,
         c,
         to,
+        ..
     } = *route;
-    let end = offset + len;
-    let mut at = offset;
-    while at < end {
-        let n = (end - at).min(buf.len() as u64);
-        let data = &mut buf.as_mut_slice()[..n as usize];
-        let read = match layer {
-            Some(layer) => src.read_layer(layer, at, data),
-            None => {
-                if io.reader.is_none() {
-                    io.reader = Some(
-                        src.reader()
-                            .map_err(|e| format!("a reader of the disk: {e}"))?,
-                    );
-                }
-                match &mut io.reader {
-                    Some(r) => r.read_into(src, at, data),
-                    None => Ok(()),
-                }
+    let data = &mut buf.as_mut_slice()[..n as usize];
+    let read = match layer {
+        Some(layer) => src.read_layer(layer, at, data),
+        None => {
+            if io.reader.is_none() {
+                io.reader = Some(
+                    src.reader()
+                        .map_err(|e| format!("a reader of the disk: {e}"))?,
+                );
             }
+            match &mut io.reader {
+                Some(r) => r.read_into(src, at, data),
+                None => Ok(()),
+            }
+        }
+    };
+    read.map_err(|e| {
+        format!(
+            "reading the disk at {at}: {}",
+            crate::logging::error_chain(&e)
+        )
+    })?;
+    // Runs of whole clusters with one write each; all-zero clusters in runs of their own,
+    // which stay sparse in the destination.
+    let piece = |k: u64| (c - (at + k) % c).min(n - k);
+    let zero = |k: u64, m: u64| crate::zero::is_zero(&data[k as usize..(k + m) as usize]);
+    let mut k = 0u64;
+    while k < n {
+        let start = k;
+        let z = zero(k, piece(k));
+        k += piece(k);
+        while k < n && zero(k, piece(k)) == z {
+            k += piece(k);
+        }
+        let piece = &data[start as usize..k as usize];
+        let written = if dst.is_remote() {
+            if io.writer.is_none() {
+                io.writer = Some(
+                    dst.reader()
+                        .map_err(|e| format!("a connection to {to}: {e}"))?,
+                );
+            }
+            match &mut io.writer {
+                Some(w) if z => w.zero_remote(dst, at + start, piece.len() as u64),
+                Some(w) => w.write_remote(dst, at + start, piece),
+                None => Ok(()),
+            }
+        } else {
+            dst.job_write(at + start, piece)
         };
-        read.map_err(|e| {
+        written.map_err(|e| {
             format!(
-                "reading the disk at {at}: {}",
+                "writing {to} at {}: {}",
+                at + start,
                 crate::logging::error_chain(&e)
             )
         })?;
-        // Runs of whole clusters with one write each; all-zero clusters in runs of their
-        // own, which stay sparse in the destination.
-        let piece = |k: u64| (c - (at + k) % c).min(n - k);
-        let zero = |k: u64, m: u64| crate::zero::is_zero(&data[k as usize..(k + m) as usize]);
-        let mut k = 0u64;
-        while k < n {
-            let start = k;
-            let z = zero(k, piece(k));
-            k += piece(k);
-            while k < n && zero(k, piece(k)) == z {
-                k += piece(k);
-            }
-            let piece = &data[start as usize..k as usize];
-            let written = if dst.is_remote() {
-                if io.writer.is_none() {
-                    io.writer = Some(
-                        dst.reader()
-                            .map_err(|e| format!("a connection to {to}: {e}"))?,
-                    );
-                }
-                match &mut io.writer {
-                    Some(w) if z => w.zero_remote(dst, at + start, piece.len() as u64),
-                    Some(w) => w.write_remote(dst, at + start, piece),
-                    None => Ok(()),
-                }
-            } else {
-                dst.job_write(at + start, piece)
-            };
-            written.map_err(|e| {
-                format!(
-                    "writing {to} at {}: {}",
-                    at + start,
-                    crate::logging::error_chain(&e)
-                )
-            })?;
-        }
-        each(n);
-        at += n;
     }
     Ok(())
+}
+
+/// Make the calling (copying) thread give way to the queue threads: the lowest CPU
+/// priority (nice 19), so that a job uses the CPU time the guest's requests leave.
+fn yield_to_guest() {
+    // SAFETY: plain system calls on the calling thread.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+    }
 }
 
 /// Copy `extents` along `route` with up to [`COPIERS`] threads, in pieces of at most
@@ -188,6 +224,7 @@ pub(super) fn copy_extents(
     let next = AtomicUsize::new(0);
     let failed: Mutex<Option<String>> = Mutex::new(None);
     let work = || {
+        yield_to_guest();
         let mut buf = match AlignedBuf::new(step as usize, 4096) {
             Ok(b) => b,
             Err(e) => {
@@ -228,17 +265,86 @@ pub(super) fn copy_extents(
     }
 }
 
+/// What an active job's passes need besides the route: the device (to switch the
+/// write-through on with the queues paused), the target (shared with the queues while
+/// the write-through is on), the job's bitmap and the copy mode.
+pub(super) struct Active<'a> {
+    pub(super) host: &'a dyn Host,
+    pub(super) target: &'a Arc<Image>,
+    pub(super) tracker: &'a Arc<DirtyBitmap>,
+    pub(super) mode: CopyMode,
+}
+
+/// Switch the device's write-through (`active`) on or off, between two guest requests.
+pub(super) fn set_write_through(host: &dyn Host, wt: Option<Arc<WriteThrough>>) {
+    let mut wt = Some(wt);
+    host.paused(&mut || {
+        if let Some(w) = wt.take() {
+            host.write_through().set(w);
+        }
+    });
+    // The queues could not be paused (none is connected): nothing is in flight.
+    if let Some(w) = wt {
+        host.write_through().set(w);
+    }
+}
+
 /// An active job's passes: copy again what the guest dirtied (`tracker`) along `route`,
 /// until at most [`CONVERGED`] bytes are left; with `manual`, wait in `ready` (still
-/// copying) until `job-complete`. Returns what is left, for the paused last step.
+/// copying) until `job-complete`. In write-blocking mode (from the start, or in auto mode
+/// once passes stop shrinking) the guest's writes also go to the target (`active`), which
+/// stays on for the caller's last step (`switch_to` switches it off); on an error it is
+/// switched off here. Returns what is left, for the paused last step.
 pub(super) fn converge(
     job: &Job,
     route: &Route,
-    tracker: &DirtyBitmap,
+    active: &Active,
     step: u64,
     manual: bool,
     stop: &(dyn Fn() -> bool + Sync),
 ) -> Result<Vec<(u64, u64)>, String> {
+    let mut through: Option<Arc<WriteThrough>> = None;
+    let r = passes(job, route, active, step, manual, stop, &mut through);
+    if r.is_err() && through.is_some() {
+        set_write_through(active.host, None);
+    }
+    r
+}
+
+fn passes(
+    job: &Job,
+    route: &Route,
+    active: &Active,
+    step: u64,
+    manual: bool,
+    stop: &(dyn Fn() -> bool + Sync),
+    through: &mut Option<Arc<WriteThrough>>,
+) -> Result<Vec<(u64, u64)>, String> {
+    // A remote target is written through connections of the copying threads only.
+    let mode = if active.target.is_remote() {
+        CopyMode::Background
+    } else {
+        active.mode
+    };
+    let switch_on = |through: &mut Option<Arc<WriteThrough>>, why: &str| {
+        let wt = Arc::new(WriteThrough::new(
+            active.target.clone(),
+            active.tracker.clone(),
+        ));
+        set_write_through(active.host, Some(wt.clone()));
+        *through = Some(wt);
+        log::info!(
+            "{} job {}: write-blocking copy mode on ({why}): each guest write also goes to {} \
+             before it completes",
+            job.kind,
+            job.id,
+            route.to
+        );
+    };
+    if mode == CopyMode::WriteBlocking {
+        switch_on(through, "--copy-mode write-blocking");
+    }
+    let tracker = active.tracker;
     let mut pending: Vec<(u64, u64)> = Vec::new();
     // Passes in a row whose dirty bytes did not shrink (said once in the log).
     let (mut last, mut growing, mut warned) = (u64::MAX, 0u32, false);
@@ -264,13 +370,23 @@ pub(super) fn converge(
             job.set_ready();
         } else {
             growing = if dirty >= last { growing + 1 } else { 0 };
-            if growing >= NOT_CONVERGING && !warned {
+            if growing >= NOT_CONVERGING && through.is_none() && mode == CopyMode::Auto {
+                switch_on(
+                    through,
+                    &format!(
+                        "{} passes without less to copy, {} MiB dirtied in the last",
+                        growing,
+                        dirty >> 20
+                    ),
+                );
+            } else if growing >= NOT_CONVERGING && !warned && through.is_none() {
                 warned = true;
                 log::warn!(
                     "{} job {}: the guest dirtied {} MiB during the last pass ({:.1} s), no \
                      less than before: it writes about as fast as the job copies, and the job \
                      will not reach its switch until the guest writes less (vublk ctl \
-                     set-throttle --write-iops N) or the job is cancelled",
+                     set-throttle --write-iops N), the job is cancelled, or it runs with \
+                     --copy-mode write-blocking or auto",
                     job.kind,
                     job.id,
                     dirty >> 20,
@@ -281,7 +397,9 @@ pub(super) fn converge(
         }
         pass = Instant::now();
         job.add_total(dirty);
-        copy_extents(route, &pending, step, &|k| job.advance(k), stop)?;
+        let mut r = *route;
+        r.through = through.as_deref();
+        copy_extents(&r, &pending, step, &|k| job.advance(k), stop)?;
         pending.clear();
         if dirty <= CONVERGED {
             std::thread::sleep(Duration::from_millis(50));

@@ -21,7 +21,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::copy::{close_image, converge, copy_extents, track_granularity, Route, CHUNK, WINDOW};
+use super::copy::{
+    close_image, converge, copy_extents, track_granularity, Active, Route, CHUNK, WINDOW,
+};
 use super::switch::{switch_to, Switch};
 use super::{Host, Job, JobInfo, Jobs};
 use crate::image::create::{create, CreateParams};
@@ -34,6 +36,8 @@ pub struct Request {
     pub format: Option<String>,
     pub sync: Option<String>,
     pub bitmap: Option<String>,
+    /// How an active job keeps up with the guest's writes.
+    pub copy_mode: super::CopyMode,
     pub id: Option<String>,
     pub speed: u64,
 }
@@ -58,6 +62,7 @@ struct Plan {
     size: u64,
     first: First,
     holds_blk: bool,
+    copy_mode: super::CopyMode,
 }
 
 fn format_name(f: Format) -> &'static str {
@@ -219,6 +224,7 @@ pub fn start(jobs: &Jobs, host: Arc<dyn Host>, req: Request) -> Result<JobInfo, 
         size,
         first,
         holds_blk,
+        copy_mode: req.copy_mode,
     };
     let job = jobs.start("mirror", req.id, req.speed, move |job| {
         run(job, &*host, &image, plan, dst)
@@ -303,6 +309,7 @@ fn remote_start(
         size,
         first,
         holds_blk: false,
+        copy_mode: req.copy_mode,
     };
     let job = jobs.start("mirror", req.id, req.speed, move |job| {
         run(job, &*host, &image, plan, dst)
@@ -362,6 +369,7 @@ fn run(
     plan: Plan,
     target: Image,
 ) -> Result<(), String> {
+    let target = Arc::new(target);
     let c = image.cluster_size().unwrap_or(65536);
     let step = CHUNK.max(c) / c * c;
     // What the guest writes from now on.
@@ -375,6 +383,7 @@ fn run(
             dst: &target,
             c,
             to: "the target",
+            through: None,
         };
         if let First::Bitmap(b) = &plan.first {
             let mut extents = Vec::new();
@@ -401,8 +410,16 @@ fn run(
                 at += n;
             }
         }
-        let mut pending = converge(job, &route, &tracker, step, true, &stop)?;
+        let active = Active {
+            host,
+            target: &target,
+            tracker: &tracker,
+            mode: plan.copy_mode,
+        };
+        let mut pending = converge(job, &route, &active, step, true, &stop)?;
         if job.handover_requested() {
+            // The queues are stopped and drained: nothing goes through any more.
+            host.write_through().set(None);
             // A migration's handover: the queues are stopped and drained; the rest goes to
             // the target, which the destination serves from now on (the guest is not moved
             // here: this process gives the disk up).
@@ -444,6 +461,9 @@ fn run(
         );
         Ok(())
     })();
+    if host.write_through().get().is_some() {
+        super::copy::set_write_through(host, None);
+    }
     host.bitmaps().untrack(&tracker);
     result
 }

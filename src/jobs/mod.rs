@@ -8,6 +8,7 @@
 //! The job types live in their own files: `stream`, `commit`. A job reaches the device through
 //! [`Host`], which the device implements (so that this room does not reach up to it).
 
+pub mod active;
 pub mod commit;
 mod copy;
 pub mod mirror;
@@ -39,6 +40,20 @@ pub trait Host: Send + Sync {
     /// `--blk-file` and the chain's state file.
     fn base(&self) -> &std::path::Path;
     fn chain_state(&self) -> Option<&std::path::Path>;
+    /// Where an active job's write-through is put for the queues (`active`).
+    fn write_through(&self) -> &active::ThroughSlot;
+}
+
+/// How an active job (a mirror, an active commit) keeps up with the guest's writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyMode {
+    /// Copy again what the guest dirtied, pass after pass (QEMU's background mode).
+    Background,
+    /// From the end of the first pass, each guest write also goes to the target before it
+    /// completes (`active`): the passes only shrink.
+    WriteBlocking,
+    /// Background, then write-blocking once the passes stop shrinking.
+    Auto,
 }
 
 /// A job's state, as QEMU names them.

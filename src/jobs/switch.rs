@@ -34,7 +34,7 @@ pub(super) fn switch_to(
     job: &Job,
     host: &dyn Host,
     sw: &Switch,
-    target: Image,
+    target: Arc<Image>,
     tracker: &Arc<DirtyBitmap>,
     pending: Vec<(u64, u64)>,
 ) -> Result<f64, String> {
@@ -57,6 +57,19 @@ pub(super) fn switch_to(
     let mut outcome = None;
     let t0 = std::time::Instant::now();
     host.paused(&mut || {
+        // Nothing is in flight: the guest's writes stop going to the target here (the
+        // rest is copied below).
+        if let Some(wt) = host.write_through().get() {
+            log::info!(
+                "{}: {} guest writes went through to {} in write-blocking mode, {} were left \
+                 to the job (an overlap)",
+                sw.kind,
+                wt.through.load(std::sync::atomic::Ordering::Relaxed),
+                sw.to,
+                wt.left.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
+        host.write_through().set(None);
         let r = (|| {
             if let Some(why) = host.busy() {
                 return Err(format!("the last step (the switch to {}): {why}", sw.to));
@@ -76,6 +89,7 @@ pub(super) fn switch_to(
                 dst: &t,
                 c,
                 to: sw.to,
+                through: None,
             };
             let step = CHUNK.max(c) / c * c;
             let failed = copy_extents(

@@ -190,6 +190,9 @@ impl QueueWorker {
             }
             _ => {}
         }
+        if let Some((wt, token)) = r.through.take() {
+            through(&wt, token, &slot.req, &r);
+        }
         if is_read && self.dev.dirty_log.load(Ordering::Acquire) {
             // The kernel (or a piece read) wrote these buffers, not vm-memory: log them for
             // a migrating frontend. (Bounced data is copied below through vm-memory, which
@@ -258,4 +261,37 @@ impl QueueWorker {
         }
         r.used_len
     }
+}
+
+/// The end of a request registered with an active job's write-through: a data write that
+/// succeeded is copied through to the job's target (see `jobs::active`).
+#[cold]
+#[inline(never)]
+fn through(
+    wt: &crate::jobs::active::WriteThrough,
+    token: u64,
+    req: &crate::virtio_blk::Request,
+    r: &super::slot::InFlight,
+) {
+    let mut data = None;
+    if req.kind == RequestType::Out && r.status == status::OK {
+        let mut buf = vec![0u8; req.data_len as usize];
+        let mut at = 0usize;
+        let mut ok = true;
+        for seg in &req.data {
+            let n = seg.len as usize;
+            let read = buf
+                .get_mut(at..at + n)
+                .is_some_and(|dst| r.mem.read_slice(dst, seg.addr).is_ok());
+            if !read {
+                ok = false;
+                break;
+            }
+            at += n;
+        }
+        if ok && at == buf.len() {
+            data = Some(buf);
+        }
+    }
+    wt.end(token, req.offset_bytes(), data.as_deref());
 }

@@ -163,6 +163,9 @@ pub(super) struct InFlight {
     pub then: Then,
     /// When the request was taken from the ring (latency statistics).
     pub started: std::time::Instant,
+    /// The active job's write-through this request registered with, and its token
+    /// (`jobs::active`).
+    pub through: Option<(std::sync::Arc<crate::jobs::active::WriteThrough>, u64)>,
 }
 
 impl InFlight {
@@ -179,6 +182,7 @@ impl InFlight {
             ticket: None,
             then: Then::Finish,
             started: std::time::Instant::now(),
+            through: None,
         }
     }
 }

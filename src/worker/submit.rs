@@ -76,11 +76,42 @@ impl QueueWorker {
 
     /// Submit a parsed request's operations; Some(used length) when it finished at once.
     pub(super) fn launch(&mut self, req: Req) -> Option<u32> {
+        if let Some(wt) = self.dev.write_through.get() {
+            self.register_through(&wt, req.id);
+        }
         if self.dev.backups.any() && self.copy_before_write(req) {
             // On the backup pool; `copied` submits it when the copy is done.
             return None;
         }
         self.submit_launched(req)
+    }
+
+    /// Register a request that changes the disk with the active job's write-through
+    /// (`jobs::active`).
+    #[cold]
+    #[inline(never)]
+    fn register_through(&mut self, wt: &Arc<crate::jobs::active::WriteThrough>, id: SlotId) {
+        let slot = self.slots.get(id);
+        let ranges: Vec<(u64, u64)> = match slot.req.kind {
+            RequestType::Out => vec![(slot.req.offset_bytes(), u64::from(slot.req.data_len))],
+            RequestType::WriteZeroes | RequestType::Discard => slot
+                .req
+                .ranges
+                .iter()
+                .map(|z| (z.offset_bytes, z.len_bytes))
+                .collect(),
+            _ => return,
+        };
+        let (lo, hi) = ranges.iter().fold((u64::MAX, 0), |(lo, hi), &(o, l)| {
+            (lo.min(o), hi.max(o + l))
+        });
+        if lo >= hi {
+            return;
+        }
+        let token = wt.begin(lo, hi - lo);
+        if let SlotState::Busy(r) = &mut slot.state {
+            r.through = Some((wt.clone(), token));
+        }
     }
 
     /// A request whose copy before write (see `launch`) is done: submit it now. Some((head,

@@ -208,3 +208,10 @@ impl Written {
         }
     }
 }
+
+/// How many guest writes a job's write-blocking mode wrote through to its target, as the
+/// daemon's log says at the switch.
+pub fn written_through(log: &str) -> Option<u64> {
+    let (before, _) = log.split_once("guest writes went through")?;
+    before.trim_end().rsplit(' ').next()?.parse().ok()
+}
