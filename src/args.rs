@@ -454,9 +454,9 @@ pub enum CtlMethod {
         #[arg(long)]
         manual_complete: bool,
         /// How an active commit keeps up with the guest's writes: background (copy again
-        /// what they dirty), write-blocking (from the end of the first pass, each guest
-        /// write also goes to the base before it completes), auto (background, then
-        /// write-blocking once passes stop shrinking; the default).
+        /// what they dirty), write-through (from the end of the first pass, each guest
+        /// write is also sent to the base as it completes), auto (background, then
+        /// write-through once a pass leaves half as much as the one before; the default).
         #[arg(long, value_name = "MODE")]
         copy_mode: Option<String>,
         #[command(flatten)]
@@ -480,7 +480,7 @@ pub enum CtlMethod {
         /// first.
         #[arg(long, value_name = "NAME")]
         bitmap: Option<String>,
-        /// How the mirror keeps up with the guest's writes: background, write-blocking or
+        /// How the mirror keeps up with the guest's writes: background, write-through or
         /// auto (the default), as commit's --copy-mode.
         #[arg(long, value_name = "MODE")]
         copy_mode: Option<String>,

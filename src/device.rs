@@ -163,7 +163,7 @@ pub struct Device {
     pub backups: std::sync::Arc<crate::backup::Backups>,
     /// Block jobs (stream), each on a thread of its own.
     pub jobs: crate::jobs::Jobs,
-    /// An active job's write-through to its target (the write-blocking copy mode).
+    /// An active job's write-through to its target (the write-through copy mode).
     pub write_through: crate::jobs::active::ThroughSlot,
     /// What pauses the queues of the connected frontend (None: none is connected).
     pause: std::sync::Mutex<Option<std::sync::Weak<dyn QueuePause>>>,

@@ -44,11 +44,11 @@ fn an_active_commit_under_writes_switches_the_guest_to_the_base() {
         ctl_ok(&sock, "snapshot", &["--overlay", &s2.display().to_string()]);
         writer.run_for(50);
         assert_eq!(chain_len(&sock), 3);
-        // qcow2: in write-blocking mode, waiting in ready while the guest writes through.
+        // qcow2: in write-through mode, waiting in ready while the guest writes through.
         let blocking = fmt == "qcow2";
         let mut args = vec!["--id", "c"];
         if blocking {
-            args.extend(["--copy-mode", "write-blocking", "--manual-complete"]);
+            args.extend(["--copy-mode", "write-through", "--manual-complete"]);
         }
         let j = ctl_ok(&sock, "commit", &args);
         assert_eq!(j["type"], "commit", "{j}");

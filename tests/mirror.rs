@@ -31,9 +31,9 @@ fn a_mirror_under_writes_switches_the_guest_on_job_complete() {
     }
     for (src_fmt, target_fmt, sync, mode) in [
         ("raw", None, "full", "auto"),
-        ("qcow2", Some("raw"), "full", "write-blocking"),
+        ("qcow2", Some("raw"), "full", "write-through"),
         ("parallels", Some("qcow2"), "full", "auto"),
-        ("raw", None, "top", "write-blocking"),
+        ("raw", None, "top", "write-through"),
     ] {
         let what = format!("{src_fmt} -> {target_fmt:?} sync {sync} copy-mode {mode}");
         let dir = TestDir::new(&format!("mirror-{src_fmt}-{sync}"));
@@ -88,7 +88,7 @@ fn a_mirror_under_writes_switches_the_guest_on_job_complete() {
         assert_eq!(c.submit(0, Op::Flush), 0);
         let end = c.read_all(0);
         drop(c);
-        if mode == "write-blocking" {
+        if mode == "write-through" {
             // The guest's writes went to the target as they completed.
             let log = backend.log_contents();
             let through = written_through(&log);

@@ -110,10 +110,10 @@ fn copy_mode(params: &Value) -> Result<crate::jobs::CopyMode, (i64, String)> {
     match params.get("copy_mode").and_then(Value::as_str) {
         None | Some("auto") => Ok(CopyMode::Auto),
         Some("background") => Ok(CopyMode::Background),
-        Some("write-blocking") => Ok(CopyMode::WriteBlocking),
+        Some("write-through") => Ok(CopyMode::WriteThrough),
         Some(o) => Err((
             INVALID_PARAMS,
-            format!("--copy-mode {o}: background, write-blocking or auto"),
+            format!("--copy-mode {o}: background, write-through or auto"),
         )),
     }
 }

@@ -63,7 +63,7 @@ pub(super) struct Route<'a> {
     pub(super) c: u64,
     /// What `dst` is, for messages ("the base").
     pub(super) to: &'static str,
-    /// The write-through on (write-blocking mode): each copy holds its range there.
+    /// The write-through on (write-through mode): each copy holds its range there.
     pub(super) through: Option<&'a WriteThrough>,
 }
 
@@ -90,7 +90,7 @@ impl ThreadIo {
 }
 
 /// Copy [offset, offset + len) along `route` in chunks of whole clusters; `each` is told
-/// the bytes of every chunk. In write-blocking mode each chunk holds its range in the
+/// the bytes of every chunk. In write-through mode each chunk holds its range in the
 /// write-through while it is read and written (see `active`).
 fn copy(
     route: &Route,
@@ -104,12 +104,10 @@ fn copy(
     let mut at = offset;
     while at < end {
         let n = (end - at).min(buf.len() as u64);
-        if let Some(wt) = route.through {
-            wt.hold(at, at + n);
-        }
+        let held = route.through.map(|wt| wt.hold(at, at + n));
         let r = copy_chunk(route, at, n, buf, io);
-        if let Some(wt) = route.through {
-            wt.release(at, at + n);
+        if let (Some(wt), Some(token)) = (route.through, held) {
+            wt.release(at, token);
         }
         r?;
         each(n);
@@ -249,15 +247,16 @@ pub(super) fn copy_extents(
         }
     };
     let threads = COPIERS.min(pieces.len());
-    if threads <= 1 {
-        work();
-    } else {
-        std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(work);
-            }
-        });
+    if threads == 0 {
+        return Ok(());
     }
+    // Threads of their own even for one piece: they lower their priority, and the job's
+    // thread (whose later threads would inherit it) must not.
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(work);
+        }
+    });
     match failed.into_inner() {
         Ok(None) => Ok(()),
         Ok(Some(e)) => Err(e),
@@ -291,7 +290,7 @@ pub(super) fn set_write_through(host: &dyn Host, wt: Option<Arc<WriteThrough>>) 
 
 /// An active job's passes: copy again what the guest dirtied (`tracker`) along `route`,
 /// until at most [`CONVERGED`] bytes are left; with `manual`, wait in `ready` (still
-/// copying) until `job-complete`. In write-blocking mode (from the start, or in auto mode
+/// copying) until `job-complete`. In write-through mode (from the start, or in auto mode
 /// once passes stop shrinking) the guest's writes also go to the target (`active`), which
 /// stays on for the caller's last step (`switch_to` switches it off); on an error it is
 /// switched off here. Returns what is left, for the paused last step.
@@ -326,23 +325,30 @@ fn passes(
     } else {
         active.mode
     };
-    let switch_on = |through: &mut Option<Arc<WriteThrough>>, why: &str| {
-        let wt = Arc::new(WriteThrough::new(
-            active.target.clone(),
-            active.tracker.clone(),
-        ));
-        set_write_through(active.host, Some(wt.clone()));
-        *through = Some(wt);
-        log::info!(
-            "{} job {}: write-blocking copy mode on ({why}): each guest write also goes to {} \
-             before it completes",
+    let switch_on = |through: &mut Option<Arc<WriteThrough>>, why: &str| match WriteThrough::start(
+        active.target.clone(),
+        active.tracker.clone(),
+    ) {
+        Ok(wt) => {
+            let wt = Arc::new(wt);
+            set_write_through(active.host, Some(wt.clone()));
+            *through = Some(wt);
+            log::info!(
+                "{} job {}: write-through copy mode on ({why}): each guest write is also \
+                     sent to {} as it completes",
+                job.kind,
+                job.id,
+                route.to
+            );
+        }
+        Err(e) => log::warn!(
+            "{} job {}: {e}; copying in the background",
             job.kind,
-            job.id,
-            route.to
-        );
+            job.id
+        ),
     };
-    if mode == CopyMode::WriteBlocking {
-        switch_on(through, "--copy-mode write-blocking");
+    if mode == CopyMode::WriteThrough {
+        switch_on(through, "--copy-mode write-through");
     }
     let tracker = active.tracker;
     let mut pending: Vec<(u64, u64)> = Vec::new();
@@ -370,13 +376,16 @@ fn passes(
             job.set_ready();
         } else {
             growing = if dirty >= last { growing + 1 } else { 0 };
-            if growing >= NOT_CONVERGING && through.is_none() && mode == CopyMode::Auto {
+            // Auto: the guest dirtied at least half as much as the pass before copied: the
+            // passes would take long to converge, if ever.
+            if mode == CopyMode::Auto && through.is_none() && last != u64::MAX && dirty >= last / 2
+            {
                 switch_on(
                     through,
                     &format!(
-                        "{} passes without less to copy, {} MiB dirtied in the last",
-                        growing,
-                        dirty >> 20
+                        "the guest dirtied {} MiB during the last pass, {} MiB the pass before",
+                        dirty >> 20,
+                        last >> 20
                     ),
                 );
             } else if growing >= NOT_CONVERGING && !warned && through.is_none() {
@@ -386,7 +395,7 @@ fn passes(
                      less than before: it writes about as fast as the job copies, and the job \
                      will not reach its switch until the guest writes less (vublk ctl \
                      set-throttle --write-iops N), the job is cancelled, or it runs with \
-                     --copy-mode write-blocking or auto",
+                     --copy-mode write-through or auto",
                     job.kind,
                     job.id,
                     dirty >> 20,

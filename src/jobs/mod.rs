@@ -49,10 +49,10 @@ pub trait Host: Send + Sync {
 pub enum CopyMode {
     /// Copy again what the guest dirtied, pass after pass (QEMU's background mode).
     Background,
-    /// From the end of the first pass, each guest write also goes to the target before it
+    /// From the end of the first pass, each guest write is also sent to the target as it
     /// completes (`active`): the passes only shrink.
-    WriteBlocking,
-    /// Background, then write-blocking once the passes stop shrinking.
+    WriteThrough,
+    /// Background, then write-through once the passes stop shrinking fast.
     Auto,
 }
 

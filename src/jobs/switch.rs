@@ -59,17 +59,18 @@ pub(super) fn switch_to(
     host.paused(&mut || {
         // Nothing is in flight: the guest's writes stop going to the target here (the
         // rest is copied below).
-        if let Some(wt) = host.write_through().get() {
+        let counted = host.write_through().get();
+        host.write_through().set(None);
+        if let Some(wt) = counted {
+            let (through, left, full) = wt.counts();
             log::info!(
-                "{}: {} guest writes went through to {} in write-blocking mode, {} were left \
-                 to the job (an overlap)",
+                "{}: {through} guest writes went through to {} in write-through mode, {left} \
+                 were left to the job ({full} of them when the queue was full, the rest \
+                 overlapped)",
                 sw.kind,
-                wt.through.load(std::sync::atomic::Ordering::Relaxed),
-                sw.to,
-                wt.left.load(std::sync::atomic::Ordering::Relaxed)
+                sw.to
             );
         }
-        host.write_through().set(None);
         let r = (|| {
             if let Some(why) = host.busy() {
                 return Err(format!("the last step (the switch to {}): {why}", sw.to));

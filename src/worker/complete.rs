@@ -190,8 +190,8 @@ impl QueueWorker {
             }
             _ => {}
         }
-        if let Some((wt, token)) = r.through.take() {
-            through(&wt, token, &slot.req, &r);
+        if let Some((wt, token, start)) = r.through.take() {
+            through(&wt, token, start, &slot.req, &r);
         }
         if is_read && self.dev.dirty_log.load(Ordering::Acquire) {
             // The kernel (or a piece read) wrote these buffers, not vm-memory: log them for
@@ -270,6 +270,7 @@ impl QueueWorker {
 fn through(
     wt: &crate::jobs::active::WriteThrough,
     token: u64,
+    start: u64,
     req: &crate::virtio_blk::Request,
     r: &super::slot::InFlight,
 ) {
@@ -293,5 +294,6 @@ fn through(
             data = Some(buf);
         }
     }
-    wt.end(token, req.offset_bytes(), data.as_deref());
+    // A data write registered its own range: `start` is its offset.
+    wt.end(token, start, data.as_deref());
 }

@@ -163,9 +163,9 @@ pub(super) struct InFlight {
     pub then: Then,
     /// When the request was taken from the ring (latency statistics).
     pub started: std::time::Instant,
-    /// The active job's write-through this request registered with, and its token
-    /// (`jobs::active`).
-    pub through: Option<(std::sync::Arc<crate::jobs::active::WriteThrough>, u64)>,
+    /// The active job's write-through this request registered with, its token and the
+    /// start of the range it registered (`jobs::active`).
+    pub through: Option<(std::sync::Arc<crate::jobs::active::WriteThrough>, u64, u64)>,
 }
 
 impl InFlight {

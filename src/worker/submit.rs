@@ -110,7 +110,7 @@ impl QueueWorker {
         }
         let token = wt.begin(lo, hi - lo);
         if let SlotState::Busy(r) = &mut slot.state {
-            r.through = Some((wt.clone(), token));
+            r.through = Some((wt.clone(), token, lo));
         }
     }
 

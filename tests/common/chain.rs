@@ -209,7 +209,7 @@ impl Written {
     }
 }
 
-/// How many guest writes a job's write-blocking mode wrote through to its target, as the
+/// How many guest writes a job's write-through mode wrote through to its target, as the
 /// daemon's log says at the switch.
 pub fn written_through(log: &str) -> Option<u64> {
     let (before, _) = log.split_once("guest writes went through")?;
