@@ -210,6 +210,10 @@ fn mirror_cancel_and_refusals() {
     );
     refused(&["--target", &t("a.img"), "--sync", "bogus"], "full or top");
     refused(
+        &["--target", &t("a.img"), "--copy-mode", "bogus"],
+        "background, write-through or auto",
+    );
+    refused(
         &["--target", &t("a.img"), "--format", "vmdk"],
         "raw, qcow2 or parallels",
     );

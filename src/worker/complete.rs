@@ -295,5 +295,5 @@ fn through(
         }
     }
     // A data write registered its own range: `start` is its offset.
-    wt.end(token, start, data.as_deref());
+    wt.end(token, start, data);
 }

@@ -93,7 +93,7 @@ impl QueueWorker {
     fn register_through(&mut self, wt: &Arc<crate::jobs::active::WriteThrough>, id: SlotId) {
         let slot = self.slots.get(id);
         let ranges: Vec<(u64, u64)> = match slot.req.kind {
-            RequestType::Out => vec![(slot.req.offset_bytes(), u64::from(slot.req.data_len))],
+            RequestType::Out => vec![(slot.req.offset_bytes(), slot.req.data_len)],
             RequestType::WriteZeroes | RequestType::Discard => slot
                 .req
                 .ranges
