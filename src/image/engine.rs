@@ -224,8 +224,7 @@ impl super::Image {
     pub fn engine_fits(&self, engine: &Engine) -> bool {
         match (&self.disk, engine) {
             (Disk::Local(_), Engine::Uring(_) | Engine::Sync(_)) => true,
-            #[cfg(feature = "rbd")]
-            (Disk::Remote(super::remote::Remote::Rbd(_)), Engine::Rbd(_)) => true,
+            (Disk::Remote(r), e) => r.engine_fits(e),
             _ => false,
         }
     }

@@ -159,6 +159,17 @@ impl Remote {
         }
     }
 
+    /// Can `engine`, made for another disk, serve this one once bound to it (see
+    /// [`Image::engine_fits`])? A librbd engine can; an NBD one holds a connection to its
+    /// own export.
+    pub(super) fn engine_fits(&self, engine: &Engine) -> bool {
+        match (self, engine) {
+            #[cfg(feature = "rbd")]
+            (Remote::Rbd(_), Engine::Rbd(_)) => true,
+            _ => false,
+        }
+    }
+
     /// Point `engine` at this disk (the handle a live migration's take-over opened).
     pub(super) fn bind(&self, engine: &mut Engine) {
         match (self, engine) {
