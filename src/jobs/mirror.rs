@@ -88,9 +88,27 @@ pub fn start(jobs: &Jobs, host: Arc<dyn Host>, req: Request) -> Result<JobInfo, 
         return Err("--target: a path, an NBD URI or an RBD image".into());
     }
     let remote = crate::nbd::is_nbd_uri(t) || t.starts_with("rbd:");
-    if remote {
-        return remote_start(jobs, host, image, served, req);
-    }
+    let (plan, dst) = if remote {
+        remote_plan(jobs, &*host, &image, served, &req)?
+    } else {
+        file_plan(jobs, &*host, &image, served, &req)?
+    };
+    let job = jobs.start("mirror", req.id, req.speed, move |job| {
+        run(job, &*host, &image, plan, dst)
+    })?;
+    Ok(job.info())
+}
+
+/// A mirror onto a file: what the job does and its handle on the target, a new image
+/// (never over an existing file) or, with `--bitmap`, the existing one.
+fn file_plan(
+    jobs: &Jobs,
+    host: &dyn Host,
+    image: &Image,
+    served: ImageOptions,
+    req: &Request,
+) -> Result<(Plan, Image), String> {
+    let t = req.target.as_str();
     let sync_top = match req.sync.as_deref() {
         None | Some("full") => false,
         Some("top") => true,
@@ -226,22 +244,20 @@ pub fn start(jobs: &Jobs, host: Arc<dyn Host>, req: Request) -> Result<JobInfo, 
         holds_blk,
         copy_mode: req.copy_mode,
     };
-    let job = jobs.start("mirror", req.id, req.speed, move |job| {
-        run(job, &*host, &image, plan, dst)
-    })?;
-    Ok(job.info())
+    Ok((plan, dst))
 }
 
 /// A mirror onto an NBD export or an RBD image, which exists already (vublk creates no
 /// remote disk) and is at least the disk's size: raw, `--sync full` (or `--bitmap`); the
 /// first pass copies the whole disk, its holes as zeroes (the target may hold anything).
-fn remote_start(
+/// What the job does and its handle on the target.
+fn remote_plan(
     jobs: &Jobs,
-    host: Arc<dyn Host>,
-    image: Arc<Image>,
+    host: &dyn Host,
+    image: &Image,
     served: ImageOptions,
-    req: Request,
-) -> Result<JobInfo, String> {
+    req: &Request,
+) -> Result<(Plan, Image), String> {
     let t = req.target.as_str();
     match req.sync.as_deref() {
         None | Some("full") => {}
@@ -311,10 +327,7 @@ fn remote_start(
         holds_blk: false,
         copy_mode: req.copy_mode,
     };
-    let job = jobs.start("mirror", req.id, req.speed, move |job| {
-        run(job, &*host, &image, plan, dst)
-    })?;
-    Ok(job.info())
+    Ok((plan, dst))
 }
 
 /// The extents of [at, at + n) the first pass copies.
@@ -384,6 +397,7 @@ fn run(
             c,
             to: "the target",
             through: None,
+            guest_paused: false,
         };
         if let First::Bitmap(b) = &plan.first {
             let mut extents = Vec::new();
