@@ -125,6 +125,19 @@ pub struct Opts {
     #[arg(long)]
     pub mirror: bool,
 
+    /// With --stream, --commit and --mirror: give a job at most this many seconds, then
+    /// cancel it and report the guest's IOPS during those seconds, the job marked "not
+    /// concluded" (0: wait until it concludes). qemu-storage-daemon's background-mode jobs
+    /// do not converge under the benchmark's writes.
+    #[arg(long, default_value_t = 0.0)]
+    pub job_limit: f64,
+
+    /// With --mirror: qemu-storage-daemon's `drive-mirror` `copy-mode`, `background` (its
+    /// default) or `write-blocking` (from the job's start, each guest write is also written
+    /// to the target before it completes; the rest is copied in the background).
+    #[arg(long, default_value = "background")]
+    pub qsd_copy_mode: String,
+
     /// Instead of workloads: measure the all-zero scanner on host buffers.
     #[arg(long)]
     pub zero_scan: bool,

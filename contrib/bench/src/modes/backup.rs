@@ -257,6 +257,16 @@ pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path) {
 /// Every backend but the file, `--runs` times, alternating, through `measure`: the guest's
 /// write IOPS without and during a task (`what`: its name in the lines, the name of its
 /// rate), the table after `how`.
+/// A task's rate for the table: MB/s, or that it did not conclude (a job given up after
+/// --job-limit).
+fn mb_per_s(m: f64) -> String {
+    if m.is_nan() {
+        "not concluded".into()
+    } else {
+        format!("{m:.0} MB/s")
+    }
+}
+
 pub(crate) fn run_during(
     opts: &Opts,
     backends: &[Backend],
@@ -277,11 +287,11 @@ pub(crate) fn run_during(
         measure,
         |run, b, r| {
             format!(
-                "run {run} {:8} writes {:.0} IOPS without, {:.0} during {task}; {rate} {:.0} MB/s",
+                "run {run} {:8} writes {:.0} IOPS without, {:.0} during {task}; {rate} {}",
                 b.name(),
                 r.base_iops,
                 r.iops,
-                r.mbps
+                mb_per_s(r.mbps)
             )
         },
     );
@@ -291,12 +301,12 @@ pub(crate) fn run_during(
         let during = median_by(rs, |r| r.iops);
         let _ = writeln!(
             rows,
-            "| {} | {:.0} | {:.0} | {:.2} | {:.0} |",
+            "| {} | {:.0} | {:.0} | {:.2} | {} |",
             b.name(),
             base,
             during,
             during / base,
-            median_by(rs, |r| r.mbps)
+            mb_per_s(median_by(rs, |r| r.mbps))
         );
     }
     report::emit(
@@ -304,7 +314,7 @@ pub(crate) fn run_during(
         &report::table(
             how,
             &format!(
-                "| backend | write IOPS, without | write IOPS during {task} | during / without | {rate} MB/s |"
+                "| backend | write IOPS, without | write IOPS during {task} | during / without | {rate} |"
             ),
             "|---|---:|---:|---:|---:|",
             &rows,

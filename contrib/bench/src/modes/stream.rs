@@ -10,8 +10,11 @@
 //!
 //! Each run: 4 KiB random writes at depth 32 on the overlay for --seconds without a job (the
 //! baseline), then the same writes start again and, half a second later, the job
-//! (unlimited speed, both daemons' default); they go on until it concludes. Reported: the guest's write IOPS without and during the
-//! job, and the job's rate (the disk's size over its time).
+//! (unlimited speed, both daemons' default); they go on until it concludes, or until
+//! `--job-limit` seconds have passed (then the job is cancelled and reported as not
+//! concluded). Reported: the guest's write IOPS without and during the job, and the job's
+//! rate (the disk's size over its time). `--qsd-copy-mode write-blocking` runs
+//! qemu-storage-daemon's mirror in its active mode.
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, Write};
@@ -180,13 +183,15 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
     let _ = fs::remove_file(&target);
     let server = serve();
     let stop = AtomicBool::new(false);
-    let (job_secs, (ios, secs)) = std::thread::scope(|s| {
+    let ((job_secs, concluded), (ios, secs)) = std::thread::scope(|s| {
         let job = s.spawn(|| {
             // The writer connected and writing first: qemu-storage-daemon 10.0.2 segfaults
             // when a mirror or commit starts while a vhost-user client is connecting.
             std::thread::sleep(Duration::from_millis(500));
             let t0 = Instant::now();
-            match backend.kind {
+            let over_limit =
+                |t0: Instant| opts.job_limit > 0.0 && t0.elapsed().as_secs_f64() > opts.job_limit;
+            let concluded = match backend.kind {
                 BackendKind::Vublk => {
                     let verb = kind.verb();
                     let target_arg = target.display().to_string();
@@ -197,6 +202,10 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
                     ctl(&binary, &ctl_sock, &args);
                     let mut completed = false;
                     loop {
+                        if over_limit(t0) {
+                            ctl(&binary, &ctl_sock, &["job-cancel", "bench"]);
+                            break false;
+                        }
                         let v: String = ctl(&binary, &ctl_sock, &["jobs"])
                             .chars()
                             .filter(|c| !c.is_whitespace())
@@ -207,7 +216,7 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
                         }
                         if v.contains(r#""state":"concluded""#) {
                             assert!(v.contains(r#""error":null"#), "the {verb} failed: {v}");
-                            break;
+                            break true;
                         }
                         std::thread::sleep(Duration::from_millis(10));
                     }
@@ -216,8 +225,9 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
                     let mut q = Qmp::connect(&qmp_sock);
                     if kind == Job::Mirror {
                         q.cmd(&format!(
-                            r#"{{"execute":"drive-mirror","arguments":{{"job-id":"bench","device":"file0","target":"{}","format":"raw","sync":"full","mode":"absolute-paths"}}}}"#,
-                            target.display()
+                            r#"{{"execute":"drive-mirror","arguments":{{"job-id":"bench","device":"file0","target":"{}","format":"raw","sync":"full","mode":"absolute-paths","copy-mode":"{}"}}}}"#,
+                            target.display(),
+                            opts.qsd_copy_mode
                         ));
                     } else {
                         q.cmd(&format!(
@@ -229,9 +239,13 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
                     // commit waits in ready for block-job-complete.
                     let mut completed = false;
                     loop {
+                        if over_limit(t0) {
+                            q.cmd(r#"{"execute":"block-job-cancel","arguments":{"device":"bench","force":true}}"#);
+                            break false;
+                        }
                         let l = q.cmd(r#"{"execute":"query-jobs"}"#);
                         if !l.contains("\"bench\"") {
-                            break;
+                            break true;
                         }
                         if !completed && l.replace(' ', "").contains("\"status\":\"ready\"") {
                             q.cmd(r#"{"execute":"block-job-complete","arguments":{"device":"bench"}}"#);
@@ -240,10 +254,10 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
                         std::thread::sleep(Duration::from_millis(10));
                     }
                 }
-            }
+            };
             let secs = t0.elapsed().as_secs_f64();
             stop.store(true, Ordering::Relaxed);
-            secs
+            (secs, concluded)
         });
         let w = writes(backend, &server, &top, &stop, None);
         (job.join().expect("job thread"), w)
@@ -255,7 +269,12 @@ fn measure(backend: &Backend, opts: &Opts, vublk: &Path, work: &Path, kind: Job)
     DuringResult {
         base_iops,
         iops: ios as f64 / secs,
-        mbps: opts.size as f64 / job_secs / 1e6,
+        // Not concluded within --job-limit: no rate (the table says so).
+        mbps: if concluded {
+            opts.size as f64 / job_secs / 1e6
+        } else {
+            f64::NAN
+        },
     }
 }
 
@@ -279,6 +298,20 @@ pub fn run(opts: &Opts, backends: &[Backend], vublk: &Path, work: &Path, kind: J
         what.1,
         opts.runs
     );
+    let mut how = how;
+    if opts.job_limit > 0.0 {
+        how.push_str(&format!(
+            " A job not concluded after {} s is cancelled (\"not concluded\"; the IOPS are \
+             over those seconds).",
+            opts.job_limit
+        ));
+    }
+    if kind == Job::Mirror {
+        how.push_str(&format!(
+            " qemu-storage-daemon's drive-mirror copy-mode: {}.",
+            opts.qsd_copy_mode
+        ));
+    }
     run_during(opts, backends, what, &how, |b| {
         measure(b, opts, vublk, work, kind)
     });
