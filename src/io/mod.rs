@@ -9,6 +9,7 @@ pub mod align;
 pub mod aligned;
 mod batch;
 pub mod bounce;
+pub mod priority;
 pub mod ranges;
 pub mod storage;
 mod sync;

@@ -32,8 +32,11 @@ use crate::locks::Locked;
 
 /// Threads that write the queued guest writes (queued writes never overlap: any order
 /// is right). One thread wrote about 17,000 4 KiB writes a second into a raw base's page
-/// cache on the test machine, less than the benchmark's guest writes.
-const WRITERS: usize = 4;
+/// cache on the test machine, less than the benchmark's guest writes, while the copying
+/// threads wrote 1 MiB pieces (large folios: see `copy::LOCAL_WRITE`); four then spent
+/// much of their time spinning on the file's lock. Two with 64 KiB pieces kept up
+/// (BENCHMARKS.md, "Jobs that give way to the guest's I/O").
+const WRITERS: usize = 2;
 
 /// Bytes of guest writes queued for the target at most.
 const MAX_QUEUED: u64 = 16 << 20;

@@ -224,6 +224,7 @@ fn run(
             c,
             to: "the base",
             through: None,
+            guest_paused: false,
         };
         let stop = || job.cancelled() || switched();
         let mut at = 0u64;
@@ -268,6 +269,7 @@ fn run(
             c,
             to: "the base",
             through: None,
+            guest_paused: false,
         };
         let active = Active {
             host,

@@ -91,6 +91,7 @@ pub(super) fn switch_to(
                 c,
                 to: sw.to,
                 through: None,
+                guest_paused: true,
             };
             let step = CHUNK.max(c) / c * c;
             let failed = copy_extents(

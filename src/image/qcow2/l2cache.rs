@@ -70,11 +70,15 @@ impl L2Cache {
 }
 
 impl Qcow2Image {
+    /// An L2 table from the file. At the normal I/O priority even on a block job's thread
+    /// (idle class): tables are loaded under the cache lock, which the guest's requests
+    /// take too, and must not wait behind the guest's own I/O (`io::priority`).
     pub(super) fn read_l2(
         &self,
         file: &dyn Storage,
         l2_offset: u64,
     ) -> Result<Vec<u64>, ImageError> {
+        let _normal = crate::io::priority::normal();
         let raw =
             read_aligned(file, l2_offset, self.cluster_size() as usize).map_err(ImageError::Io)?;
         Ok(raw.chunks_exact(8).map(|c| be64(c, 0)).collect())
