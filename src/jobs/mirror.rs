@@ -439,8 +439,13 @@ fn run(
             // here: this process gives the disk up).
             pending.extend(tracker.take_extents(0, u64::MAX).0);
             job.add_total(pending.iter().map(|e| e.1).sum());
+            // Part of the migration's downtime: at the normal I/O priority.
+            let paused = Route {
+                guest_paused: true,
+                ..route
+            };
             copy_extents(
-                &route,
+                &paused,
                 &pending,
                 step,
                 &|k| {
