@@ -462,23 +462,25 @@ mod tests {
         }
     }
 
+    /// A new thread's priorities after `yield_to_guest(io)`.
+    fn yielded(io: bool) -> (i32, i64) {
+        std::thread::spawn(move || {
+            yield_to_guest(io);
+            priorities()
+        })
+        .join()
+        .unwrap()
+    }
+
     #[test]
     fn copying_threads_give_way_to_the_guest_on_the_cpu_and_the_disk() {
-        let (nice, io) = std::thread::spawn(|| {
-            yield_to_guest(true);
-            priorities()
-        })
-        .join()
-        .unwrap();
-        assert_eq!(nice, 19);
-        assert_eq!(io, CLASS_IDLE as i64, "the idle I/O class");
+        assert_eq!(
+            yielded(true),
+            (19, CLASS_IDLE as i64),
+            "nice 19, the idle I/O class"
+        );
         // With the guest paused: the CPU priority only.
-        let (nice, io) = std::thread::spawn(|| {
-            yield_to_guest(false);
-            priorities()
-        })
-        .join()
-        .unwrap();
+        let (nice, io) = yielded(false);
         assert_eq!(nice, 19);
         assert_ne!(io >> 13, 3, "not the idle class");
         // The test's own thread is untouched.
