@@ -32,6 +32,7 @@ tools=(
 	"nbdinfo libnbd-bin"
 	"systemd-socket-activate systemd"
 	"dpkg-shlibdeps dpkg-dev"
+	"cryptsetup cryptsetup-bin"
 )
 missing=()
 for t in "${tools[@]}"; do
@@ -41,6 +42,8 @@ done
 # The guest's aio-verify (contrib/guest/aio-verify.c) is built static.
 command -v gcc >/dev/null 2>&1 || missing+=(gcc)
 ls /usr/lib/*/libc.a >/dev/null 2>&1 || missing+=(libc6-dev)
+# The LUKS tests decrypt what vublk wrote with an independent AES-XTS (tests/luks/xts.py).
+python3 -c 'import cryptography' >/dev/null 2>&1 || missing+=(python3-cryptography)
 # The guest tests boot the host's kernel image.
 ls /boot/vmlinuz-* >/dev/null 2>&1 || missing+=(linux-image-amd64)
 # librbd's headers for the `rbd` feature.

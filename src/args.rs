@@ -77,6 +77,17 @@ pub struct Args {
     #[arg(long, value_enum)]
     pub format: Option<Format>,
 
+    /// The secret of a LUKS image: file:PATH (the whole file, as cryptsetup's --key-file
+    /// reads it), fd:N (read to its end, then closed) or credential:NAME (systemd's
+    /// $CREDENTIALS_DIRECTORY/NAME). A passphrase, or with --key-secret-raw the volume key.
+    #[arg(long, value_name = "SOURCE")]
+    pub key_secret: Option<crate::crypt::KeySource>,
+
+    /// The --key-secret is the volume key itself (32 or 64 bytes), not a passphrase: no key
+    /// slot is tried.
+    #[arg(long, requires = "key_secret")]
+    pub key_secret_raw: bool,
+
     /// Backing files of qcow2 images: follow them (read-only, relative to the image), or
     /// refuse images that have one.
     #[arg(long, value_enum, default_value_t = BackingMode::Follow)]

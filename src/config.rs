@@ -36,6 +36,8 @@ pub struct Config {
     pub blk_file: PathBuf,
     /// None: probe by magic.
     pub format: Option<Format>,
+    /// `--key-secret` (read once, here) and `--key-secret-raw`.
+    pub key: Option<crate::crypt::Key>,
     pub follow_backing: bool,
     pub locking: crate::image::lock::Locking,
     pub force_share: bool,
@@ -392,6 +394,29 @@ impl Config {
                 args.log_level
             ))
         })?;
+        // Read once, here: an fd: source can be read only once, and a secret that cannot
+        // be read is an option error before anything is opened. The message names the
+        // source, never its contents.
+        let key = match &args.key_secret {
+            None => None,
+            Some(src) => {
+                if remote_kind(&blk_file).is_some() {
+                    return Err(bad(
+                        "--key-secret: NBD exports and RBD images are served as raw (no LUKS)",
+                    ));
+                }
+                let secret = src
+                    .read()
+                    .map_err(|e| bad(format!("--key-secret {src}: {e}")))?;
+                if secret.is_empty() {
+                    return Err(bad(format!("--key-secret {src}: empty")));
+                }
+                Some(crate::crypt::Key {
+                    secret: std::sync::Arc::new(secret),
+                    raw: args.key_secret_raw,
+                })
+            }
+        };
         Ok(Config {
             socket,
             blk_file,
@@ -399,6 +424,7 @@ impl Config {
             follow_backing: args.backing == crate::args::BackingMode::Follow,
             locking: args.locking,
             force_share: args.force_share,
+            key,
             read_only: args.read_only,
             incoming: args.incoming,
             control_socket: args.control_socket.clone(),
@@ -480,6 +506,7 @@ impl Config {
         ImageOptions {
             path: self.blk_file.clone(),
             format: self.format,
+            key: self.key.clone(),
             read_only: self.read_only,
             direct: self.cache == CacheMode::None,
             logical_block_size: self.logical_block_size,

@@ -13,6 +13,8 @@
 //!   without a shared lock, and their `bitmap-*` control methods.
 //! - `config`: validated configuration; every option conflict is rejected here.
 //! - `control`: the control socket (JSON-RPC 2.0, one object per line) and `vublk ctl`.
+//! - `crypt`: encryption at rest: LUKS1/LUKS2 headers, key slots and their KDFs, AES-XTS
+//!   over sectors, and secrets kept out of swap, core dumps and messages.
 //! - `daemon`: opens the device; listener or `--fd`, one frontend after another, signals.
 //! - `device`: the virtio-blk device model (limits, config space, write cache) over an image.
 //! - `guest_memory`: the frontend's memory checked when it changes, and the SIGBUS guard.
@@ -53,6 +55,7 @@ pub mod backup;
 pub mod bitmaps;
 pub mod config;
 pub mod control;
+pub mod crypt;
 pub mod daemon;
 pub mod device;
 pub mod guest_memory;

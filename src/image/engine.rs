@@ -10,7 +10,7 @@ use std::os::fd::RawFd;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::{Disk, Kind};
+use super::{Disk, ImageError, Kind};
 use crate::io::{AioMode, Completion, Op, SyncEngine, UringEngine};
 use crate::nbd::client::{NbdEngine, NbdQueue};
 #[cfg(feature = "rbd")]
@@ -285,7 +285,16 @@ impl super::Image {
         let Disk::Local(l) = &self.disk else {
             return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
         };
-        crate::io::aligned::write_unaligned(&l.file, offset, data, block)?;
+        match &l.kind {
+            Kind::Luks(c) => {
+                c.write_sub_block(&l.file, offset, data, block)
+                    .map_err(|e| match e {
+                        ImageError::Io(e) => e,
+                        other => io::Error::other(other.to_string()),
+                    })?
+            }
+            _ => crate::io::aligned::write_unaligned(&l.file, offset, data, block)?,
+        }
         if durable {
             l.file.sync_data()?;
         }

@@ -107,6 +107,7 @@ impl Image {
             }
             Kind::Qcow2(d) => d.q.resize(file, new).map_err(GrowError::Image)?,
             Kind::Parallels(_) => return Err(GrowError::Parallels),
+            Kind::Luks(l) => l.grow(file, new, self.block_device)?,
         }
         self.size_bytes.store(new, Ordering::Release);
         Ok(new)

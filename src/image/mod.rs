@@ -33,6 +33,7 @@ pub mod fuzz;
 mod grow;
 pub mod handover;
 pub mod lock;
+mod luks;
 mod open;
 mod options;
 pub mod parallels;
@@ -185,6 +186,8 @@ struct Local {
 #[allow(clippy::large_enum_variant)]
 enum Kind {
     Raw,
+    /// Raw data encrypted under a LUKS header.
+    Luks(luks::LuksDisk),
     Qcow2(Qcow2Disk),
     Parallels(ParallelsImage),
 }
@@ -280,6 +283,16 @@ impl Image {
             None | Some(Kind::Raw) => Format::Raw,
             Some(Kind::Qcow2(_)) => Format::Qcow2,
             Some(Kind::Parallels(_)) => Format::Parallels,
+            Some(Kind::Luks(_)) => Format::Luks,
+        }
+    }
+
+    /// The volume of an encrypted image: what the engine reads is decrypted with it, what
+    /// it writes encrypted first (host offsets; whole sectors).
+    pub fn cipher(&self) -> Option<&crate::crypt::Volume> {
+        match self.local_kind() {
+            Some(Kind::Luks(l)) => Some(&l.vol),
+            _ => None,
         }
     }
 
@@ -310,6 +323,15 @@ impl Image {
         }
     }
 
+    /// The file offset of guest byte `offset` of a raw image (past the header of an
+    /// encrypted one).
+    pub fn raw_host(&self, offset: u64) -> u64 {
+        match self.local_kind() {
+            Some(Kind::Luks(l)) => l.host(offset),
+            _ => offset,
+        }
+    }
+
     /// The guest-visible size in bytes.
     pub fn size_bytes(&self) -> u64 {
         self.size_bytes.load(Ordering::Acquire)
@@ -320,6 +342,7 @@ impl Image {
     pub fn host_limit(&self) -> Option<u64> {
         match self.local_kind() {
             None | Some(Kind::Raw) => Some(self.size_bytes()),
+            Some(Kind::Luks(l)) => Some(l.host(self.size_bytes())),
             Some(_) => None,
         }
     }
@@ -379,6 +402,10 @@ impl Image {
         };
         match &l.kind {
             Kind::Raw => return Ok(Some(offset)),
+            Kind::Luks(l) => {
+                l.check(offset, len)?;
+                return Ok(Some(l.host(offset)));
+            }
             Kind::Parallels(p) => p.map(offset, len, &mut plan.pieces),
             Kind::Qcow2(d) => chain::resolve_read(
                 &d.q,
@@ -457,6 +484,10 @@ impl Image {
         };
         match kind {
             Kind::Raw => Ok(engine(offset, false)),
+            Kind::Luks(l) => {
+                l.check(offset, len)?;
+                Ok(engine(l.host(offset), false))
+            }
             Kind::Parallels(p) => {
                 // Allocated and contiguous: in place. Else allocate here (new clusters read
                 // as zeroes, so no fill is needed); write-through and scattered clusters
@@ -509,7 +540,7 @@ impl Image {
     /// allows, so never get here).
     pub fn sub_block_fallback(&self) -> Option<Offload> {
         match self.local_kind() {
-            None | Some(Kind::Raw) => None,
+            None | Some(Kind::Raw | Kind::Luks(_)) => None,
             Some(Kind::Qcow2(_)) => Some(Offload::Cow),
             Some(Kind::Parallels(_)) => Some(Offload::Inline),
         }
@@ -568,6 +599,7 @@ impl Image {
         };
         match kind {
             Kind::Raw => crate::io::aligned::write_all_aligned(file, offset, data)?,
+            Kind::Luks(l) => l.write(file, offset, data)?,
             Kind::Parallels(p) => p.write(file, offset, data)?,
             Kind::Qcow2(d) => {
                 let mut fill_old = |cl: u64, buf: &mut [u8]| self.read_guest_cluster(d, cl, buf);
@@ -594,7 +626,10 @@ impl Image {
     /// DISCARD / WRITE_ZEROES go through the format ([`Self::zero_range`]) rather than the
     /// engine's fallocate (raw, remote disks).
     pub fn zeroes_through_format(&self) -> bool {
-        matches!(self.local_kind(), Some(Kind::Qcow2(_) | Kind::Parallels(_)))
+        matches!(
+            self.local_kind(),
+            Some(Kind::Qcow2(_) | Kind::Parallels(_) | Kind::Luks(_))
+        )
     }
 
     /// Zero or discard [offset, offset + len) through the format, synchronously.
@@ -607,6 +642,9 @@ impl Image {
         };
         match kind {
             Kind::Raw => Err(ImageError::Corrupt("raw images are zeroed by the engine")),
+            // Discards are not passed down (see `luks`); zeroes are encrypted zeroes.
+            Kind::Luks(_) if mode == ZeroMode::Discard => Ok(()),
+            Kind::Luks(l) => l.zero(file, offset, len),
             Kind::Parallels(p) => p.zero_range(file, offset, len, mode),
             Kind::Qcow2(d) => {
                 let mut fill_old = |cl: u64, buf: &mut [u8]| self.read_guest_cluster(d, cl, buf);
@@ -631,7 +669,7 @@ impl Image {
             return Ok(());
         };
         match kind {
-            Kind::Raw => Ok(()),
+            Kind::Raw | Kind::Luks(_) => Ok(()),
             Kind::Parallels(p) => p.flush(file),
             Kind::Qcow2(d) => d.q.flush(file),
         }
@@ -648,7 +686,7 @@ impl Image {
             return Ok(());
         };
         match kind {
-            Kind::Raw => Ok(()),
+            Kind::Raw | Kind::Luks(_) => Ok(()),
             Kind::Parallels(p) => p.publish(file),
             Kind::Qcow2(d) => d.q.publish(file),
         }
@@ -678,7 +716,7 @@ impl Image {
             Disk::Remote(r) => r.close(),
             Disk::Local(Local { file, kind }) => {
                 match kind {
-                    Kind::Raw => {}
+                    Kind::Raw | Kind::Luks(_) => {}
                     Kind::Parallels(p) => p.close(file)?,
                     Kind::Qcow2(d) => d.q.close(file)?,
                 }

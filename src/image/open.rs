@@ -62,6 +62,10 @@ impl Image {
         let file = img.file;
         let (kind, size_bytes) = match format {
             Format::Raw => (Kind::Raw, img.size_bytes),
+            Format::Luks => {
+                let (l, size) = super::luks::open(&file, opts, img.size_bytes)?;
+                (Kind::Luks(l), size)
+            }
             Format::Parallels => {
                 let p = open_parallels(&file, opts, dio)?;
                 let size = p.size_bytes;
@@ -134,6 +138,16 @@ impl Image {
             }
             Format::Parallels => ParallelsImage::header_size(&header(4096)?)
                 .ok_or_else(|| bad("not a parallels header"))?,
+            // The size is the data segment's: the header says where it starts (no key needed).
+            Format::Luks => {
+                let mut read =
+                    |off: u64, len: usize| crate::io::aligned::read_aligned(&img.file, off, len);
+                let h = crate::crypt::parse(img.size_bytes, &mut read)
+                    .map_err(|e| bad(&format!("not a usable LUKS header ({e})")))?;
+                let end = h.data_size.map_or(img.size_bytes, |n| h.data_offset + n);
+                let s = u64::from(h.sector_size);
+                end.saturating_sub(h.data_offset) / s * s
+            }
         };
         info!(
             "incoming: {} ({format:?}, {size_bytes} bytes) not locked and not read beyond its \

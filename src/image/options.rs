@@ -19,6 +19,8 @@ pub enum Format {
     Qcow2,
     /// Parallels (Virtuozzo) images, both magics.
     Parallels,
+    /// LUKS1 or LUKS2 encryption (aes-xts-plain64) of raw data: needs --key-secret.
+    Luks,
 }
 
 /// `--prealloc`.
@@ -37,6 +39,8 @@ pub struct ImageOptions {
     pub path: PathBuf,
     /// None: probe by magic (then guest writes that would plant a format header are refused).
     pub format: Option<Format>,
+    /// The secret of an encrypted image (`--key-secret`).
+    pub key: Option<crate::crypt::Key>,
     pub read_only: bool,
     /// O_DIRECT (`--cache none`).
     pub direct: bool,
@@ -96,6 +100,12 @@ pub enum ImageOpenError {
         path: PathBuf,
         #[source]
         source: ParallelsError,
+    },
+    #[error("image {}", .path.display())]
+    Luks {
+        path: PathBuf,
+        #[source]
+        source: crate::crypt::LuksError,
     },
     /// An option that does not fit this image (like other bad options: exit status 2).
     #[error("{0}")]

@@ -7,6 +7,8 @@ use crate::io::Storage;
 pub fn probe_bytes(first_bytes: &[u8]) -> Option<Format> {
     if first_bytes.starts_with(&qcow2::MAGIC) {
         Some(Format::Qcow2)
+    } else if first_bytes.starts_with(crate::crypt::header::MAGIC) {
+        Some(Format::Luks)
     } else if first_bytes.starts_with(parallels::MAGIC_OLD)
         || first_bytes.starts_with(parallels::MAGIC_EXT)
     {

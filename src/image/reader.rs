@@ -69,7 +69,7 @@ impl Image {
     pub fn allocation_unit(&self) -> u64 {
         match &self.disk {
             Disk::Local(l) => match &l.kind {
-                Kind::Raw => 0,
+                Kind::Raw | Kind::Luks(_) => 0,
                 Kind::Qcow2(d) => d.q.cluster_size(),
                 Kind::Parallels(p) => p.cluster_size,
             },
@@ -122,6 +122,8 @@ impl Image {
             }
         };
         match &l.kind {
+            // A hole in an encrypted file does not read as zeroes.
+            Kind::Luks(_) => push(len, Allocation::Data),
             Kind::Raw => {
                 for (n, data) in file_runs(&l.file, offset, len)? {
                     push(
@@ -240,7 +242,13 @@ impl Reader {
         let len = dst.len() as u64;
         let mut plan = std::mem::take(&mut self.plan);
         let r = (|| match image.plan_read(offset, len, &mut plan)? {
-            Some(host) => self.read_file(image, 0, host, dst),
+            Some(host) => {
+                self.read_file(image, 0, host, dst)?;
+                if let Some(v) = image.cipher() {
+                    v.decrypt(dst, host);
+                }
+                Ok(())
+            }
             None => {
                 if plan.pieces.iter().map(|p| p.len()).sum::<u64>() != len {
                     return Err(ImageError::Corrupt(

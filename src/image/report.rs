@@ -11,6 +11,16 @@ impl Image {
         let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         match self.local_kind() {
             None | Some(Kind::Raw) => serde_json::json!({}),
+            Some(Kind::Luks(l)) => {
+                let h = &l.vol.header;
+                serde_json::json!({
+                    "encryption": format!("luks{}", h.version),
+                    "cipher": crate::crypt::header::CIPHER,
+                    "key_bits": h.key_bytes * 8,
+                    "sector_size": h.sector_size,
+                    "data_offset": h.data_offset,
+                })
+            }
             Some(Kind::Parallels(p)) => serde_json::json!({
                 "clusters_allocated": n(&p.stats.allocated),
                 "clusters_reused": n(&p.stats.reused),

@@ -70,6 +70,7 @@ fn format_name(f: Format) -> &'static str {
         Format::Raw => "raw",
         Format::Qcow2 => "qcow2",
         Format::Parallels => "parallels",
+        Format::Luks => "luks",
     }
 }
 

@@ -138,6 +138,13 @@ pub fn take(disk: &Disk<'_>, overlay: &Path) -> Result<Value, String> {
         Format::Raw => "raw",
         Format::Qcow2 => "qcow2",
         Format::Parallels => "parallels",
+        Format::Luks => {
+            return Err(
+                "snapshots of an encrypted (LUKS) disk are not supported yet: the \
+                        overlay would hold the guest's data unencrypted"
+                    .into(),
+            )
+        }
     };
     let backing = state::relative(&dir, &current);
     let backing_name = backing

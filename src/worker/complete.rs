@@ -201,6 +201,9 @@ impl QueueWorker {
                 crate::guest_memory::mark_dirty(&r.mem, seg.addr, seg.len as usize);
             }
         }
+        if let (Some(host), true) = (r.decrypt_at, r.status == status::OK) {
+            decrypt_read(&self.image, &slot.iov, &mut r, host);
+        }
         if let Some(b) = r.bounce.take() {
             if is_read && r.status == status::OK {
                 let mut done = b.skip;
@@ -296,4 +299,32 @@ fn through(
     }
     // A data write registered its own range: `start` is its offset.
     wt.end(token, start, data);
+}
+
+/// An encrypted image's read is in: decrypt it where it landed, the bounce buffer or the
+/// guest's own buffers (in place, through a small staging buffer).
+fn decrypt_read(
+    image: &crate::image::Image,
+    iov: &[libc::iovec],
+    r: &mut super::slot::InFlight,
+    host: u64,
+) {
+    let Some(v) = image.cipher() else {
+        r.status = status::IOERR;
+        return;
+    };
+    match &mut r.bounce {
+        Some(b) => {
+            let n = r.expect_bytes as usize;
+            let len = n.saturating_sub(b.skip);
+            let s = v.sector_size() as usize;
+            match b.buf.as_mut_slice().get_mut(b.skip..b.skip + len / s * s) {
+                Some(data) => v.decrypt(data, host),
+                None => r.status = status::IOERR,
+            }
+        }
+        // SAFETY: the iovecs point into guest memory the request's memory snapshot keeps
+        // mapped, and the kernel is done with them (the read completed).
+        None => unsafe { v.decrypt_iovecs(iov, host) },
+    }
 }

@@ -166,6 +166,8 @@ pub(super) struct InFlight {
     /// The active job's write-through this request registered with, its token and the
     /// start of the range it registered (`jobs::active`).
     pub through: Option<(std::sync::Arc<crate::jobs::active::WriteThrough>, u64, u64)>,
+    /// An encrypted image's read: the file offset of the data, decrypted when it is in.
+    pub decrypt_at: Option<u64>,
 }
 
 impl InFlight {
@@ -183,6 +185,7 @@ impl InFlight {
             then: Then::Finish,
             started: std::time::Instant::now(),
             through: None,
+            decrypt_at: None,
         }
     }
 }

@@ -349,6 +349,12 @@ impl QueueWorker {
         }
         let sub_block = direct && (file_offset % block != 0 || len % block != 0);
         let mut io_offset = file_offset;
+        // An encrypted image: reads are decrypted when they are in; writes go out of a
+        // bounce buffer, encrypted there (guest memory is never changed by a write).
+        let cipher = self.image.cipher();
+        if cipher.is_some() && is_read {
+            r.decrypt_at = Some(file_offset);
+        }
         if let Some((start, span)) = whole {
             let span = span as usize;
             let mut buf = self.bounce.get(span)?;
@@ -389,6 +395,10 @@ impl QueueWorker {
             let mut buf = self.bounce.get(span)?;
             if !is_read {
                 copy_from_guest(&mem, &slot.req.data, &mut buf.as_mut_slice()[..span])?;
+                if let Some(v) = cipher {
+                    // Writes get here whole (sub-block ones are read-modify-written).
+                    v.encrypt(&mut buf.as_mut_slice()[..span], start);
+                }
             }
             slot.iov.clear();
             slot.iov.push(libc::iovec {
@@ -401,6 +411,18 @@ impl QueueWorker {
             });
             r.expect_bytes = span as u64;
             io_offset = start;
+        } else if let (Some(v), false) = (cipher, is_read) {
+            let n = len as usize;
+            let mut buf = self.bounce.get(n)?;
+            copy_from_guest(&mem, &slot.req.data, &mut buf.as_mut_slice()[..n])?;
+            v.encrypt(&mut buf.as_mut_slice()[..n], file_offset);
+            slot.iov.clear();
+            slot.iov.push(libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: n,
+            });
+            r.bounce = Some(Bounce { buf, skip: 0 });
+            self.stats.bounced += 1;
         }
         if !is_read && !writeback {
             self.stats.durable_writes += 1;

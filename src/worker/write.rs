@@ -52,7 +52,11 @@ impl QueueWorker {
             self.fail(req.id, Failure::PlantedHeader);
             return Checked::Refused;
         }
-        if self.dev.params.detect_zeroes != DetectZeroes::Off && slot.write_is_zero() {
+        // Not on an encrypted image: its zeroes are encrypted zeroes, written like data.
+        if self.dev.params.detect_zeroes != DetectZeroes::Off
+            && self.image.cipher().is_none()
+            && slot.write_is_zero()
+        {
             // Only whole-request zero writes are converted (partial ones go out as written).
             let unmap = self.dev.params.detect_zeroes == DetectZeroes::Unmap;
             let zs = &self.dev.zero_stats;
@@ -306,7 +310,8 @@ impl QueueWorker {
         self.stats.read_modify_writes += 1;
         let block = self.dev.params.align.offset as u64;
         let (offset, len) = (req.offset, req.len);
-        let (start, end) = block_span(offset, len, block);
+        // The file blocks around it (past an encrypted image's header).
+        let (start, end) = block_span(self.image.raw_host(offset), len, block);
         if self.image.host_limit().is_some_and(|limit| end > limit) {
             self.fail(
                 req.id,

@@ -1,0 +1,1 @@
+//! New LUKS headers (`vublk create --encrypt luks1|luks2`).

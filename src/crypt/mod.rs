@@ -1,0 +1,277 @@
+//! Encryption at rest: LUKS1 and LUKS2 volumes (`aes-xts-plain64`), unlocked with a
+//! passphrase or the volume key itself, and the sector cipher the data path runs.
+//!
+//! Rooms: `header` (both header versions parsed and checked into one `Header`), `kdf` (the
+//! key-slot KDFs, the hashes, the anti-forensic splitter, and the limits on what a header
+//! may ask for), `xts` (AES-XTS over whole sectors), `secret` (where secrets come from,
+//! and memory kept out of swap and core dumps), `format` (new LUKS headers for
+//! `vublk create --encrypt`). Knows nothing of images or the data path: the image room
+//! opens a volume through [`Volume::unlock`] and calls [`Volume::encrypt`] and
+//! [`Volume::decrypt`].
+
+pub mod format;
+pub mod header;
+pub mod kdf;
+pub mod secret;
+pub mod xts;
+
+use std::io;
+
+pub use header::Header;
+pub use secret::{KeySource, Locked, SecretBuf};
+use xts::Xts;
+
+/// Why a LUKS volume cannot be opened. No variant carries a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum LuksError {
+    #[error("no key slot matches the passphrase")]
+    NoKeySlotMatches,
+    #[error("the raw volume key does not match the header's digest")]
+    WrongVolumeKey,
+    #[error("corrupt LUKS header: {0}")]
+    Corrupt(String),
+    #[error("unsupported LUKS volume: {0}")]
+    Unsupported(String),
+    #[error("refused: {0}")]
+    Limit(String),
+    #[error("the file is truncated: the LUKS header needs {need} bytes, the file has {have}")]
+    Truncated { need: u64, have: u64 },
+    #[error("reading the LUKS header")]
+    Io(#[from] io::Error),
+}
+
+/// A secret and how to use it: a passphrase for a key slot, or (`raw`) the volume key.
+#[derive(Clone)]
+pub struct Key {
+    pub secret: std::sync::Arc<SecretBuf>,
+    pub raw: bool,
+}
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Key {{ <secret>, raw: {} }}", self.raw)
+    }
+}
+
+/// An unlocked volume: its header and the volume key's cipher.
+pub struct Volume {
+    pub header: Header,
+    xts: Locked<Xts>,
+    /// The file offset where IV 0 would be (raw LUKS: the data segment; qcow2: 0, its IV
+    /// is the host offset).
+    iv_base: u64,
+}
+
+impl std::fmt::Debug for Volume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Volume")
+            .field("version", &self.header.version)
+            .field("key_bits", &(self.header.key_bytes * 8))
+            .field("sector_size", &self.header.sector_size)
+            .finish()
+    }
+}
+
+/// Bytes of data read per call of `read` while unlocking (offset, length).
+pub type ReadAt<'a> = &'a mut dyn FnMut(u64, usize) -> io::Result<Vec<u8>>;
+
+/// Parse the LUKS header at the start of a file of `file_size` bytes.
+pub fn parse(file_size: u64, read: ReadAt<'_>) -> Result<Header, LuksError> {
+    if file_size < 4096 {
+        return Err(LuksError::Truncated {
+            need: 4096,
+            have: file_size,
+        });
+    }
+    let first = read(0, 4096)?;
+    match header::version(&first) {
+        Some(1) => header::parse_luks1(&first, file_size),
+        Some(2) => header::parse_luks2(file_size, read),
+        Some(v) => Err(LuksError::Unsupported(format!("LUKS version {v}"))),
+        None => Err(LuksError::Corrupt("no LUKS magic".into())),
+    }
+}
+
+impl Volume {
+    /// Unlock: derive each active key slot's key from the passphrase until one gives a
+    /// volume key that matches the digest (or, `raw`, check the volume key given).
+    pub fn unlock(header: Header, key: &Key, read: ReadAt<'_>) -> Result<Volume, LuksError> {
+        let h = &header;
+        let mut vk = SecretBuf::zeroed(h.key_bytes)?;
+        let found = if key.raw {
+            if key.secret.len() != h.key_bytes {
+                return Err(LuksError::Unsupported(format!(
+                    "a raw volume key of {} bytes: this volume's key is {} bytes",
+                    key.secret.len(),
+                    h.key_bytes
+                )));
+            }
+            vk.as_mut().copy_from_slice((*key.secret).as_ref());
+            digest_matches(h, vk.as_ref())?
+        } else {
+            let mut found = false;
+            for slot in &h.slots {
+                if try_slot(h, slot, (*key.secret).as_ref(), read, vk.as_mut())? {
+                    found = true;
+                    break;
+                }
+            }
+            found
+        };
+        if !found {
+            return Err(if key.raw {
+                LuksError::WrongVolumeKey
+            } else {
+                LuksError::NoKeySlotMatches
+            });
+        }
+        let xts = Xts::new(vk.as_ref()).map_err(|e| LuksError::Unsupported(e.to_string()))?;
+        let iv_base = header.data_offset;
+        Ok(Volume {
+            header,
+            xts: Locked::new(xts)?,
+            iv_base,
+        })
+    }
+
+    /// A volume whose IVs count from file offset `base` (qcow2: 0, the IV is the host
+    /// offset).
+    pub fn with_iv_base(mut self, base: u64) -> Volume {
+        self.iv_base = base;
+        self
+    }
+
+    pub fn sector_size(&self) -> u32 {
+        self.header.sector_size
+    }
+
+    /// The IV of the sector at file offset `host`.
+    fn iv(&self, host: u64) -> u64 {
+        (host.wrapping_sub(self.iv_base) / 512).wrapping_add(self.header.iv_tweak)
+    }
+
+    fn step(&self) -> u64 {
+        u64::from(self.header.sector_size / 512)
+    }
+
+    /// Encrypt `buf` (whole sectors) that goes to file offset `host` (a sector boundary).
+    pub fn encrypt(&self, buf: &mut [u8], host: u64) {
+        let s = self.header.sector_size as usize;
+        self.xts.encrypt(buf, s, self.iv(host), self.step());
+    }
+
+    /// Decrypt `buf` (whole sectors) read from file offset `host`.
+    pub fn decrypt(&self, buf: &mut [u8], host: u64) {
+        let s = self.header.sector_size as usize;
+        self.xts.decrypt(buf, s, self.iv(host), self.step());
+    }
+
+    /// Decrypt in place data read from file offset `host` into memory described by `iov`
+    /// (whole sectors in all, split anywhere): a few sectors at a time through a small
+    /// staging buffer, so that a sector split between two buffers is whole when decrypted.
+    ///
+    /// # Safety
+    /// Each iovec must describe memory valid for reads and writes for the call.
+    pub unsafe fn decrypt_iovecs(&self, iov: &[libc::iovec], host: u64) {
+        const STAGE: usize = 16 << 10;
+        let mut stage = [0u8; STAGE];
+        let sector = self.header.sector_size as usize;
+        let total: usize = iov.iter().map(|v| v.iov_len).sum();
+        let total = total / sector * sector;
+        let chunk = STAGE / sector * sector;
+        let (mut vi, mut vo) = (0usize, 0usize);
+        let mut done = 0usize;
+        while done < total {
+            let n = chunk.min(total - done);
+            // Gather n bytes starting at (vi, vo).
+            let (mut gi, mut go, mut got) = (vi, vo, 0usize);
+            while got < n {
+                let v = &iov[gi];
+                let take = (v.iov_len - go).min(n - got);
+                // SAFETY: inside the caller's iovec and the stage.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        v.iov_base.cast::<u8>().add(go),
+                        stage.as_mut_ptr().add(got),
+                        take,
+                    )
+                };
+                got += take;
+                go += take;
+                if go == v.iov_len {
+                    gi += 1;
+                    go = 0;
+                }
+            }
+            self.decrypt(&mut stage[..n], host + done as u64);
+            // Scatter them back.
+            let mut put = 0usize;
+            while put < n {
+                let v = &iov[vi];
+                let take = (v.iov_len - vo).min(n - put);
+                // SAFETY: as above.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        stage.as_ptr().add(put),
+                        v.iov_base.cast::<u8>().add(vo),
+                        take,
+                    )
+                };
+                put += take;
+                vo += take;
+                if vo == v.iov_len {
+                    vi += 1;
+                    vo = 0;
+                }
+            }
+            done += n;
+        }
+        zeroize::Zeroize::zeroize(&mut stage[..]);
+    }
+
+    /// One line about the volume for logs and `stats` (never the key).
+    pub fn describe(&self) -> String {
+        format!(
+            "LUKS{} {} {}-bit, {}-byte sectors, data at {}",
+            self.header.version,
+            header::CIPHER,
+            self.header.key_bytes * 8,
+            self.header.sector_size,
+            self.header.data_offset
+        )
+    }
+}
+
+/// Does `vk` give the header's digest?
+fn digest_matches(h: &Header, vk: &[u8]) -> Result<bool, LuksError> {
+    let d = &h.digest;
+    let mut out = zeroize::Zeroizing::new(vec![0u8; d.digest.len()]);
+    d.hash.pbkdf2(vk, &d.salt, d.iterations, &mut out)?;
+    // Constant-time comparison.
+    Ok(out.iter().zip(&d.digest).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0)
+}
+
+/// Try one key slot: Ok(true) with the volume key in `vk` when the passphrase opens it.
+fn try_slot(
+    h: &Header,
+    slot: &header::Slot,
+    pass: &[u8],
+    read: ReadAt<'_>,
+    vk: &mut [u8],
+) -> Result<bool, LuksError> {
+    let mut slot_key = SecretBuf::zeroed(slot.area_key_bytes)?;
+    slot.kdf.derive(pass, slot_key.as_mut())?;
+    let split = slot.key_bytes * slot.stripes as usize;
+    let len = split.div_ceil(512) * 512;
+    let mut material = zeroize::Zeroizing::new(read(slot.area_offset, len)?);
+    if material.len() != len {
+        return Err(LuksError::Truncated {
+            need: slot.area_offset + len as u64,
+            have: slot.area_offset + material.len() as u64,
+        });
+    }
+    let xts = Xts::new(slot_key.as_ref()).map_err(|e| LuksError::Unsupported(e.to_string()))?;
+    xts.decrypt(&mut material, 512, 0, 1);
+    kdf::af_merge(&material[..split], slot.stripes as usize, slot.af_hash, vk);
+    digest_matches(h, vk)
+}

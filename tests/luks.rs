@@ -1,0 +1,459 @@
+//! Encryption at rest: LUKS images made by the real tools (`qemu-img create -f luks`,
+//! `cryptsetup luksFormat --type luks1|luks2`, PBKDF2 and Argon2id, 512 and 4096-byte
+//! sectors) served by vublk to a libblkio client, and checked both ways: what vublk wrote
+//! decrypts with QEMU (`qemu-img convert` through its luks driver) or with an independent
+//! AES-XTS (`tests/luks/xts.py`, OpenSSL through Python's `cryptography`) under the volume
+//! key `cryptsetup luksDump --dump-volume-key` gives; what QEMU wrote, vublk reads. And
+//! the refusals: a wrong passphrase, a wrong raw key, corrupt and truncated headers,
+//! absurd KDF parameters, all in bounded time.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const PASS: &str = "correct horse battery staple";
+
+fn tools(names: &[&str]) -> bool {
+    for n in names {
+        let ok = Command::new(n)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            skip_or_fail::<()>(&format!("{n} not installed"));
+            return false;
+        }
+    }
+    let py = Command::new("python3")
+        .args(["-c", "import cryptography"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !py {
+        skip_or_fail::<()>("python3-cryptography not installed");
+        return false;
+    }
+    true
+}
+
+fn setup(name: &str, need: &[&str]) -> Option<TestDir> {
+    if skip_unless_vublk("LUKS is served by vublk") || !tools(need) {
+        return None;
+    }
+    Some(TestDir::new(name))
+}
+
+fn key_file(dir: &TestDir) -> PathBuf {
+    let p = dir.join("pass");
+    std::fs::write(&p, PASS).unwrap();
+    p
+}
+
+fn serve(dir: &TestDir, img: &Path, extra: &[&str]) -> (Backend, Client) {
+    let k = key_file(dir);
+    let mut args = vec![format!("--key-secret=file:{}", k.display())];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let opts = BackendOpts {
+        extra_args: args,
+        ..Default::default()
+    };
+    start_and_connect(dir, img, &opts, ClientOpts::default())
+}
+
+/// Writes at offsets that exercise whole and split sectors and the disk's ends, and the
+/// model of what the disk then holds (`size` bytes; untouched bytes None).
+fn write_pattern(c: &mut Client, size: u64, align: u64, seed: u64) -> Vec<(u64, Vec<u8>)> {
+    let mut out = Vec::new();
+    let offsets = [0, align, 64 << 10, 1 << 20, size / 2, size - 128 * 1024];
+    for (i, &off) in offsets.iter().enumerate() {
+        let len = [align as usize, 4096, 64 << 10, 128 << 10][i % 4].max(align as usize);
+        let data = pattern(len, off, seed + i as u64);
+        assert_eq!(c.write_at(0, off, &data), 0, "write at {off}");
+        out.push((off, data));
+    }
+    // Read back through vublk first: it must decrypt what it encrypted.
+    for (off, data) in &out {
+        let back = c.read_at(0, *off, data.len()).unwrap();
+        assert_same(&back, data, &format!("read back at {off}"));
+    }
+    out
+}
+
+fn check_plain(plain: &[u8], written: &[(u64, Vec<u8>)], what: &str) {
+    for (off, data) in written {
+        let o = *off as usize;
+        assert_same(&plain[o..o + data.len()], data, &format!("{what} at {off}"));
+    }
+}
+
+fn qemu_secret_args(k: &Path) -> Vec<String> {
+    vec![
+        "--object".into(),
+        format!("secret,id=s0,file={}", k.display()),
+    ]
+}
+
+/// `qemu-img convert` of a LUKS image to raw through QEMU's own luks driver.
+fn qemu_decrypt(img: &Path, k: &Path, out: &Path) -> Vec<u8> {
+    run_ok(
+        Command::new("qemu-img")
+            .arg("convert")
+            .args(qemu_secret_args(k))
+            .arg("--image-opts")
+            .arg(format!(
+                "driver=luks,key-secret=s0,file.filename={}",
+                img.display()
+            ))
+            .args(["-O", "raw"])
+            .arg(out),
+    );
+    read_file(out)
+}
+
+#[test]
+fn qemu_luks1_both_ways() {
+    let Some(dir) = setup("luks-qemu", &["qemu-img", "qemu-io"]) else {
+        return;
+    };
+    let k = key_file(&dir);
+    let img = dir.join("disk.luks");
+    let size = 16 * MIB;
+    run_ok(
+        Command::new("qemu-img")
+            .arg("create")
+            .args(qemu_secret_args(&k))
+            .args(["-f", "luks", "-o", "key-secret=s0,iter-time=10"])
+            .arg(&img)
+            .arg(size.to_string()),
+    );
+    // QEMU writes, vublk reads.
+    let qemu_data = [(3 * MIB, 0xa5u8, 64 * 1024), (size - 4096, 0x5a, 4096)];
+    for (off, byte, len) in qemu_data {
+        run_ok(
+            Command::new("qemu-io")
+                .args(qemu_secret_args(&k))
+                .arg("--image-opts")
+                .arg(format!(
+                    "driver=luks,key-secret=s0,file.filename={}",
+                    img.display()
+                ))
+                .args(["-c", &format!("write -P {byte} {off} {len}")]),
+        );
+    }
+    let (backend, mut c) = serve(&dir, &img, &[]);
+    assert_eq!(c.capacity(), size, "the guest sees the data segment");
+    for (off, byte, len) in qemu_data {
+        let got = c.read_at(0, off, len).unwrap();
+        assert!(got.iter().all(|&b| b == byte), "QEMU's write at {off}");
+    }
+    // vublk writes, QEMU reads.
+    let written = write_pattern(&mut c, size, 512, 1);
+    // WRITE_ZEROES reads back as zeroes (encrypted zeroes, not a hole).
+    assert_eq!(c.submit(0, blkio_write_zeroes(2 * MIB, 128 * 1024)), 0);
+    assert_all_zero(&c.read_at(0, 2 * MIB, 128 * 1024).unwrap(), "zeroed range");
+    disconnect_and_stop(&backend, c);
+    let plain = qemu_decrypt(&img, &k, &dir.join("plain.raw"));
+    assert_eq!(plain.len() as u64, size);
+    check_plain(&plain, &written, "QEMU's decryption of vublk's write");
+    assert_all_zero(
+        &plain[2 * MIB as usize..(2 * MIB + 128 * 1024) as usize],
+        "QEMU's view of the zeroed range",
+    );
+    assert!(
+        plain[3 * MIB as usize..3 * MIB as usize + 65536]
+            .iter()
+            .all(|&b| b == 0xa5),
+        "QEMU's own write survived"
+    );
+    let log = backend.log_contents();
+    assert!(!log.contains(PASS), "the passphrase reached the log");
+}
+
+fn blkio_write_zeroes(offset: u64, len: u64) -> Op {
+    Op::WriteZeroes {
+        offset,
+        len,
+        flags: blkio::ReqFlags::empty(),
+    }
+}
+
+/// cryptsetup's volume key, from `luksDump --dump-volume-key`.
+fn dump_volume_key(img: &Path, k: &Path) -> String {
+    let out = run_ok(
+        Command::new("cryptsetup")
+            .args([
+                "luksDump",
+                "--dump-volume-key",
+                "--batch-mode",
+                "--key-file",
+            ])
+            .arg(k)
+            .arg(img),
+    );
+    let mut hex = String::new();
+    let mut on = false;
+    for line in out.lines() {
+        let rest = if let Some(r) = line
+            .strip_prefix("MK dump:")
+            .or_else(|| line.strip_prefix("Volume key:"))
+        {
+            on = true;
+            r
+        } else if on {
+            line
+        } else {
+            continue;
+        };
+        let bytes: Vec<&str> = rest.split_whitespace().collect();
+        if bytes.is_empty() || !bytes.iter().all(|b| b.len() == 2) {
+            if on && !hex.is_empty() {
+                break;
+            }
+            continue;
+        }
+        hex.extend(bytes);
+    }
+    assert!(
+        hex.len() == 64 || hex.len() == 128,
+        "volume key from:\n{out}"
+    );
+    hex
+}
+
+/// The data segment of a cryptsetup image: (offset, sector size) from `luksDump`.
+fn segment(img: &Path) -> (u64, u64) {
+    let out = run_ok(Command::new("cryptsetup").arg("luksDump").arg(img));
+    if let Some(l) = out.lines().find(|l| l.starts_with("Payload offset:")) {
+        let sectors: u64 = l.split(':').nth(1).unwrap().trim().parse().unwrap();
+        return (sectors * 512, 512);
+    }
+    let offset = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("offset:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no data offset in:\n{out}"));
+    let sector = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("sector:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(512);
+    (offset, sector)
+}
+
+fn xts_py() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/luks/xts.py")
+}
+
+fn cryptsetup_case(name: &str, format_args: &[&str]) {
+    let Some(dir) = setup(name, &["cryptsetup"]) else {
+        return;
+    };
+    let k = key_file(&dir);
+    let img = dir.join("disk.img");
+    let file_size = 40 * MIB;
+    create_sparse_image(&img, file_size);
+    run_ok(
+        Command::new("cryptsetup")
+            .args(["luksFormat", "--batch-mode", "--key-file"])
+            .arg(&k)
+            .args(format_args)
+            .arg(&img),
+    );
+    let (offset, sector) = segment(&img);
+    let size = file_size - offset;
+    let lbs = sector.to_string();
+    let extra: Vec<&str> = if sector > 512 {
+        vec!["--logical-block-size", &lbs]
+    } else {
+        vec![]
+    };
+    let (backend, mut c) = serve(&dir, &img, &extra);
+    assert_eq!(c.capacity(), size);
+    let written = write_pattern(&mut c, size, sector, 7);
+    disconnect_and_stop(&backend, c);
+    // `cryptsetup luksDump` still reads the header; the volume key decrypts vublk's data.
+    let key = dump_volume_key(&img, &k);
+    let plain = dir.join("plain.raw");
+    run_ok(
+        Command::new("python3")
+            .arg(xts_py())
+            .arg("decrypt")
+            .arg(&img)
+            .args([
+                key.as_str(),
+                &offset.to_string(),
+                &sector.to_string(),
+                "0",
+                &size.to_string(),
+            ])
+            .arg(&plain),
+    );
+    check_plain(
+        &read_file(&plain),
+        &written,
+        "an independent AES-XTS decryption of vublk's write",
+    );
+    // And the other way: data encrypted independently reads right through vublk.
+    let mine = pattern(64 * 1024, 0, 99);
+    let src = dir.join("mine.raw");
+    std::fs::write(&src, &mine).unwrap();
+    run_ok(
+        Command::new("python3")
+            .arg(xts_py())
+            .arg("encrypt")
+            .arg(&img)
+            .args([
+                key.as_str(),
+                &offset.to_string(),
+                &sector.to_string(),
+                "0",
+                "0",
+            ])
+            .arg(&src),
+    );
+    let (backend, mut c) = serve(&dir, &img, &extra);
+    assert_same(
+        &c.read_at(0, 0, mine.len()).unwrap(),
+        &mine,
+        "independent write",
+    );
+    disconnect_and_stop(&backend, c);
+}
+
+#[test]
+fn cryptsetup_luks1_pbkdf2() {
+    cryptsetup_case(
+        "luks-cs1",
+        &[
+            "--type",
+            "luks1",
+            "--hash",
+            "sha1",
+            "--pbkdf-force-iterations",
+            "1000",
+        ],
+    );
+}
+
+#[test]
+fn cryptsetup_luks2_argon2id() {
+    cryptsetup_case(
+        "luks-cs2a",
+        &[
+            "--type",
+            "luks2",
+            "--pbkdf",
+            "argon2id",
+            "--pbkdf-memory",
+            "32768",
+            "--pbkdf-force-iterations",
+            "4",
+            "--pbkdf-parallel",
+            "2",
+        ],
+    );
+}
+
+#[test]
+fn cryptsetup_luks2_pbkdf2_sha512_aes128_4k_sectors() {
+    cryptsetup_case(
+        "luks-cs2p",
+        &[
+            "--type",
+            "luks2",
+            "--pbkdf",
+            "pbkdf2",
+            "--hash",
+            "sha512",
+            "--pbkdf-force-iterations",
+            "1000",
+            "--key-size",
+            "256",
+            "--sector-size",
+            "4096",
+        ],
+    );
+}
+
+/// A LUKS1 image from cryptsetup with cheap key slots, for the refusal tests.
+fn luks1_image(dir: &TestDir) -> PathBuf {
+    let k = key_file(dir);
+    let img = dir.join("disk.img");
+    create_sparse_image(&img, 8 * MIB);
+    run_ok(
+        Command::new("cryptsetup")
+            .args([
+                "luksFormat",
+                "--batch-mode",
+                "--type",
+                "luks1",
+                "--pbkdf-force-iterations",
+                "1000",
+                "--key-file",
+            ])
+            .arg(&k)
+            .arg(&img),
+    );
+    img
+}
+
+#[track_caller]
+fn refused(dir: &TestDir, img: &Path, extra: &[&str], want: &str) -> String {
+    let t = Instant::now();
+    let (code, out) = vublk_refuses(dir, img, extra);
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "refusal took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains(want), "expected {want:?} in:\n{out}");
+    assert!(!out.contains(PASS), "the passphrase reached the output");
+    out
+}
+
+#[test]
+fn wrong_keys_corrupt_headers_and_absurd_parameters_are_refused() {
+    let Some(dir) = setup("luks-refuse", &["cryptsetup"]) else {
+        return;
+    };
+    let img = luks1_image(&dir);
+    let wrong = dir.join("wrong");
+    std::fs::write(&wrong, "not the passphrase").unwrap();
+    let key_arg = |p: &Path| format!("--key-secret=file:{}", p.display());
+    refused(&dir, &img, &[&key_arg(&wrong)], "no key slot matches");
+    // A raw key of the right length but the wrong bytes.
+    let raw = dir.join("raw");
+    std::fs::write(&raw, [7u8; 64]).unwrap();
+    refused(
+        &dir,
+        &img,
+        &[&key_arg(&raw), "--key-secret-raw"],
+        "raw volume key does not match",
+    );
+    // No key at all: the option to give.
+    let (code, out) = vublk_refuses(&dir, &img, &[]);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("--key-secret"), "{out}");
+    // Absurd iterations in key slot 0 (LUKS1: offset 208 + 4): refused before any work.
+    let k = key_file(&dir);
+    let mut bytes = read_file(&img);
+    bytes[212..216].copy_from_slice(&u32::MAX.to_be_bytes());
+    let absurd = dir.join("absurd.img");
+    std::fs::write(&absurd, &bytes).unwrap();
+    refused(&dir, &absurd, &[&key_arg(&k)], "PBKDF2 iterations");
+    // An unknown cipher, named.
+    let mut bytes = read_file(&img);
+    bytes[8..40].fill(0);
+    bytes[8..15].copy_from_slice(b"serpent");
+    let other = dir.join("serpent.img");
+    std::fs::write(&other, &bytes).unwrap();
+    refused(&dir, &other, &[&key_arg(&k)], "serpent-xts-plain64");
+    // Truncated inside the key material.
+    let short = dir.join("short.img");
+    std::fs::write(&short, &read_file(&img)[..64 * 1024]).unwrap();
+    refused(&dir, &short, &[&key_arg(&k)], "image");
+}
