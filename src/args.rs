@@ -88,6 +88,12 @@ pub struct Args {
     #[arg(long, requires = "key_secret")]
     pub key_secret_raw: bool,
 
+    /// Encrypted images: helper threads that share the encryption of large requests (128
+    /// KiB and more) with the queue threads (0: the queue threads alone; default: one
+    /// less than the CPUs, at most 4).
+    #[arg(long, value_name = "N")]
+    pub crypt_threads: Option<usize>,
+
     /// Backing files of qcow2 images: follow them (read-only, relative to the image), or
     /// refuse images that have one.
     #[arg(long, value_enum, default_value_t = BackingMode::Follow)]

@@ -38,6 +38,8 @@ pub struct Config {
     pub format: Option<Format>,
     /// `--key-secret` (read once, here) and `--key-secret-raw`.
     pub key: Option<crate::crypt::Key>,
+    /// `--crypt-threads` (auto resolved).
+    pub crypt_threads: usize,
     pub follow_backing: bool,
     pub locking: crate::image::lock::Locking,
     pub force_share: bool,
@@ -255,6 +257,19 @@ impl Config {
                 }
             },
         };
+        let crypt_threads = match args.crypt_threads {
+            Some(n) if n > MAX_COMPRESS_THREADS => {
+                return Err(bad(format!(
+                    "--crypt-threads {n}: at most {MAX_COMPRESS_THREADS}"
+                )))
+            }
+            Some(n) => n,
+            None => std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .saturating_sub(1)
+                .min(4),
+        };
         let compress_threads = match args.compress_threads {
             Some(n) if n > MAX_COMPRESS_THREADS => {
                 return Err(bad(format!(
@@ -425,6 +440,7 @@ impl Config {
             locking: args.locking,
             force_share: args.force_share,
             key,
+            crypt_threads,
             read_only: args.read_only,
             incoming: args.incoming,
             control_socket: args.control_socket.clone(),
@@ -507,6 +523,7 @@ impl Config {
             path: self.blk_file.clone(),
             format: self.format,
             key: self.key.clone(),
+            crypt_threads: self.crypt_threads,
             read_only: self.read_only,
             direct: self.cache == CacheMode::None,
             logical_block_size: self.logical_block_size,

@@ -12,6 +12,7 @@
 pub mod format;
 pub mod header;
 pub mod kdf;
+pub mod pool;
 pub mod secret;
 pub mod xts;
 
@@ -57,6 +58,8 @@ impl std::fmt::Debug for Key {
 pub struct Volume {
     pub header: Header,
     xts: Locked<Xts>,
+    /// Helpers for large requests (`--crypt-threads`; None: the calling thread alone).
+    pool: Option<pool::CryptPool>,
     /// The file offset where IV 0 would be (raw LUKS: the data segment; qcow2: 0, its IV
     /// is the host offset).
     iv_base: u64,
@@ -130,6 +133,7 @@ impl Volume {
         Ok(Volume {
             header,
             xts: Locked::new(xts)?,
+            pool: None,
             iv_base,
         })
     }
@@ -139,6 +143,20 @@ impl Volume {
     pub fn with_iv_base(mut self, base: u64) -> Volume {
         self.iv_base = base;
         self
+    }
+
+    /// Spread large requests over `threads` helper threads besides the caller (0: none).
+    pub fn with_threads(mut self, threads: usize) -> Result<Volume, LuksError> {
+        self.pool = match threads {
+            0 => None,
+            n => Some(pool::CryptPool::new(n)?),
+        };
+        Ok(self)
+    }
+
+    /// Helper threads (0: the calling thread alone).
+    pub fn threads(&self) -> usize {
+        self.pool.as_ref().map_or(0, |p| p.threads())
     }
 
     pub fn sector_size(&self) -> u32 {
@@ -156,14 +174,95 @@ impl Volume {
 
     /// Encrypt `buf` (whole sectors) that goes to file offset `host` (a sector boundary).
     pub fn encrypt(&self, buf: &mut [u8], host: u64) {
-        let s = self.header.sector_size as usize;
-        self.xts.encrypt(buf, s, self.iv(host), self.step());
+        self.spread(buf, host, true)
     }
 
     /// Decrypt `buf` (whole sectors) read from file offset `host`.
     pub fn decrypt(&self, buf: &mut [u8], host: u64) {
+        self.spread(buf, host, false)
+    }
+
+    fn one(&self, buf: &mut [u8], host: u64, enc: bool) {
         let s = self.header.sector_size as usize;
-        self.xts.decrypt(buf, s, self.iv(host), self.step());
+        if enc {
+            self.xts.encrypt(buf, s, self.iv(host), self.step());
+        } else {
+            self.xts.decrypt(buf, s, self.iv(host), self.step());
+        }
+    }
+
+    /// Gather the data described by `src` into `dst` (its length) and encrypt it there for
+    /// file offset `host`: copy and encryption together, piece by piece on the helpers for
+    /// a large request, so that neither is left to one thread.
+    ///
+    /// # Safety
+    /// Each iovec must describe memory valid for reads for the call, not overlapping `dst`.
+    pub unsafe fn encrypt_gather(&self, src: &[libc::iovec], dst: &mut [u8], host: u64) {
+        // SAFETY: the caller's promise.
+        unsafe { self.encrypt_gather_at(src, 0, dst, host, false) }
+    }
+
+    /// [`Self::encrypt_gather`] of `dst.len()` bytes from byte `from` of the iovecs' data.
+    ///
+    /// # Safety
+    /// As [`Self::encrypt_gather`]; the iovecs hold at least `from + dst.len()` bytes.
+    pub unsafe fn encrypt_gather_at(
+        &self,
+        src: &[libc::iovec],
+        from: usize,
+        dst: &mut [u8],
+        host: u64,
+        alone: bool,
+    ) {
+        let s = self.header.sector_size as usize;
+        let len = dst.len();
+        let n = if alone {
+            1
+        } else {
+            self.pool.as_ref().map_or(1, |p| p.pieces(len))
+        };
+        let per = (len / s).div_ceil(n).max(1) * s;
+        let base = dst.as_mut_ptr() as usize;
+        let (iov_addr, iov_len) = (src.as_ptr() as usize, src.len());
+        let piece = |i: usize| {
+            let (a, b) = ((i * per).min(len), ((i + 1) * per).min(len));
+            if a >= b {
+                return;
+            }
+            // SAFETY: [a, b) is this piece's own part of `dst` (borrowed mutably by the
+            // call, which waits for every piece); the iovecs are the caller's.
+            unsafe {
+                let out = std::slice::from_raw_parts_mut((base + a) as *mut u8, b - a);
+                let iov = std::slice::from_raw_parts(iov_addr as *const libc::iovec, iov_len);
+                gather(iov, from + a, out);
+                self.one(out, host + a as u64, true);
+            }
+        };
+        match self.pool.as_ref().filter(|_| n > 1) {
+            Some(pool) => pool.run(n, &piece),
+            None => piece(0),
+        }
+    }
+
+    /// `buf` cut into pieces of whole sectors, one per thread (large buffers only).
+    fn spread(&self, buf: &mut [u8], host: u64, enc: bool) {
+        let s = self.header.sector_size as usize;
+        let n = self.pool.as_ref().map_or(1, |p| p.pieces(buf.len()));
+        let Some(pool) = self.pool.as_ref().filter(|_| n > 1) else {
+            return self.one(buf, host, enc);
+        };
+        let len = buf.len();
+        let per = (len / s).div_ceil(n) * s;
+        let base = buf.as_mut_ptr() as usize;
+        pool.run(n, &|i| {
+            let (a, b) = ((i * per).min(len), ((i + 1) * per).min(len));
+            if a < b {
+                // SAFETY: pieces [a, b) are disjoint parts of `buf`, which this call
+                // borrows mutably until every piece is done (`run` waits).
+                let piece = unsafe { std::slice::from_raw_parts_mut((base + a) as *mut u8, b - a) };
+                self.one(piece, host + a as u64, enc);
+            }
+        });
     }
 
     /// Decrypt in place data read from file offset `host` into memory described by `iov`
@@ -173,14 +272,47 @@ impl Volume {
     /// # Safety
     /// Each iovec must describe memory valid for reads and writes for the call.
     pub unsafe fn decrypt_iovecs(&self, iov: &[libc::iovec], host: u64) {
-        const STAGE: usize = 16 << 10;
-        let mut stage = [0u8; STAGE];
         let sector = self.header.sector_size as usize;
         let total: usize = iov.iter().map(|v| v.iov_len).sum();
         let total = total / sector * sector;
+        let n = self.pool.as_ref().map_or(1, |p| p.pieces(total));
+        let Some(pool) = self.pool.as_ref().filter(|_| n > 1) else {
+            // SAFETY: the caller's promise.
+            return unsafe { self.decrypt_iovec_range(iov, 0, total, host) };
+        };
+        let per = (total / sector).div_ceil(n) * sector;
+        let iov_addr = iov.as_ptr() as usize;
+        let iov_len = iov.len();
+        pool.run(n, &|i| {
+            let (a, b) = ((i * per).min(total), ((i + 1) * per).min(total));
+            if a < b {
+                // SAFETY: the caller's iovecs (borrowed for this call, which waits for
+                // every piece); the pieces are disjoint byte ranges of them.
+                unsafe {
+                    let iov = std::slice::from_raw_parts(iov_addr as *const libc::iovec, iov_len);
+                    self.decrypt_iovec_range(iov, a, b, host);
+                }
+            }
+        });
+    }
+
+    /// [`Self::decrypt_iovecs`] of bytes [from, to) of the iovecs' data (sector boundaries).
+    ///
+    /// # Safety
+    /// As [`Self::decrypt_iovecs`].
+    unsafe fn decrypt_iovec_range(&self, iov: &[libc::iovec], from: usize, to: usize, host: u64) {
+        const STAGE: usize = 16 << 10;
+        let mut stage = [0u8; STAGE];
+        let sector = self.header.sector_size as usize;
+        let total = to;
         let chunk = STAGE / sector * sector;
-        let (mut vi, mut vo) = (0usize, 0usize);
-        let mut done = 0usize;
+        // Find where byte `from` is.
+        let (mut vi, mut vo) = (0usize, from);
+        while vi < iov.len() && vo >= iov[vi].iov_len {
+            vo -= iov[vi].iov_len;
+            vi += 1;
+        }
+        let mut done = from;
         while done < total {
             let n = chunk.min(total - done);
             // Gather n bytes starting at (vi, vo).
@@ -203,7 +335,7 @@ impl Volume {
                     go = 0;
                 }
             }
-            self.decrypt(&mut stage[..n], host + done as u64);
+            self.one(&mut stage[..n], host + done as u64, false);
             // Scatter them back.
             let mut put = 0usize;
             while put < n {
@@ -239,6 +371,35 @@ impl Volume {
             self.header.sector_size,
             self.header.data_offset
         )
+    }
+}
+
+/// Copy `out.len()` bytes from byte `from` of the iovecs' data into `out`.
+///
+/// # Safety
+/// The iovecs must be valid for reads and hold at least `from + out.len()` bytes.
+unsafe fn gather(iov: &[libc::iovec], from: usize, out: &mut [u8]) {
+    let mut skip = from;
+    let mut got = 0usize;
+    for v in iov {
+        if got == out.len() {
+            break;
+        }
+        if skip >= v.iov_len {
+            skip -= v.iov_len;
+            continue;
+        }
+        let take = (v.iov_len - skip).min(out.len() - got);
+        // SAFETY: inside the iovec (the caller's promise) and inside `out`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                v.iov_base.cast::<u8>().add(skip),
+                out.as_mut_ptr().add(got),
+                take,
+            )
+        };
+        got += take;
+        skip = 0;
     }
 }
 

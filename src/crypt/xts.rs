@@ -17,6 +17,9 @@ type Block = GenericArray<u8, aes::cipher::consts::U16>;
 /// The largest sector (LUKS2's largest encryption sector).
 pub const MAX_SECTOR: usize = 4096;
 
+/// Blocks of a data unit through AES per call.
+const GROUP: usize = 32;
+
 /// Tweaks computed per batch.
 const TWEAK_BATCH: usize = 64;
 
@@ -77,7 +80,7 @@ impl Xts {
 
     fn run(&self, buf: &mut [u8], sector: usize, first_iv: u64, iv_step: u64, enc: bool) {
         assert!(
-            sector >= 16 && sector % 16 == 0 && buf.len() % sector == 0,
+            (16..=MAX_SECTOR).contains(&sector) && sector % 16 == 0 && buf.len() % sector == 0,
             "XTS over whole sectors of whole blocks"
         );
         let mut tweaks = [Block::default(); TWEAK_BATCH];
@@ -105,22 +108,26 @@ impl Xts {
     /// One data unit: each block XORed with its tweak, all blocks through AES in one call,
     /// XORed again.
     fn unit(&self, data: &mut [u8], first: u128, enc: bool) {
+        // In groups of 32 blocks: their tweaks computed once, kept for the second XOR, the
+        // group through AES in one call.
         let mut t = first;
-        for b in data.chunks_exact_mut(16) {
-            xor_block(b, t);
-            t = mul_alpha(t);
-        }
-        let blocks = as_blocks(data);
-        match (&self.keys, enc) {
-            (Keys::Aes128(k1, _), true) => k1.encrypt_blocks(blocks),
-            (Keys::Aes128(k1, _), false) => k1.decrypt_blocks(blocks),
-            (Keys::Aes256(k1, _), true) => k1.encrypt_blocks(blocks),
-            (Keys::Aes256(k1, _), false) => k1.decrypt_blocks(blocks),
-        }
-        let mut t = first;
-        for b in data.chunks_exact_mut(16) {
-            xor_block(b, t);
-            t = mul_alpha(t);
+        for group in data.chunks_mut(GROUP * 16) {
+            let mut tweaks = [0u128; GROUP];
+            for (b, slot) in group.chunks_exact_mut(16).zip(tweaks.iter_mut()) {
+                *slot = t;
+                xor_block(b, t);
+                t = mul_alpha(t);
+            }
+            let blocks = as_blocks(group);
+            match (&self.keys, enc) {
+                (Keys::Aes128(k1, _), true) => k1.encrypt_blocks(blocks),
+                (Keys::Aes128(k1, _), false) => k1.decrypt_blocks(blocks),
+                (Keys::Aes256(k1, _), true) => k1.encrypt_blocks(blocks),
+                (Keys::Aes256(k1, _), false) => k1.decrypt_blocks(blocks),
+            }
+            for (b, &t) in group.chunks_exact_mut(16).zip(tweaks.iter()) {
+                xor_block(b, t);
+            }
         }
     }
 }
@@ -132,10 +139,11 @@ fn mul_alpha(t: u128) -> u128 {
     (t << 1) ^ if t >> 127 == 1 { 0x87 } else { 0 }
 }
 
-#[inline]
+#[inline(always)]
 fn xor_block(b: &mut [u8], t: u128) {
-    let v = u128::from_le_bytes(b[..16].try_into().expect("a 16-byte block")) ^ t;
-    b[..16].copy_from_slice(&v.to_le_bytes());
+    let b: &mut [u8; 16] = b.try_into().expect("a 16-byte block");
+    let v = u128::from_le_bytes(*b) ^ t;
+    *b = v.to_le_bytes();
 }
 
 /// View whole 16-byte blocks of `data` as AES blocks.

@@ -53,7 +53,9 @@ pub(super) fn open(
         )));
     }
     let t = Instant::now();
-    let vol = Volume::unlock(header, key, &mut read).map_err(err)?;
+    let vol = Volume::unlock(header, key, &mut read)
+        .and_then(|v| v.with_threads(opts.crypt_threads))
+        .map_err(err)?;
     let h = &vol.header;
     let end = match h.data_size {
         Some(n) => h.data_offset.checked_add(n),
@@ -70,10 +72,11 @@ pub(super) fn open(
     };
     let size = size / u64::from(sector) * u64::from(sector);
     info!(
-        "{}: {}, unlocked in {} ms; {size} bytes of data",
+        "{}: {}, unlocked in {} ms; {size} bytes of data; {} encryption helper threads",
         opts.path.display(),
         vol.describe(),
-        t.elapsed().as_millis()
+        t.elapsed().as_millis(),
+        vol.threads()
     );
     Ok((LuksDisk { vol }, size))
 }

@@ -41,6 +41,8 @@ pub struct ImageOptions {
     pub format: Option<Format>,
     /// The secret of an encrypted image (`--key-secret`).
     pub key: Option<crate::crypt::Key>,
+    /// Helper threads for the encryption of large requests.
+    pub crypt_threads: usize,
     pub read_only: bool,
     /// O_DIRECT (`--cache none`).
     pub direct: bool,

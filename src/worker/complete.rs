@@ -82,12 +82,12 @@ impl QueueWorker {
         }
         let mut failure = None;
         match kind {
-            Some(OpKind::ReadPart)
+            Some(OpKind::ReadPart) | Some(OpKind::WritePart)
                 if res >= 0
                     && slot.iov.get(range as usize).map(|v| v.iov_len as u64)
                         != Some(res as u64) =>
             {
-                failure = Some(format!("short read of a piece: {res} bytes"));
+                failure = Some(format!("short {kind:?}: {res} bytes"));
                 res = -libc::EIO;
             }
             Some(OpKind::Read) | Some(OpKind::Write)

@@ -27,6 +27,8 @@ pub(super) enum OpKind {
     /// A backup's copy before the request's write, done on the backup pool: the request's
     /// own operations start now.
     Copied = 9,
+    /// One part of an encrypted write, from the bounce buffer; `range` is its iovec index.
+    WritePart = 10,
 }
 
 impl OpKind {
@@ -41,6 +43,7 @@ impl OpKind {
             7 => OpKind::ReadPart,
             8 => OpKind::Offload,
             9 => OpKind::Copied,
+            10 => OpKind::WritePart,
             _ => return None,
         })
     }

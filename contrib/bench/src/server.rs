@@ -84,6 +84,9 @@ pub fn start_server(
         }
         BackendKind::Qsd => {
             let mut c = Command::new(&opts.qsd);
+            if let Some(k) = qsd_key_file(backend) {
+                c.arg("--object").arg(format!("secret,id=sec0,file={k}"));
+            }
             c.arg("--blockdev")
                 .arg(qsd_blockdev(backend, image))
                 .arg("--export")
@@ -138,6 +141,16 @@ pub fn qsd_export(node: &str, socket: &Path, queues: u32) -> String {
     )
 }
 
+/// A qsd variant's `key-file=PATH` option: the image is LUKS, opened by QEMU's luks driver
+/// with the passphrase in PATH.
+fn qsd_key_file(backend: &Backend) -> Option<&str> {
+    backend
+        .extra
+        .iter()
+        .flat_map(|e| e.split(','))
+        .find_map(|o| o.strip_prefix("key-file="))
+}
+
 pub fn qsd_blockdev(backend: &Backend, image: &Path) -> String {
     let extra = backend
         .extra
@@ -163,7 +176,14 @@ pub fn qsd_blockdev(backend: &Backend, image: &Path) -> String {
         .to_str()
         .and_then(|s| s.strip_prefix("nbd+unix:///"))
         .and_then(|s| s.split_once("?socket="));
-    if let Some((export, path)) = nbd_unix {
+    if qsd_key_file(backend).is_some() {
+        // QEMU's luks driver over the file (LUKS1: QEMU reads no other version).
+        format!(
+            "driver=luks,node-name=file0,key-secret=sec0,file.driver=file,file.filename={},\
+             file.cache.direct=on,file.aio=io_uring",
+            image.display()
+        )
+    } else if let Some((export, path)) = nbd_unix {
         // QEMU's NBD client on the same export.
         format!(
             "driver=nbd,node-name=file0,server.type=unix,server.path={path},\
