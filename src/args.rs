@@ -671,6 +671,36 @@ pub struct CreateArgs {
     /// qcow2 backing file (stored as given, relative to the new image).
     #[arg(long, value_name = "FILE")]
     pub backing: Option<PathBuf>,
+    /// Encrypt the new image: a LUKS1 volume (cryptsetup and QEMU open it) or a LUKS2 one
+    /// (cryptsetup), aes-xts-plain64, raw data inside (--format raw or luks). Its data
+    /// reads as whatever the file's bytes decrypt to until written.
+    #[arg(long, value_enum, requires = "key_secret")]
+    pub encrypt: Option<crate::crypt::format::LuksVersion>,
+    /// The passphrase of the new volume's key slot: file:PATH, fd:N or credential:NAME.
+    #[arg(long, value_name = "SOURCE", requires = "encrypt")]
+    pub key_secret: Option<crate::crypt::KeySource>,
+    /// The key slot's KDF (default: pbkdf2 for LUKS1, argon2id for LUKS2).
+    #[arg(long, value_enum, requires = "encrypt")]
+    pub kdf: Option<crate::crypt::format::KdfChoice>,
+    /// PBKDF2: milliseconds one unlock should take (the iterations are measured for it).
+    #[arg(long, value_name = "MS", default_value_t = 2000)]
+    pub iter_time: u32,
+    /// PBKDF2 iterations or Argon2 passes, instead of measuring (at least 1000 for PBKDF2).
+    #[arg(long, value_name = "N")]
+    pub kdf_iterations: Option<u32>,
+    /// Argon2: memory (e.g. 1G, 64M; at most 4G).
+    #[arg(long, value_name = "SIZE", default_value = "1G")]
+    pub kdf_memory: String,
+    /// Argon2: lanes (threads, at most 16).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub kdf_lanes: u32,
+    /// Volume key bits: 512 (AES-256-XTS) or 256 (AES-128-XTS).
+    #[arg(long, value_name = "BITS", default_value_t = 512)]
+    pub key_bits: u32,
+    /// LUKS2: the encryption sector (512 or 4096; serve a 4096 one with
+    /// --logical-block-size 4096).
+    #[arg(long, value_name = "BYTES", default_value_t = 512)]
+    pub sector_size: u32,
     /// The image to create.
     pub file: PathBuf,
 }

@@ -241,6 +241,7 @@ pub fn fresh_qcow2(tag: &str, compression: crate::image::qcow2::Compression) -> 
         cluster_bits: 16,
         compression,
         backing: None,
+        encrypt: None,
     };
     if let Err(e) = crate::image::create::create(&p, &params) {
         panic!("creating {}: {e}", p.display());

@@ -27,6 +27,24 @@ pub struct CreateParams {
     pub compression: Compression,
     /// Backing file name as it will be stored (relative to the new image), and its format.
     pub backing: Option<(String, &'static str)>,
+    /// A LUKS volume around raw data.
+    pub encrypt: Option<Encrypt>,
+}
+
+/// `vublk create --encrypt`: the new volume's parameters and its passphrase.
+#[derive(Clone)]
+pub struct Encrypt {
+    pub params: crate::crypt::format::FormatParams,
+    pub passphrase: std::sync::Arc<crate::crypt::SecretBuf>,
+}
+
+impl std::fmt::Debug for Encrypt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Encrypt")
+            .field("params", &self.params)
+            .field("passphrase", &"<secret>")
+            .finish()
+    }
 }
 
 /// Why an image could not be created.
@@ -42,6 +60,8 @@ pub enum CreateError {
     TooLarge,
     #[error("{0}")]
     Parallels(String),
+    #[error("formatting the LUKS header")]
+    Luks(#[source] crate::crypt::LuksError),
 }
 
 /// Create `path` as described. Never overwrites; a file this call created is removed again
@@ -80,6 +100,14 @@ pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
             .map_err(io)
     } else if let Some(layout) = layout {
         write_qcow2(&f, p, &layout).map_err(io)
+    } else if let Some(e) = &p.encrypt {
+        crate::crypt::format::format(&e.params, (*e.passphrase).as_ref())
+            .map_err(CreateError::Luks)
+            .and_then(|h| {
+                f.write_all_at(&h.header, 0)
+                    .and_then(|()| f.set_len(h.data_offset + p.size_bytes))
+                    .map_err(io)
+            })
     } else {
         f.set_len(p.size_bytes).map_err(io)
     };
@@ -224,6 +252,8 @@ fn write_qcow2(f: &File, p: &CreateParams, layout: &Qcow2Layout) -> std::io::Res
 /// the backing file is still to be looked at (`params`).
 #[derive(Debug, Clone)]
 pub struct CreateRequest {
+    /// `--encrypt`: a LUKS volume around the raw data.
+    pub encrypt: Option<Encrypt>,
     pub format: super::Format,
     /// None: the backing file's size.
     pub size_bytes: Option<u64>,
@@ -286,6 +316,7 @@ pub fn params(req: &CreateRequest) -> Result<CreateParams, String> {
         cluster_bits: req.cluster.trailing_zeros(),
         compression: req.compression,
         backing: backing.map(|(n, f, _)| (n, f)),
+        encrypt: req.encrypt.clone(),
     })
 }
 
@@ -313,6 +344,7 @@ mod tests {
             cluster_bits: 16,
             compression: Compression::Zstd,
             backing: None,
+            encrypt: None,
         };
         create(&p, &params).unwrap();
         let f = File::open(&p).unwrap();
@@ -378,6 +410,7 @@ mod tests {
                 cluster_bits: 16,
                 compression: Compression::Zlib,
                 backing: Some(("base.raw".into(), "raw")),
+                encrypt: None,
             },
         )
         .unwrap();
@@ -399,6 +432,7 @@ mod tests {
                 cluster_bits: 16,
                 compression: Compression::Zlib,
                 backing: None,
+                encrypt: None,
             },
         )
         .unwrap();

@@ -167,6 +167,12 @@ fn file_plan(
             (Some(Format::Qcow2) | None, true) => Format::Qcow2,
             (Some(_), true) => return Err("--sync top makes a qcow2 target".into()),
             (Some(f), false) => f,
+            (None, false) if image.format() == Format::Luks => {
+                return Err("an encrypted (LUKS) disk is mirrored to a target of another \
+                            format only, which then holds its data decrypted: give \
+                            --format raw or qcow2 if that is what you want"
+                    .into())
+            }
             (None, false) => image.format(),
         };
         let dir = target
@@ -193,6 +199,7 @@ fn file_plan(
                 cluster_bits: 16,
                 compression: crate::image::qcow2::Compression::Zlib,
                 backing,
+                encrypt: None,
             },
         )
         .map_err(|e| format!("--target: {}", crate::logging::error_chain(&e)))?;

@@ -160,6 +160,7 @@ pub fn take(disk: &Disk<'_>, overlay: &Path) -> Result<Value, String> {
             cluster_bits: OVERLAY_CLUSTER_BITS,
             compression: crate::image::qcow2::Compression::Zlib,
             backing: Some((backing_name.clone(), format)),
+            encrypt: None,
         },
     )
     .map_err(|e| crate::logging::error_chain(&e))?;

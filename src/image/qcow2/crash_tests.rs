@@ -52,6 +52,7 @@ fn fresh_image(tag: &str, size: u64, cluster: u64, refcount_bits: u32) -> Vec<u8
             cluster_bits: cluster.trailing_zeros(),
             compression: super::Compression::Zlib,
             backing: None,
+            encrypt: None,
         };
         crate::image::create::create(&p, &params).unwrap();
     }
@@ -84,6 +85,7 @@ fn fresh_overlay(tag: &str, size: u64) -> Vec<u8> {
         cluster_bits: 16,
         compression: super::Compression::Zlib,
         backing: Some(("base.raw".into(), "raw")),
+        encrypt: None,
     };
     crate::image::create::create(&p, &params).unwrap();
     let b = std::fs::read(&p).unwrap();
