@@ -655,9 +655,7 @@ fn encrypt_request(
     if !(1..=60_000).contains(&a.iter_time) {
         return Err(format!("--iter-time {}: 1 to 60000 ms", a.iter_time));
     }
-    let secret = src
-        .read()
-        .map_err(|e| format!("--key-secret {src}: {e}"))?;
+    let secret = src.read().map_err(|e| format!("--key-secret {src}: {e}"))?;
     if secret.is_empty() {
         return Err(format!("--key-secret {src}: empty"));
     }

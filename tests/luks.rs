@@ -482,7 +482,10 @@ fn vublk_created_volumes_open_in_cryptsetup_and_qemu() {
     };
     let k = key_file(&dir);
     let cases: [(&str, &[&str]); 3] = [
-        ("v1.img", &["--encrypt", "luks1", "--kdf-iterations", "1000"]),
+        (
+            "v1.img",
+            &["--encrypt", "luks1", "--kdf-iterations", "1000"],
+        ),
         (
             "v2a.img",
             &[
@@ -540,7 +543,10 @@ fn vublk_created_volumes_open_in_cryptsetup_and_qemu() {
             .arg(&img)
             .output()
             .unwrap();
-        assert!(!refused.status.success(), "{name}: cryptsetup took a wrong passphrase");
+        assert!(
+            !refused.status.success(),
+            "{name}: cryptsetup took a wrong passphrase"
+        );
         let key = dump_volume_key(&img, &k);
         let plain = dir.join("plain.raw");
         run_ok(
@@ -563,4 +569,130 @@ fn vublk_created_volumes_open_in_cryptsetup_and_qemu() {
             check_plain(&q, &written, "QEMU's decryption of a vublk-created volume");
         }
     }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// The passphrase and the volume key (or any 16-byte piece of it: AES's first round keys
+/// are the key itself) appear nowhere a user or a crash can see: the log (debug level),
+/// `/proc/PID/environ`, the control socket's answers, a core dump of a SIGABRTed vublk.
+#[test]
+fn the_key_stays_out_of_logs_environ_control_answers_and_core_dumps() {
+    let Some(dir) = setup("luks-secret", &["cryptsetup"]) else {
+        return;
+    };
+    let img = luks1_image(&dir);
+    let k = key_file(&dir);
+    let vk = unhex(&dump_volume_key(&img, &k));
+    let ctl_sock = dir.join("ctl.sock");
+    let opts = BackendOpts {
+        extra_args: vec![
+            format!("--key-secret=file:{}", k.display()),
+            "--control-socket".into(),
+            ctl_sock.display().to_string(),
+        ],
+        core_dumps: true,
+        ..Default::default()
+    };
+    let (backend, mut c) = start_and_connect(&dir, &img, &opts, ClientOpts::default());
+    let size = c.capacity();
+    // Both directions of the data path have run (and a request large enough for the
+    // helper threads).
+    write_pattern(&mut c, size, 512, 11);
+    let big = pattern(1 << 20, 0, 12);
+    assert_eq!(c.write_at(0, 2 * MIB, &big), 0);
+    assert_same(&c.read_at(0, 2 * MIB, big.len()).unwrap(), &big, "1 MiB");
+    let needles: Vec<&[u8]> = std::iter::once(PASS.as_bytes())
+        .chain(vk.chunks(16))
+        .collect();
+    let clean = |what: &str, hay: &[u8]| {
+        for n in &needles {
+            assert!(!contains(hay, n), "{what} holds a piece of the secret");
+        }
+    };
+    for m in ["status", "stats", "version"] {
+        let (ok, v, err) = ctl(&ctl_sock, m, &[]);
+        assert!(ok, "ctl {m}: {err}");
+        clean(&format!("ctl {m}"), v.to_string().as_bytes());
+    }
+    let stats = ctl_ok(&ctl_sock, "stats", &[]);
+    assert!(
+        stats.to_string().contains("luks1"),
+        "stats names the encryption: {stats}"
+    );
+    clean(
+        "/proc/PID/environ",
+        &std::fs::read(format!("/proc/{}/environ", backend.pid())).unwrap(),
+    );
+    clean("the log", backend.log_contents().as_bytes());
+    // The core dump: the kernel's (core_pattern a file name), else gdb's gcore, which
+    // leaves out the same mappings (MADV_DONTDUMP).
+    let pattern = std::fs::read_to_string("/proc/sys/kernel/core_pattern").unwrap();
+    let core = if pattern.starts_with('|') {
+        let out = dir.join("gcore");
+        let ok = Command::new("gcore")
+            .arg("-o")
+            .arg(&out)
+            .arg(backend.pid().to_string())
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            skip_or_fail::<()>("core_pattern is a pipe and gcore (gdb) is not installed");
+            return;
+        }
+        drop(c);
+        backend.signal(libc::SIGKILL);
+        dir.join(&format!("gcore.{}", backend.pid()))
+    } else {
+        backend.signal(libc::SIGABRT);
+        let st = backend.wait_exit(Duration::from_secs(30));
+        use std::os::unix::process::ExitStatusExt;
+        assert!(
+            st.core_dumped(),
+            "no core dumped ({st:?}, core_pattern {pattern:?})"
+        );
+        drop(c);
+        let name = pattern.trim().replace("%p", &backend.pid().to_string());
+        let p = if name.starts_with('/') {
+            PathBuf::from(&name)
+        } else {
+            dir.join(&name)
+        };
+        if p.exists() {
+            p
+        } else {
+            dir.join(&format!("{name}.{}", backend.pid()))
+        }
+    };
+    let dump = std::fs::read(&core).unwrap_or_else(|e| panic!("{}: {e}", core.display()));
+    // A dump of this process: it holds the image's path, which is in ordinary memory.
+    assert!(
+        contains(&dump, img.display().to_string().as_bytes()),
+        "{} is not a dump of vublk",
+        core.display()
+    );
+    let leaked: Vec<usize> = needles
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| contains(&dump, n))
+        .map(|(i, _)| i)
+        .collect();
+    if leaked.is_empty() {
+        let _ = std::fs::remove_file(&core);
+    }
+    assert!(
+        leaked.is_empty(),
+        "the core dump {} holds secret pieces {leaked:?} (0: the passphrase, 1..: the volume \
+         key)",
+        core.display()
+    );
 }

@@ -61,7 +61,8 @@ const LUKS2_DATA: u64 = 16 << 20;
 
 fn random(n: usize) -> Result<Vec<u8>, LuksError> {
     let mut v = vec![0u8; n];
-    getrandom::getrandom(&mut v).map_err(|e| LuksError::Io(std::io::Error::other(e.to_string())))?;
+    getrandom::getrandom(&mut v)
+        .map_err(|e| LuksError::Io(std::io::Error::other(e.to_string())))?;
     Ok(v)
 }
 
@@ -120,7 +121,12 @@ fn slot_material(kdf: &Kdf, pass: &[u8], vk: &[u8]) -> Result<Vec<u8>, LuksError
     kdf.derive(pass, slot_key.as_mut())?;
     let split = vk.len() * LUKS_STRIPES as usize;
     let mut material = vec![0u8; split.div_ceil(512) * 512];
-    af_split(vk, LUKS_STRIPES as usize, Hash::Sha256, &mut material[..split])?;
+    af_split(
+        vk,
+        LUKS_STRIPES as usize,
+        Hash::Sha256,
+        &mut material[..split],
+    )?;
     let xts = Xts::new(slot_key.as_ref()).map_err(|e| LuksError::Unsupported(e.to_string()))?;
     xts.encrypt(&mut material, 512, 0, 1);
     Ok(material)
@@ -162,7 +168,9 @@ fn luks1(p: &FormatParams, kdf: &Kdf, material: &[u8], vk: &[u8]) -> Result<Form
         ));
     };
     if p.sector_size != 512 {
-        return Err(LuksError::Unsupported("LUKS1 encrypts 512-byte sectors".into()));
+        return Err(LuksError::Unsupported(
+            "LUKS1 encrypts 512-byte sectors".into(),
+        ));
     }
     let mut h = vec![0u8; LUKS1_DATA as usize];
     h[..6].copy_from_slice(MAGIC);
@@ -306,7 +314,8 @@ mod tests {
             let mut file = f.header.clone();
             file.resize(f.header.len() + (1 << 20), 0);
             let size = file.len() as u64;
-            let mut read = |off: u64, len: usize| Ok(file[off as usize..off as usize + len].to_vec());
+            let mut read =
+                |off: u64, len: usize| Ok(file[off as usize..off as usize + len].to_vec());
             let h = crate::crypt::parse(size, &mut read).unwrap();
             assert_eq!(h.data_offset, f.data_offset);
             let key = |s: &[u8]| Key {

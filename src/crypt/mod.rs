@@ -97,7 +97,10 @@ pub fn parse(file_size: u64, read: ReadAt<'_>) -> Result<Header, LuksError> {
 
 impl Volume {
     /// Unlock: derive each active key slot's key from the passphrase until one gives a
-    /// volume key that matches the digest (or, `raw`, check the volume key given).
+    /// volume key that matches the digest (or, `raw`, check the volume key given). Never
+    /// inlined: its frame (which held key schedules) is below the caller's, where
+    /// [`scrub_stack`] reaches it.
+    #[inline(never)]
     pub fn unlock(header: Header, key: &Key, read: ReadAt<'_>) -> Result<Volume, LuksError> {
         let h = &header;
         let mut vk = SecretBuf::zeroed(h.key_bytes)?;
@@ -189,6 +192,9 @@ impl Volume {
         } else {
             self.xts.decrypt(buf, s, self.iv(host), self.step());
         }
+        // AES keeps its round keys in registers, and the compiler spills some to the
+        // stack: wipe what the cipher's frames left below this one.
+        scrub_stack_after_cipher();
     }
 
     /// Gather the data described by `src` into `dst` (its length) and encrypt it there for
@@ -373,6 +379,56 @@ impl Volume {
         )
     }
 }
+
+/// Wipe the stack below the caller's frame: what deeper calls left there (AES key
+/// schedules built on the stack before they moved into a protected region, KDF state) must
+/// not reach a core dump. Call it after the call that handled key material returned.
+#[inline(never)]
+pub fn scrub_stack() {
+    let mut below = [0u8; 256 << 10];
+    zeroize::Zeroize::zeroize(&mut below[..]);
+    std::hint::black_box(&below);
+    clear_vector_registers();
+}
+
+/// Zero the vector registers AES-NI works in (xmm0-15): round keys left there would be
+/// saved into a signal frame on the stack, or into a core dump's register notes.
+#[inline(always)]
+fn clear_vector_registers() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: only zeroes registers, each declared clobbered; no memory, no stack.
+    unsafe {
+        std::arch::asm!(
+            "xorps xmm0, xmm0", "xorps xmm1, xmm1", "xorps xmm2, xmm2", "xorps xmm3, xmm3",
+            "xorps xmm4, xmm4", "xorps xmm5, xmm5", "xorps xmm6, xmm6", "xorps xmm7, xmm7",
+            "xorps xmm8, xmm8", "xorps xmm9, xmm9", "xorps xmm10, xmm10",
+            "xorps xmm11, xmm11", "xorps xmm12, xmm12", "xorps xmm13, xmm13",
+            "xorps xmm14, xmm14", "xorps xmm15, xmm15",
+            out("xmm0") _, out("xmm1") _, out("xmm2") _, out("xmm3") _,
+            out("xmm4") _, out("xmm5") _, out("xmm6") _, out("xmm7") _,
+            out("xmm8") _, out("xmm9") _, out("xmm10") _, out("xmm11") _,
+            out("xmm12") _, out("xmm13") _, out("xmm14") _, out("xmm15") _,
+            options(nomem, nostack, preserves_flags),
+        )
+    };
+}
+
+/// [`scrub_stack`] of the little a cipher call leaves (its frames are a few KiB deep; a
+/// debug build's deeper): cheap enough for every request.
+#[inline(never)]
+fn scrub_stack_after_cipher() {
+    let mut below = [0u8; CIPHER_FRAMES];
+    zeroize::Zeroize::zeroize(&mut below[..]);
+    std::hint::black_box(&below);
+    clear_vector_registers();
+}
+
+/// How deep a cipher call's frames reach below its caller's.
+const CIPHER_FRAMES: usize = if cfg!(debug_assertions) {
+    32 << 10
+} else {
+    8 << 10
+};
 
 /// Copy `out.len()` bytes from byte `from` of the iovecs' data into `out`.
 ///

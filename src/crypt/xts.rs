@@ -78,6 +78,9 @@ impl Xts {
         self.run(buf, sector, first_iv, iv_step, false)
     }
 
+    /// Never inlined: its frame and its callees' (where the round keys may be spilled)
+    /// lie below the caller's, which wipes them (`crypt::scrub_stack`).
+    #[inline(never)]
     fn run(&self, buf: &mut [u8], sector: usize, first_iv: u64, iv_step: u64, enc: bool) {
         assert!(
             (16..=MAX_SECTOR).contains(&sector) && sector % 16 == 0 && buf.len() % sector == 0,

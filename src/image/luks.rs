@@ -53,7 +53,10 @@ pub(super) fn open(
         )));
     }
     let t = Instant::now();
-    let vol = Volume::unlock(header, key, &mut read)
+    let vol = Volume::unlock(header, key, &mut read);
+    // The key schedules and KDF state the unlock left on this thread's stack.
+    crypt::scrub_stack();
+    let vol = vol
         .and_then(|v| v.with_threads(opts.crypt_threads))
         .map_err(err)?;
     let h = &vol.header;

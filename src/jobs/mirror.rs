@@ -168,10 +168,12 @@ fn file_plan(
             (Some(_), true) => return Err("--sync top makes a qcow2 target".into()),
             (Some(f), false) => f,
             (None, false) if image.format() == Format::Luks => {
-                return Err("an encrypted (LUKS) disk is mirrored to a target of another \
+                return Err(
+                    "an encrypted (LUKS) disk is mirrored to a target of another \
                             format only, which then holds its data decrypted: give \
                             --format raw or qcow2 if that is what you want"
-                    .into())
+                        .into(),
+                )
             }
             (None, false) => image.format(),
         };

@@ -28,6 +28,9 @@ pub struct BackendOpts {
     /// Run the backend under a seccomp filter that fails `fcntl(F_OFD_SETLK)` with this
     /// errno: a file system without OFD locks.
     pub fail_ofd_locks: Option<i32>,
+    /// Let the backend dump core (RLIMIT_CORE unlimited), in the test directory (its
+    /// working directory then).
+    pub core_dumps: bool,
 }
 
 /// A running backend. Dropping it kills the process (SIGKILL) and reaps it.
@@ -112,6 +115,24 @@ impl Backend {
             // SAFETY: the hook only calls async-signal-safe prctl() between fork and exec.
             unsafe {
                 cmd.pre_exec(move || fail_ofd_setlk(errno));
+            }
+        }
+        if opts.core_dumps {
+            use std::os::unix::process::CommandExt;
+            cmd.current_dir(dir.join(""));
+            // SAFETY: the hook only calls async-signal-safe setrlimit() between fork and
+            // exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    let unlimited = libc::rlimit {
+                        rlim_cur: libc::RLIM_INFINITY,
+                        rlim_max: libc::RLIM_INFINITY,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_CORE, &unlimited) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
             }
         }
         if let Some(errno) = opts.fail_fallocate {
