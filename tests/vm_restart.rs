@@ -40,8 +40,15 @@ enum Event {
 /// One vublk process on the run's socket, its log in `backend-N.log`.
 fn start_vublk(run: &Path, sock: &Path, image: &Path, n: usize) -> (ChildGuard, PathBuf) {
     let log = run.join(format!("backend-{n}.log"));
+    // A LUKS volume: its passphrase is in the run directory.
+    let key = format!("--key-secret=file:{}", run.join("pass").display());
+    let extra: &[&str] = if image.extension().is_some_and(|e| e == "luks") {
+        &[key.as_str()]
+    } else {
+        &[]
+    };
     (
-        vm::spawn_vublk(&format!("vublk-{n}"), &log, sock, image, NUM_QUEUES, &[]),
+        vm::spawn_vublk(&format!("vublk-{n}"), &log, sock, image, NUM_QUEUES, extra),
         log,
     )
 }
@@ -163,7 +170,7 @@ fn run(
     seconds: u64,
     events: &[Event],
 ) -> Option<(Outcome, PathBuf, PathBuf, ScratchDir)> {
-    let tools: &[&str] = if fmt == "qcow2" { &["qemu-img"] } else { &[] };
+    let tools: &[&str] = if fmt == "raw" { &[] } else { &["qemu-img"] };
     let (qemu, guest) = vm::guest_prerequisites(tools)?;
     let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
     let mut run =
@@ -178,6 +185,17 @@ fn run(
             .status()
             .unwrap();
         assert!(st.success());
+    } else if fmt == "luks" {
+        fs::write(run.path.join("pass"), "restart passphrase").unwrap();
+        let st = Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .args(["create", "--format", "raw", "--encrypt", "luks1"])
+            .arg(format!("--key-secret=file:{}", run.path.join("pass").display()))
+            .args(["--kdf-iterations", "1000", "--size"])
+            .arg(DISK_BYTES.to_string())
+            .arg(&image)
+            .status()
+            .unwrap();
+        assert!(st.success(), "vublk create --encrypt");
     } else {
         File::create(&image).unwrap().set_len(DISK_BYTES).unwrap();
     }
@@ -427,6 +445,33 @@ fn qcow2_image_survives_kills_and_restarts_under_a_writing_guest() {
     assert!(st.success());
     let blocks = check_blocks(&o.marks, &raw, &pattern, WRITERS, DISK_BYTES);
     report("qcow2", &o, blocks);
+}
+
+/// The raw test's kills and restarts on an encrypted disk (a LUKS1 volume): each new vublk
+/// unlocks it again and replays what the killed one held; checked through QEMU's luks
+/// driver.
+#[test]
+fn luks_volume_survives_kills_and_restarts_under_a_writing_guest() {
+    let _one = ONE_GUEST_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let Some((o, image, pattern, run)) = run("luks", "luks", 60, &EVENTS) else {
+        return;
+    };
+    let raw = run.path.join("decrypted.raw");
+    let st = Command::new("qemu-img")
+        .arg("convert")
+        .arg("--object")
+        .arg(format!("secret,id=s0,file={}", run.path.join("pass").display()))
+        .arg("--image-opts")
+        .arg(format!("driver=luks,key-secret=s0,file.filename={}", image.display()))
+        .args(["-O", "raw"])
+        .arg(&raw)
+        .status()
+        .unwrap();
+    assert!(st.success(), "QEMU could not decrypt the volume");
+    let blocks = check_blocks(&o.marks, &raw, &pattern, WRITERS, DISK_BYTES);
+    report("luks", &o, blocks);
 }
 
 /// The same workload without restarts: the harness and the verification themselves.

@@ -10,6 +10,8 @@
 //! [`Volume::decrypt`].
 
 pub mod format;
+#[cfg(any(test, feature = "testing"))]
+pub mod fuzz;
 pub mod header;
 pub mod kdf;
 pub mod pool;

@@ -144,7 +144,9 @@ impl Image {
                     |off: u64, len: usize| crate::io::aligned::read_aligned(&img.file, off, len);
                 let h = crate::crypt::parse(img.size_bytes, &mut read)
                     .map_err(|e| bad(&format!("not a usable LUKS header ({e})")))?;
-                let end = h.data_size.map_or(img.size_bytes, |n| h.data_offset + n);
+                let end = h
+                    .data_size
+                    .map_or(img.size_bytes, |n| h.data_offset.saturating_add(n));
                 let s = u64::from(h.sector_size);
                 end.saturating_sub(h.data_offset) / s * s
             }
