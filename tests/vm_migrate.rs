@@ -265,6 +265,22 @@ fn run(name: &str, fmt: &str, qsd: bool) -> Option<(Outcome, PathBuf, PathBuf, S
     }
     let image = if fmt == "rbd" {
         PathBuf::from("rbd:rbd/disk")
+    } else if fmt == "luks" {
+        // A LUKS1 volume; both vublk unlock it (the destination when it takes over).
+        let image = run.path.join("disk.luks");
+        let pass = run.path.join("pass");
+        fs::write(&pass, "migration passphrase").unwrap();
+        let key = format!("--key-secret=file:{}", pass.display());
+        let st = Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .args(["create", "--format", "raw", "--encrypt", "luks1", &key])
+            .args(["--kdf-iterations", "1000", "--size"])
+            .arg(DISK_BYTES.to_string())
+            .arg(&image)
+            .status()
+            .unwrap();
+        assert!(st.success(), "vublk create --encrypt");
+        extra.push(key);
+        image
     } else {
         let image = run.path.join(format!("disk.{fmt}"));
         common::qemu_img_create(&image, fmt, &DISK_BYTES.to_string());
@@ -458,6 +474,26 @@ fn verify(name: &str, fmt: &str, o: &Outcome, image: &Path, pattern: &Path, run:
             .unwrap();
         assert!(st.success());
         raw
+    } else if fmt == "luks" {
+        let raw = run.path.join("decrypted.raw");
+        let st = Command::new("qemu-img")
+            .arg("convert")
+            .arg("--object")
+            .arg(format!(
+                "secret,id=s0,file={}",
+                run.path.join("pass").display()
+            ))
+            .arg("--image-opts")
+            .arg(format!(
+                "driver=luks,key-secret=s0,file.filename={}",
+                image.display()
+            ))
+            .args(["-O", "raw"])
+            .arg(&raw)
+            .status()
+            .unwrap();
+        assert!(st.success(), "QEMU could not decrypt the volume");
+        raw
     } else {
         image.to_owned()
     };
@@ -494,6 +530,20 @@ fn qcow2_image_migrates_there_and_back_under_a_writing_guest() {
         return;
     };
     verify("qcow2", "qcow2", &o, &image, &pattern, &run);
+}
+
+/// An encrypted disk (a LUKS1 volume) migrated there and back: the destination, started
+/// with `--incoming` and the same `--key-secret`, reads the header's size without
+/// unlocking, and unlocks the volume when it takes over.
+#[test]
+fn luks_volume_migrates_there_and_back_under_a_writing_guest() {
+    let _one = ONE_GUEST_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let Some((o, image, pattern, run)) = run("luks", "luks", false) else {
+        return;
+    };
+    verify("luks", "luks", &o, &image, &pattern, &run);
 }
 
 /// The same run with qemu-storage-daemon serving both sides: the comparison for downtime

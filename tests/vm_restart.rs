@@ -189,7 +189,10 @@ fn run(
         fs::write(run.path.join("pass"), "restart passphrase").unwrap();
         let st = Command::new(env!("CARGO_BIN_EXE_vublk"))
             .args(["create", "--format", "raw", "--encrypt", "luks1"])
-            .arg(format!("--key-secret=file:{}", run.path.join("pass").display()))
+            .arg(format!(
+                "--key-secret=file:{}",
+                run.path.join("pass").display()
+            ))
             .args(["--kdf-iterations", "1000", "--size"])
             .arg(DISK_BYTES.to_string())
             .arg(&image)
@@ -462,9 +465,15 @@ fn luks_volume_survives_kills_and_restarts_under_a_writing_guest() {
     let st = Command::new("qemu-img")
         .arg("convert")
         .arg("--object")
-        .arg(format!("secret,id=s0,file={}", run.path.join("pass").display()))
+        .arg(format!(
+            "secret,id=s0,file={}",
+            run.path.join("pass").display()
+        ))
         .arg("--image-opts")
-        .arg(format!("driver=luks,key-secret=s0,file.filename={}", image.display()))
+        .arg(format!(
+            "driver=luks,key-secret=s0,file.filename={}",
+            image.display()
+        ))
         .args(["-O", "raw"])
         .arg(&raw)
         .status()
