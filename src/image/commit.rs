@@ -72,6 +72,9 @@ impl Image {
                         .ok_or(ImageError::Corrupt("bad layer"))?;
                     let data = crate::io::aligned::read_aligned(file, host_offset, n)?;
                     dst.copy_from_slice(&data);
+                    if let (0, Some(v)) = (layer, self.cipher()) {
+                        v.decrypt(dst, host_offset);
+                    }
                 }
                 Piece::Compressed { .. } => self.read_piece(p, dst, &mut cluster_buf)?,
             }

@@ -84,6 +84,54 @@ pub(super) fn open(
     Ok((LuksDisk { vol }, size))
 }
 
+/// Unlock the LUKS header of an encrypted qcow2 image (at `region`: offset, length in the
+/// file): its volume, whose IVs are host offsets.
+pub(super) fn unlock_qcow2(
+    file: &File,
+    opts: &ImageOptions,
+    region: (u64, u64),
+) -> Result<Volume, ImageOpenError> {
+    let err = |source: LuksError| ImageOpenError::Luks {
+        path: opts.path.clone(),
+        source,
+    };
+    let Some(key) = &opts.key else {
+        return Err(ImageOpenError::Option(format!(
+            "{} is an encrypted qcow2 image: give its passphrase with --key-secret",
+            opts.path.display()
+        )));
+    };
+    let (base, len) = region;
+    let mut read = |off: u64, n: usize| {
+        if off.checked_add(n as u64).is_none_or(|end| end > len) {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+        }
+        read_aligned(file, base + off, n)
+    };
+    let header = crypt::parse(len, &mut read).map_err(err)?;
+    if header.sector_size != 512 || header.iv_tweak != 0 {
+        return Err(err(LuksError::Unsupported(
+            "an encrypted qcow2 image's LUKS header with sectors other than 512 bytes".into(),
+        )));
+    }
+    let t = Instant::now();
+    let vol = Volume::unlock(header, key, &mut read);
+    // The key schedules and KDF state the unlock left on this thread's stack.
+    crypt::scrub_stack();
+    let vol = vol
+        .map(|v| v.with_iv_base(0))
+        .and_then(|v| v.with_threads(opts.crypt_threads))
+        .map_err(err)?;
+    info!(
+        "{}: qcow2 encrypted with {}, unlocked in {} ms; {} encryption helper threads",
+        opts.path.display(),
+        vol.describe(),
+        t.elapsed().as_millis(),
+        vol.threads()
+    );
+    Ok(vol)
+}
+
 impl LuksDisk {
     /// The file offset of guest byte `offset`.
     pub fn host(&self, offset: u64) -> u64 {

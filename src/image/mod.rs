@@ -292,6 +292,7 @@ impl Image {
     pub fn cipher(&self) -> Option<&crate::crypt::Volume> {
         match self.local_kind() {
             Some(Kind::Luks(l)) => Some(&l.vol),
+            Some(Kind::Qcow2(d)) => d.q.crypt(),
             _ => None,
         }
     }

@@ -310,10 +310,28 @@ fn open_qcow2(
         });
     }
     let compress = qopts.compress;
+    qopts.encrypted = true;
     let q = Qcow2Image::open(file, qopts).map_err(|source| ImageOpenError::Qcow2 {
         path: opts.path.clone(),
         source,
     })?;
+    if let Some(region) = q.crypt_region() {
+        if compress.is_some() {
+            return Err(ImageOpenError::Option(
+                "--compress-writes on: an encrypted qcow2 image is never compressed (QEMU \
+                 refuses it too)"
+                    .into(),
+            ));
+        }
+        if q.backing_file.is_some() {
+            return Err(ImageOpenError::Option(format!(
+                "{}: an encrypted qcow2 image with a backing file is not supported yet",
+                opts.path.display()
+            )));
+        }
+        let vol = super::luks::unlock_qcow2(file, opts, region)?;
+        q.set_crypt(std::sync::Arc::new(vol));
+    }
     info!(
         "qcow2 v{}: {} bytes, {} KiB clusters, {:?} compression, L2 cache {} KiB (maps {} MiB)",
         q.version,

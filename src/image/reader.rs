@@ -262,7 +262,12 @@ impl Reader {
                     match *p {
                         Piece::Data {
                             layer, host_offset, ..
-                        } => self.read_file(image, layer, host_offset, part)?,
+                        } => {
+                            self.read_file(image, layer, host_offset, part)?;
+                            if let (0, Some(v)) = (layer, image.cipher()) {
+                                v.decrypt(part, host_offset);
+                            }
+                        }
                         _ => image.read_piece(p, part, &mut self.cluster_buf)?,
                     }
                     pos += n;

@@ -43,6 +43,7 @@ impl Image {
                     "compressed_file_bytes": bytes,
                     "l2_cache_hits": n(&q.stats.l2_hits),
                     "l2_cache_misses": n(&q.stats.l2_misses),
+                    "encryption": q.crypt().map(|v| format!("luks{}", v.header.version)),
                 })
             }
         }

@@ -167,7 +167,7 @@ fn file_plan(
             (Some(Format::Qcow2) | None, true) => Format::Qcow2,
             (Some(_), true) => return Err("--sync top makes a qcow2 target".into()),
             (Some(f), false) => f,
-            (None, false) if image.format() == Format::Luks => {
+            (None, false) if image.cipher().is_some() => {
                 return Err(
                     "an encrypted (LUKS) disk is mirrored to a target of another \
                             format only, which then holds its data decrypted: give \

@@ -134,6 +134,13 @@ pub fn take(disk: &Disk<'_>, overlay: &Path) -> Result<Value, String> {
             overlay.display()
         ));
     }
+    if image.cipher().is_some() {
+        return Err(
+            "snapshots of an encrypted disk are not supported yet: the overlay would \
+                    hold the guest's data unencrypted"
+                .into(),
+        );
+    }
     let format = match image.format() {
         Format::Raw => "raw",
         Format::Qcow2 => "qcow2",

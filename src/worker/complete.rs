@@ -204,6 +204,9 @@ impl QueueWorker {
         if let (Some(host), true) = (r.decrypt_at, r.status == status::OK) {
             decrypt_read(&self.image, &slot.iov, &mut r, host);
         }
+        if !r.decrypt_pieces.is_empty() && r.status == status::OK {
+            decrypt_pieces(&self.image, &slot.iov, &mut r);
+        }
         if let Some(b) = r.bounce.take() {
             if is_read && r.status == status::OK {
                 let mut done = b.skip;
@@ -299,6 +302,25 @@ fn through(
     }
     // A data write registered its own range: `start` is its offset.
     wt.end(token, start, data);
+}
+
+/// An encrypted image's read in pieces is in (in its bounce buffer): decrypt each piece of
+/// the image file at its own offset.
+fn decrypt_pieces(image: &crate::image::Image, iov: &[libc::iovec], r: &mut super::slot::InFlight) {
+    let Some(v) = image.cipher() else {
+        r.status = status::IOERR;
+        return;
+    };
+    for (v_iov, &host) in iov.iter().zip(&r.decrypt_pieces) {
+        if host == u64::MAX {
+            continue;
+        }
+        // SAFETY: the iovec points into the request's bounce buffer (`submit_pieces`),
+        // which the request still holds, and the kernel is done with it.
+        let piece =
+            unsafe { std::slice::from_raw_parts_mut(v_iov.iov_base.cast::<u8>(), v_iov.iov_len) };
+        v.decrypt(piece, host);
+    }
 }
 
 /// An encrypted image's read is in: decrypt it where it landed, the bounce buffer or the

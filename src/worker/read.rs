@@ -73,6 +73,17 @@ impl QueueWorker {
                     });
                     self.piece_reads.push((layer, host_offset));
                 }
+                Piece::Compressed { .. } if image.cipher().is_some() => {
+                    // QEMU never compresses an encrypted image's clusters.
+                    failed = Some(Failure::Image {
+                        what: "read",
+                        offset: host_offset_of(piece),
+                        source: crate::image::ImageError::Corrupt(
+                            "a compressed cluster in an encrypted image",
+                        ),
+                    });
+                    break;
+                }
                 _ => {
                     let dst = &mut buf.as_mut_slice()[pos..pos + n];
                     if let Err(e) = image.read_piece(piece, dst, &mut cluster_buf) {
@@ -98,6 +109,13 @@ impl QueueWorker {
             return Ok(false);
         };
         r.bounce = Some(Bounce { buf, skip: 0 });
+        if image.cipher().is_some() {
+            r.decrypt_pieces = self
+                .piece_reads
+                .iter()
+                .map(|&(layer, host)| if layer == 0 { host } else { u64::MAX })
+                .collect();
+        }
         for (i, &(layer, host_offset)) in self.piece_reads.iter().enumerate() {
             let op = Op::Readv {
                 iov: &slot.iov[i],

@@ -171,6 +171,9 @@ pub(super) struct InFlight {
     pub through: Option<(std::sync::Arc<crate::jobs::active::WriteThrough>, u64, u64)>,
     /// An encrypted image's read: the file offset of the data, decrypted when it is in.
     pub decrypt_at: Option<u64>,
+    /// An encrypted image's read in pieces: each piece's (iovec index) file offset in the
+    /// image file, decrypted when they are in (`u64::MAX`: a backing file's, as it is).
+    pub decrypt_pieces: Vec<u64>,
 }
 
 impl InFlight {
@@ -189,6 +192,7 @@ impl InFlight {
             started: std::time::Instant::now(),
             through: None,
             decrypt_at: None,
+            decrypt_pieces: Vec::new(),
         }
     }
 }

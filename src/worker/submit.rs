@@ -366,6 +366,10 @@ impl QueueWorker {
                 &slot.req.data,
                 &mut buf.as_mut_slice()[at..at + len as usize],
             )?;
+            if let Some(v) = cipher {
+                // New clusters of an encrypted image: the zeroes around the data too.
+                v.encrypt(&mut buf.as_mut_slice()[..span], start);
+            }
             slot.iov.clear();
             slot.iov.push(libc::iovec {
                 iov_base: buf.as_mut_ptr().cast(),

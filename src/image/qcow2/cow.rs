@@ -20,7 +20,6 @@ use std::time::Duration;
 use super::map::{L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_ZERO};
 use super::refcount::RefChange;
 use super::{FillOld, ImageError, Qcow2Image};
-use crate::io::aligned::write_all_aligned;
 use crate::io::bounce::AlignedBuf;
 use crate::io::ranges::{Holder, RangeLocks};
 use crate::io::Storage;
@@ -227,6 +226,11 @@ impl Qcow2Image {
         // A write of whole clusters does not care what they held: it may reuse free space.
         // Anything else gets holes at the end of the file.
         let whole = offset == first_cl && len == n * c;
+        // An encrypted image's new clusters are written whole (encrypted zeroes around the
+        // data: a hole would decrypt to noise), by a fill, which a raised gate forbids.
+        if self.encrypted() && !whole && (has_backing || self.fills.gate_raised()) {
+            return Ok(None);
+        }
         let mut olds = Vec::with_capacity(n as usize);
         // Whole clusters over the backing file: allocated now, installed on completion.
         let mut defer = false;
@@ -272,7 +276,7 @@ impl Qcow2Image {
         // A write that starts at a cluster's start is how a sequential stream enters it: the
         // stream's next writes fill the rest, and a fill would only make them wait.
         let mut fill = None;
-        if reused.is_none() && !whole && offset != first_cl {
+        if reused.is_none() && !whole && (offset != first_cl || self.encrypted()) {
             self.fills.start();
             let (start, end) = (first, first + n * c);
             let key = if self.fills.gate_raised() {
@@ -290,6 +294,13 @@ impl Qcow2Image {
                 }
                 None => self.fills.end(),
             }
+        }
+        if self.encrypted() && !whole && fill.is_none() {
+            // Never reached (nobody holds a range of clusters just allocated): refused
+            // rather than leaving a hole that decrypts to noise.
+            return Err(ImageError::Corrupt(
+                "new encrypted clusters without their fill",
+            ));
         }
         if defer {
             // Counted as a fill so that synchronous writers drain it first; writers of these
@@ -430,16 +441,16 @@ impl Qcow2Image {
             let mut cluster = AlignedBuf::new(c as usize, 4096).map_err(ImageError::Io)?;
             let buf = cluster.as_mut_slice();
             let old_is_zero = Self::merge_cluster(buf, cl_start, in_cl, data, fill_old)?;
-            if old_is_zero && n < c as usize && !reused {
+            if old_is_zero && n < c as usize && !reused && !self.encrypted() {
                 // A fresh cluster past every earlier allocation is a hole: only the data,
                 // after allocating the cluster's blocks (reading as zeroes) in one go, so
                 // the write is not a hole-filling one that the file system serialises (like
                 // QEMU's zero copy-on-write); best effort.
                 let _ = file.allocate(new, c);
-                write_all_aligned(file, new + in_cl as u64, data).map_err(ImageError::Io)?;
+                self.put_data(file, new + in_cl as u64, data)?;
                 Ok(false)
             } else {
-                write_all_aligned(file, new, buf).map_err(ImageError::Io)?;
+                self.put_data(file, new, buf)?;
                 if old_is_zero {
                     return Ok(false);
                 }

@@ -233,6 +233,7 @@ fn run_crash_model(seed: u64, cluster: u64, refcount_bits: u32, killed: bool) ->
                 file_align: 512,
             }),
             prealloc_file: None,
+            encrypted: false,
         };
         let q = Qcow2Image::open(&disk, opts).unwrap();
         let mut now = flushed.clone();

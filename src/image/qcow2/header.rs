@@ -57,6 +57,10 @@ pub const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 /// Header extension type: persistent dirty bitmaps (their clusters are referenced from the
 /// bitmap directory, not from L2 tables).
 pub const EXT_BITMAPS: u32 = 0x2385_2875;
+/// The full disk encryption header pointer: where the LUKS header is (offset, length).
+pub const EXT_CRYPTO: u32 = 0x0537_be77;
+/// `crypt_method` of a qcow2 image encrypted with LUKS (`encrypt.format=luks`).
+pub const CRYPT_LUKS: u32 = 2;
 /// The spec bounds a backing file name to 1023 bytes.
 pub const MAX_BACKING_NAME: usize = 1023;
 
@@ -118,6 +122,8 @@ pub struct Header {
     pub refcount_order: u32,
     pub header_length: u32,
     pub compression: Compression,
+    /// 0: not encrypted; [`CRYPT_LUKS`] (the legacy AES method is refused).
+    pub crypt_method: u32,
 }
 
 /// The header's first cluster `old` (parsed as `h`) with the extension of type `replace`
@@ -238,6 +244,7 @@ impl Header {
             refcount_order: 4,
             header_length: V3_LEN_WITH_COMPRESSION,
             compression,
+            crypt_method: 0,
         }
     }
 
@@ -258,7 +265,8 @@ impl Header {
         if !(9..=21).contains(&cluster_bits) {
             return Err(Qcow2Error::ClusterBits(cluster_bits));
         }
-        if be32(b, off::CRYPT_METHOD) != 0 {
+        let crypt_method = be32(b, off::CRYPT_METHOD);
+        if crypt_method != 0 && crypt_method != CRYPT_LUKS {
             return Err(Qcow2Error::Encrypted);
         }
         let mut h = Header {
@@ -278,6 +286,7 @@ impl Header {
             refcount_order: 4,
             header_length: V2_LEN as u32,
             compression: Compression::Zlib,
+            crypt_method,
         };
         if version == 3 {
             if b.len() < V3_LEN {
@@ -393,7 +402,7 @@ impl Header {
         put32(b, off::BACKING_FILE_SIZE, self.backing_file_size);
         put32(b, off::CLUSTER_BITS, self.cluster_bits);
         put64(b, off::SIZE, self.size_bytes);
-        put32(b, off::CRYPT_METHOD, 0);
+        put32(b, off::CRYPT_METHOD, self.crypt_method);
         put32(b, off::L1_SIZE, self.l1_size);
         put64(b, off::L1_TABLE_OFFSET, self.l1_table_offset);
         put64(b, off::REFCOUNT_TABLE_OFFSET, self.refcount_table_offset);

@@ -40,6 +40,7 @@ mod bitmap_store;
 pub mod bitmaps;
 mod compress;
 mod cow;
+mod crypt;
 pub mod header;
 mod l2cache;
 mod map;
@@ -99,8 +100,13 @@ pub enum Qcow2Error {
     Version(u32),
     #[error("qcow2 cluster size 2^{0} is outside 512 B..2 MiB")]
     ClusterBits(u32),
-    #[error("encrypted qcow2 images are not supported")]
+    #[error(
+        "encrypted qcow2 images are supported with LUKS (encrypt.format=luks) only, as the \
+         image served (not as a backing file)"
+    )]
     Encrypted,
+    #[error("the encryption header pointer of an encrypted image is missing or outside the file")]
+    CryptoHeader,
     #[error("qcow2 images with an external data file are not supported")]
     ExternalDataFile,
     #[error("qcow2 images with extended L2 entries (subclusters) are not supported")]
@@ -154,6 +160,9 @@ pub struct Qcow2Options {
     pub prealloc_file: Option<File>,
     /// Store clusters written whole compressed (`--compress-writes on`).
     pub compress: Option<CompressOptions>,
+    /// Accept a LUKS-encrypted image (the caller unlocks it: [`Qcow2Image::set_crypt`]);
+    /// false: refuse it.
+    pub encrypted: bool,
 }
 
 /// `--compress-writes on` and its cache.
@@ -271,6 +280,11 @@ pub struct Qcow2Image {
     /// one at a time, in the order they copied. Taken after the allocation lock.
     write_back_io: Mutex<()>,
     pub stats: Qcow2Stats,
+    /// Where the LUKS header is (offset, length), for an encrypted image.
+    crypt_region: Option<(u64, u64)>,
+    /// The unlocked volume of an encrypted image: data clusters are encrypted with it, the
+    /// IV being the host offset (QEMU's `encrypt.format=luks`).
+    crypt: std::sync::OnceLock<std::sync::Arc<crate::crypt::Volume>>,
     /// The persistent dirty bitmaps as the file holds them (`bitmap_store`).
     stored: Mutex<bitmap_store::Stored>,
 }

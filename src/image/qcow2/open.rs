@@ -69,6 +69,29 @@ impl Qcow2Image {
         let file_size = file.size().map_err(Qcow2Error::ReadHeader)?;
         let first = read_aligned(file, 0, HEADER_READ).map_err(Qcow2Error::ReadHeader)?;
         let h = Header::parse(&first)?;
+        let crypt_region = if h.crypt_method == super::header::CRYPT_LUKS {
+            if !opts.encrypted {
+                return Err(Qcow2Error::Encrypted);
+            }
+            let ext = h
+                .extension_data(&first, super::header::EXT_CRYPTO)
+                .filter(|e| e.len() >= 16)
+                .ok_or(Qcow2Error::CryptoHeader)?;
+            let (off, len) = (be64(ext, 0), be64(ext, 8));
+            let c = 1u64 << h.cluster_bits;
+            // QEMU's LUKS1 header with eight slots of 512-bit keys is about 2 MiB.
+            if off == 0
+                || off % c != 0
+                || len == 0
+                || len > 16 << 20
+                || off.checked_add(len).is_none_or(|end| end > file_size)
+            {
+                return Err(Qcow2Error::CryptoHeader);
+            }
+            Some((off, len))
+        } else {
+            None
+        };
         if writable && h.is_corrupt() {
             return Err(Qcow2Error::Corrupt);
         }
@@ -177,9 +200,17 @@ impl Qcow2Image {
             write_back_io: Mutex::new(()),
             stats: Qcow2Stats::default(),
             stored: Mutex::new(stored),
+            crypt_region,
+            crypt: std::sync::OnceLock::new(),
         };
         for host in img.stored.locked().clusters(cluster_size) {
             img.note_metadata(host);
+        }
+        // The LUKS header's clusters are metadata: no data cluster may overlap them.
+        if let Some((off, len)) = crypt_region {
+            for host in (off..off + len).step_by(cluster_size as usize) {
+                img.note_metadata(host);
+            }
         }
         // A crash leaves the clusters reserved ahead (`alloc::reserve`) with refcount 1 and
         // nothing referencing them: given back below, unless something other than the

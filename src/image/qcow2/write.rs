@@ -6,7 +6,6 @@ use super::compress::Run;
 use super::map::{L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_ZERO};
 use super::{FillOld, ImageError, Qcow2Image, WriteState};
 use crate::image::ZeroMode;
-use crate::io::aligned::write_all_aligned;
 use crate::io::bounce::AlignedBuf;
 use crate::io::Storage;
 
@@ -121,7 +120,7 @@ impl Qcow2Image {
             L2_ZERO
         } else {
             let (new, _) = self.alloc_data_cluster(&mut ws, file)?;
-            write_all_aligned(file, new, buf.as_mut_slice()).map_err(ImageError::Io)?;
+            self.put_data(file, new, buf.as_mut_slice())?;
             new | L2_COPIED
         };
         let l2 = self.ensure_l2(&mut ws, file, cl)?;
@@ -180,17 +179,18 @@ impl Qcow2Image {
                 if self.is_metadata(host) {
                     return Err(ImageError::Corrupt("a data cluster overlaps metadata"));
                 }
-                write_all_aligned(file, host + in_cl as u64, src).map_err(ImageError::Io)?;
+                self.put_data(file, host + in_cl as u64, src)?;
             } else {
                 let buf = cluster.as_mut_slice();
                 let old_is_zero = Self::merge_cluster(buf, cl_start, in_cl, src, fill_old)?;
                 let (new, reused) = self.alloc_data_cluster(ws, file)?;
-                if old_is_zero && n < c as usize && !reused {
+                if old_is_zero && n < c as usize && !reused && !self.encrypted() {
                     // A fresh cluster past every earlier allocation is a hole: write only
-                    // the new data (no copy of zeroes). A reused one is written whole.
-                    write_all_aligned(file, new + in_cl as u64, src).map_err(ImageError::Io)?;
+                    // the new data (no copy of zeroes). A reused one is written whole, and
+                    // so is an encrypted one (its hole would decrypt to noise).
+                    self.put_data(file, new + in_cl as u64, src)?;
                 } else {
-                    write_all_aligned(file, new, buf).map_err(ImageError::Io)?;
+                    self.put_data(file, new, buf)?;
                 }
                 let l2 = self.ensure_l2(ws, file, cl_start)?;
                 self.write_l2_entry(ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
