@@ -194,9 +194,6 @@ impl Volume {
         } else {
             self.xts.decrypt(buf, s, self.iv(host), self.step());
         }
-        // AES keeps its round keys in registers, and the compiler spills some to the
-        // stack: wipe what the cipher's frames left below this one.
-        scrub_stack_after_cipher();
     }
 
     /// Gather the data described by `src` into `dst` (its length) and encrypt it there for
@@ -393,12 +390,80 @@ pub fn scrub_stack() {
     clear_vector_registers();
 }
 
-/// Zero the vector registers AES-NI works in (xmm0-15): round keys left there would be
-/// saved into a signal frame on the stack, or into a core dump's register notes.
+/// Zero the vector registers the cipher works in: round keys left there would be saved into
+/// a signal frame on the stack, or into a core dump's register notes. The `aes` crate picks
+/// AES-NI (xmm0-15) or VAES over ymm or zmm registers at run time: all of them are cleared
+/// (`vzeroall` for the first 16 whole, and zmm16-31 where AVX-512 exists).
 #[inline(always)]
 fn clear_vector_registers() {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: only zeroes registers, each declared clobbered; no memory, no stack.
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512 (checked); only registers are zeroed.
+            unsafe { clear_avx512() }
+        } else if std::arch::is_x86_feature_detected!("avx") {
+            // SAFETY: the CPU has AVX (checked); only registers are zeroed.
+            unsafe { clear_avx() }
+        } else {
+            // SAFETY: SSE2 is part of x86_64; only registers are zeroed.
+            unsafe { clear_sse() }
+        }
+    }
+}
+
+/// # Safety
+/// The CPU must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn clear_avx512() {
+    // SAFETY: zeroes registers only, each declared clobbered; no memory, no stack.
+    unsafe {
+        std::arch::asm!(
+            "vzeroall",
+            "vpxord zmm16, zmm16, zmm16", "vpxord zmm17, zmm17, zmm17",
+            "vpxord zmm18, zmm18, zmm18", "vpxord zmm19, zmm19, zmm19",
+            "vpxord zmm20, zmm20, zmm20", "vpxord zmm21, zmm21, zmm21",
+            "vpxord zmm22, zmm22, zmm22", "vpxord zmm23, zmm23, zmm23",
+            "vpxord zmm24, zmm24, zmm24", "vpxord zmm25, zmm25, zmm25",
+            "vpxord zmm26, zmm26, zmm26", "vpxord zmm27, zmm27, zmm27",
+            "vpxord zmm28, zmm28, zmm28", "vpxord zmm29, zmm29, zmm29",
+            "vpxord zmm30, zmm30, zmm30", "vpxord zmm31, zmm31, zmm31",
+            out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+            out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+            out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
+            out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
+            out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _,
+            out("zmm28") _, out("zmm29") _, out("zmm30") _, out("zmm31") _,
+            options(nomem, nostack, preserves_flags),
+        )
+    };
+}
+
+/// # Safety
+/// The CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn clear_avx() {
+    // SAFETY: zeroes registers only, each declared clobbered; no memory, no stack.
+    unsafe {
+        std::arch::asm!(
+            "vzeroall",
+            out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+            out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+            out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+            out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+            options(nomem, nostack, preserves_flags),
+        )
+    };
+}
+
+/// # Safety
+/// None beyond x86_64 (SSE2 is part of it).
+#[cfg(target_arch = "x86_64")]
+unsafe fn clear_sse() {
+    // SAFETY: zeroes registers only, each declared clobbered; no memory, no stack.
     unsafe {
         std::arch::asm!(
             "xorps xmm0, xmm0", "xorps xmm1, xmm1", "xorps xmm2, xmm2", "xorps xmm3, xmm3",
@@ -416,9 +481,11 @@ fn clear_vector_registers() {
 }
 
 /// [`scrub_stack`] of the little a cipher call leaves (its frames are a few KiB deep; a
-/// debug build's deeper): cheap enough for every request.
+/// debug build's deeper): cheap enough for every request. `xts` calls it after each run of
+/// the cipher, whose backends keep round keys in vector registers and spill some (VAES:
+/// broadcast copies) to the stack below the caller.
 #[inline(never)]
-fn scrub_stack_after_cipher() {
+pub(crate) fn scrub_stack_after_cipher() {
     let mut below = [0u8; CIPHER_FRAMES];
     zeroize::Zeroize::zeroize(&mut below[..]);
     std::hint::black_box(&below);

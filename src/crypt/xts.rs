@@ -2,26 +2,26 @@
 //! one data unit whose tweak is its 64-bit sector number (little-endian, zero-padded to 16
 //! bytes). Sectors are whole multiples of 16 bytes, so ciphertext stealing never applies.
 //!
-//! Written over the `aes` crate rather than taken from a mode crate: the crate's AES-NI
-//! backend encrypts eight blocks at a time when given many, and XTS only gets that speed
-//! when a whole sector's blocks (and a batch of sectors' tweaks) go in one call; the
-//! published XTS crates encrypt one block at a time.
+//! Written over the `aes` crate rather than taken from a mode crate: the crate's backends
+//! (AES-NI, and VAES over 256 or 512-bit registers where the CPU has them, chosen at run
+//! time) encrypt many blocks per instruction only when given many blocks per call, so XTS
+//! XORs a whole batch of sectors with their tweaks, runs one AES call over the batch, and
+//! XORs again; the published XTS crates encrypt one block at a time.
 
-use aes::cipher::generic_array::GenericArray;
-use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
+use aes::cipher::{BlockCipherDecrypt, BlockCipherEncrypt, KeyInit};
 use aes::{Aes128, Aes256};
 
 /// One AES block.
-type Block = GenericArray<u8, aes::cipher::consts::U16>;
+type Block = aes::Block;
 
 /// The largest sector (LUKS2's largest encryption sector).
 pub const MAX_SECTOR: usize = 4096;
 
-/// Blocks of a data unit through AES per call.
-const GROUP: usize = 32;
+/// Bytes per batch (one AES call over them all; at least one sector).
+const BATCH_BYTES: usize = 32 << 10;
 
-/// Tweaks computed per batch.
-const TWEAK_BATCH: usize = 64;
+/// Sectors in the largest batch (of the smallest sectors).
+const MAX_BATCH_SECTORS: usize = BATCH_BYTES / 512;
 
 /// The two AES keys of XTS: data (K1) and tweak (K2). Both wipe their round keys when
 /// dropped (the `aes` crate's `zeroize` feature). Not boxed: the value lives in a locked
@@ -46,12 +46,12 @@ impl Xts {
     pub fn new(key: &[u8]) -> Result<Xts, BadKeyLength> {
         let keys = match key.len() {
             32 => Keys::Aes128(
-                Aes128::new(GenericArray::from_slice(&key[..16])),
-                Aes128::new(GenericArray::from_slice(&key[16..])),
+                Aes128::new_from_slice(&key[..16]).expect("16 bytes"),
+                Aes128::new_from_slice(&key[16..]).expect("16 bytes"),
             ),
             64 => Keys::Aes256(
-                Aes256::new(GenericArray::from_slice(&key[..32])),
-                Aes256::new(GenericArray::from_slice(&key[32..])),
+                Aes256::new_from_slice(&key[..32]).expect("32 bytes"),
+                Aes256::new_from_slice(&key[32..]).expect("32 bytes"),
             ),
             n => return Err(BadKeyLength(n)),
         };
@@ -86,19 +86,37 @@ impl Xts {
             (16..=MAX_SECTOR).contains(&sector) && sector % 16 == 0 && buf.len() % sector == 0,
             "XTS over whole sectors of whole blocks"
         );
-        let mut tweaks = [Block::default(); TWEAK_BATCH];
+        let mut tweaks = [Block::default(); MAX_BATCH_SECTORS];
+        // The tweak of every block of a batch, kept for the second XOR: computing the
+        // sequence is the serial part, XORing with a stored one is not. Written before read.
+        let mut seq = [std::mem::MaybeUninit::<u128>::uninit(); BATCH_BYTES / 16];
+        let per_batch = (BATCH_BYTES / sector).clamp(1, MAX_BATCH_SECTORS);
         let mut iv = first_iv;
-        for batch in buf.chunks_mut(sector * TWEAK_BATCH) {
+        for batch in buf.chunks_mut(sector * per_batch) {
             let n = batch.len() / sector;
             for t in tweaks.iter_mut().take(n) {
                 t.copy_from_slice(&u128::from(iv).to_le_bytes());
                 iv = iv.wrapping_add(iv_step);
             }
             self.tweak_key_encrypt(&mut tweaks[..n]);
-            for (data, t) in batch.chunks_exact_mut(sector).zip(&tweaks) {
-                self.unit(data, u128::from_le_bytes((*t).into()), enc);
+            let seq = &mut seq[..batch.len() / 16];
+            Self::xor_tweaks(batch, seq, sector, &tweaks[..n]);
+            // One AES call over the whole batch: the cipher's wide (VAES) backends want
+            // many blocks per call.
+            let blocks = as_blocks(batch);
+            match (&self.keys, enc) {
+                (Keys::Aes128(k1, _), true) => k1.encrypt_blocks(blocks),
+                (Keys::Aes128(k1, _), false) => k1.decrypt_blocks(blocks),
+                (Keys::Aes256(k1, _), true) => k1.encrypt_blocks(blocks),
+                (Keys::Aes256(k1, _), false) => k1.decrypt_blocks(blocks),
+            }
+            for (b, t) in batch.chunks_exact_mut(16).zip(seq.iter()) {
+                // SAFETY: `xor_tweaks` wrote every element of `seq` (one per block).
+                xor_block(b, unsafe { t.assume_init() });
             }
         }
+        // The AES backends' frames lay below this one: wipe them, and the registers.
+        super::scrub_stack_after_cipher();
     }
 
     fn tweak_key_encrypt(&self, blocks: &mut [Block]) {
@@ -108,28 +126,25 @@ impl Xts {
         }
     }
 
-    /// One data unit: each block XORed with its tweak, all blocks through AES in one call,
-    /// XORed again.
-    fn unit(&self, data: &mut [u8], first: u128, enc: bool) {
-        // In groups of 32 blocks: their tweaks computed once, kept for the second XOR, the
-        // group through AES in one call.
-        let mut t = first;
-        for group in data.chunks_mut(GROUP * 16) {
-            let mut tweaks = [0u128; GROUP];
-            for (b, slot) in group.chunks_exact_mut(16).zip(tweaks.iter_mut()) {
-                *slot = t;
+    /// XOR every block of each sector with its tweak (the sector's encrypted IV, times
+    /// alpha once per block), writing each block's tweak into `seq`.
+    fn xor_tweaks(
+        batch: &mut [u8],
+        seq: &mut [std::mem::MaybeUninit<u128>],
+        sector: usize,
+        tweaks: &[Block],
+    ) {
+        let per = sector / 16;
+        for ((data, sq), t) in batch
+            .chunks_exact_mut(sector)
+            .zip(seq.chunks_exact_mut(per))
+            .zip(tweaks)
+        {
+            let mut t = u128::from_le_bytes((*t).into());
+            for (b, q) in data.chunks_exact_mut(16).zip(sq.iter_mut()) {
+                q.write(t);
                 xor_block(b, t);
                 t = mul_alpha(t);
-            }
-            let blocks = as_blocks(group);
-            match (&self.keys, enc) {
-                (Keys::Aes128(k1, _), true) => k1.encrypt_blocks(blocks),
-                (Keys::Aes128(k1, _), false) => k1.decrypt_blocks(blocks),
-                (Keys::Aes256(k1, _), true) => k1.encrypt_blocks(blocks),
-                (Keys::Aes256(k1, _), false) => k1.decrypt_blocks(blocks),
-            }
-            for (b, &t) in group.chunks_exact_mut(16).zip(tweaks.iter()) {
-                xor_block(b, t);
             }
         }
     }

@@ -142,6 +142,11 @@ pub struct Opts {
     #[arg(long)]
     pub zero_scan: bool,
 
+    /// Instead of workloads: measure the AES-XTS sector cipher of encrypted disks on one
+    /// core.
+    #[arg(long)]
+    pub xts_speed: bool,
+
     /// Instead of workloads: the cost of a wake-up across CPUs (eventfd ping-pong between
     /// two pinned threads: both sleeping, one spinning, both spinning), the part of the
     /// vhost-user hop a backend cannot avoid while the client sleeps.

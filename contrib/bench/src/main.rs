@@ -66,6 +66,10 @@ fn main() -> ExitCode {
         modes::zero_scan::run();
         return ExitCode::SUCCESS;
     }
+    if opts.xts_speed {
+        modes::xts_speed::run();
+        return ExitCode::SUCCESS;
+    }
     if opts.hop {
         modes::hop::run();
         return ExitCode::SUCCESS;

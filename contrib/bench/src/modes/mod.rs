@@ -8,5 +8,6 @@ pub mod hop;
 pub mod parallels_fill;
 pub mod seed_check;
 pub mod stream;
+pub mod xts_speed;
 pub mod zero_fill;
 pub mod zero_scan;
