@@ -199,7 +199,7 @@ impl InflightRegion {
         }
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
-        if offset % page != 0 {
+        if !offset.is_multiple_of(page) {
             return Err(InflightError::Offset(offset));
         }
         let file_len = file.metadata().map_err(InflightError::Map)?.len();
@@ -246,7 +246,8 @@ impl InflightRegion {
 
     fn at<T>(&self, off: usize) -> *const T {
         assert!(
-            off % std::mem::align_of::<T>() == 0 && off + std::mem::size_of::<T>() <= self.len,
+            off.is_multiple_of(std::mem::align_of::<T>())
+                && off + std::mem::size_of::<T>() <= self.len,
             "inflight region access out of bounds"
         );
         // SAFETY: `off` is inside the mapping (checked above).
@@ -324,7 +325,7 @@ impl QueueInflight {
 
     /// A tracker over any `Cells` (tests model the region with one).
     pub fn over(cells: Arc<dyn Cells>, base: usize, desc_num: u16) -> QueueInflight {
-        debug_assert!(base % QUEUE_ALIGN == 0);
+        debug_assert!(base.is_multiple_of(QUEUE_ALIGN));
         QueueInflight {
             cells,
             base,

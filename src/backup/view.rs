@@ -352,7 +352,10 @@ impl View {
     /// Read [start, end) of the disk into `part`: straight into it when it is aligned (the
     /// NBD server's buffers are), else through an aligned copy.
     fn read_disk_into(&self, part: &mut [u8], start: u64, end: u64) -> Result<(), String> {
-        if (part.as_ptr() as usize) % 4096 == 0 && start % 512 == 0 && part.len() % 512 == 0 {
+        if (part.as_ptr() as usize).is_multiple_of(4096)
+            && start.is_multiple_of(512)
+            && part.len().is_multiple_of(512)
+        {
             return self
                 .with_reader(|r| r.read_into(&self.image, start, part))
                 .map_err(|e| format!("reading the disk: {e}"))?

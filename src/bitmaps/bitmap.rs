@@ -217,7 +217,10 @@ impl DirtyBitmap {
             n += u64::from(v.count_ones());
         }
         let mut bytes = n << self.shift;
-        if bits > 0 && size % self.granularity() != 0 && self.is_dirty((bits - 1) << self.shift) {
+        if bits > 0
+            && !size.is_multiple_of(self.granularity())
+            && self.is_dirty((bits - 1) << self.shift)
+        {
             bytes -= self.granularity() - size % self.granularity();
         }
         bytes

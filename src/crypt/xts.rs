@@ -83,7 +83,9 @@ impl Xts {
     #[inline(never)]
     fn run(&self, buf: &mut [u8], sector: usize, first_iv: u64, iv_step: u64, enc: bool) {
         assert!(
-            (16..=MAX_SECTOR).contains(&sector) && sector % 16 == 0 && buf.len() % sector == 0,
+            (16..=MAX_SECTOR).contains(&sector)
+                && sector.is_multiple_of(16)
+                && buf.len().is_multiple_of(sector),
             "XTS over whole sectors of whole blocks"
         );
         let mut tweaks = [Block::default(); MAX_BATCH_SECTORS];

@@ -68,7 +68,7 @@ pub enum CreateError {
 /// if the creation fails part-way.
 pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
     let name = path.display().to_string();
-    if p.size_bytes == 0 || p.size_bytes % 512 != 0 {
+    if p.size_bytes == 0 || !p.size_bytes.is_multiple_of(512) {
         return Err(CreateError::Size);
     }
     // Checked before a file exists.

@@ -46,7 +46,7 @@ fn check(old: u64, new: u64) -> Result<(), GrowError> {
     if new < old {
         return Err(GrowError::Shrink { old, new });
     }
-    if new % 512 != 0 {
+    if !new.is_multiple_of(512) {
         return Err(GrowError::Unaligned(new));
     }
     Ok(())

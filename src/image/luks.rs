@@ -44,7 +44,7 @@ pub(super) fn open(
     let mut read = |off: u64, len: usize| read_aligned(file, off, len);
     let header = crypt::parse(file_size, &mut read).map_err(err)?;
     let sector = header.sector_size;
-    if opts.logical_block_size < sector || opts.logical_block_size % sector != 0 {
+    if opts.logical_block_size < sector || !opts.logical_block_size.is_multiple_of(sector) {
         return Err(ImageOpenError::Option(format!(
             "{}: the volume encrypts {sector}-byte sectors: serve it with \
              --logical-block-size {sector} (or a multiple), not {}",
@@ -184,7 +184,7 @@ impl LuksDisk {
     /// Guest requests on an encrypted image are whole encryption sectors.
     pub fn check(&self, offset: u64, len: u64) -> Result<(), ImageError> {
         let s = u64::from(self.vol.sector_size());
-        if offset % s != 0 || len % s != 0 {
+        if !offset.is_multiple_of(s) || !len.is_multiple_of(s) {
             return Err(ImageError::Unsupported(format!(
                 "an encrypted request of {len} bytes at {offset}: not whole {s}-byte sectors"
             )));
@@ -206,7 +206,7 @@ impl LuksDisk {
             )));
         }
         let s = u64::from(h.sector_size);
-        if new % s != 0 {
+        if !new.is_multiple_of(s) {
             return Err(GrowError::Image(ImageError::Unsupported(format!(
                 "{new} bytes is not a whole number of the volume's {s}-byte sectors"
             ))));

@@ -244,7 +244,7 @@ fn open_qcow2(
     };
     let mut prealloc_why = None;
     if writable {
-        if opts.prealloc_align % file_align != 0 {
+        if !opts.prealloc_align.is_multiple_of(file_align) {
             return Err(ImageOpenError::Option(format!(
                 "--prealloc-align {}: must be a multiple of the file's alignment ({file_align} \
                  bytes)",

@@ -223,7 +223,7 @@ impl Reader {
         offset: u64,
         dst: &mut [u8],
     ) -> Result<(), ImageError> {
-        if (dst.as_ptr() as usize) % 4096 != 0 {
+        if !(dst.as_ptr() as usize).is_multiple_of(4096) {
             return Err(ImageError::Io(io::Error::from_raw_os_error(libc::EINVAL)));
         }
         let mut done = 0usize;

@@ -133,7 +133,7 @@ fn run_device(
             return;
         }
         d.reap(cells);
-        if rng.next_u64() % 2 == 0 {
+        if rng.next_u64().is_multiple_of(2) {
             if usize::from(*popped) == d.avail.len() && !d.publish(&mut rng) {
                 continue;
             }

@@ -108,7 +108,7 @@ mod tests {
         let mut p = BouncePool::new(4096);
         let mut b = p.get(1000).unwrap();
         assert_eq!(b.as_mut_ptr() as usize % 4096, 0);
-        assert!(b.len() >= 1000 && b.len() % 4096 == 0);
+        assert!(b.len() >= 1000 && b.len().is_multiple_of(4096));
     }
 
     #[test]

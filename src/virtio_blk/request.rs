@@ -368,7 +368,9 @@ fn count_segments_after_trim(segs: &[Segment], bytes: u64) -> usize {
 /// IN/OUT: aligned to the logical block size and inside the device (5.2.6.2).
 fn check_range(limits: &DeviceLimits, sector: u64, len_bytes: u64) -> Result<(), RequestError> {
     let lbs_sectors = u64::from(limits.logical_block_size) / SECTOR_SIZE;
-    if sector % lbs_sectors != 0 || len_bytes % u64::from(limits.logical_block_size) != 0 {
+    if !sector.is_multiple_of(lbs_sectors)
+        || !len_bytes.is_multiple_of(u64::from(limits.logical_block_size))
+    {
         return Err(RequestError::Misaligned { sector, len_bytes });
     }
     let end = sector
@@ -386,7 +388,7 @@ fn parse_ranges<M: GuestMemoryBackend>(
     req: &mut Request,
 ) -> Result<(), RequestError> {
     let discard = req.kind == RequestType::Discard;
-    if req.data_len == 0 || req.data_len % RANGE_LEN as u64 != 0 {
+    if req.data_len == 0 || !req.data_len.is_multiple_of(RANGE_LEN as u64) {
         return Err(RequestError::BadRangeList(req.data_len));
     }
     let n = req.data_len / RANGE_LEN as u64;

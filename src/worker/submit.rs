@@ -347,7 +347,8 @@ impl QueueWorker {
                 });
             }
         }
-        let sub_block = direct && (file_offset % block != 0 || len % block != 0);
+        let sub_block =
+            direct && (!file_offset.is_multiple_of(block) || !len.is_multiple_of(block));
         let mut io_offset = file_offset;
         // An encrypted image: reads are decrypted when they are in; writes go out of a
         // bounce buffer, encrypted there (guest memory is never changed by a write).

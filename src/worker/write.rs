@@ -98,7 +98,8 @@ impl QueueWorker {
     fn engine_write(&mut self, req: Req, w: EngineWrite) -> io::Result<bool> {
         let len = req.len;
         let block = self.dev.params.align.offset as u64;
-        let sub_block = self.dev.direct() && (w.host % block != 0 || len % block != 0);
+        let sub_block =
+            self.dev.direct() && (!w.host.is_multiple_of(block) || !len.is_multiple_of(block));
         if sub_block && w.whole.is_none() {
             // Smaller than the file's direct-I/O block: not through the engine after all.
             if let Some(t) = w.ticket {

@@ -8,12 +8,12 @@ use super::{HEADER_LEN, MAGIC_EXT, MAX_BAT_ENTRIES, MAX_CLUSTER, VERSION};
 /// the caller writes the header and extends the file; nothing the size of the BAT is built
 /// in memory). The BAT may have at most [`MAX_BAT_ENTRIES`], so that the image opens.
 pub fn new_header(size_bytes: u64, cluster: u64) -> Result<([u8; 64], u64), String> {
-    if cluster == 0 || cluster % 512 != 0 || cluster > MAX_CLUSTER {
+    if cluster == 0 || !cluster.is_multiple_of(512) || cluster > MAX_CLUSTER {
         return Err(format!(
             "cluster size {cluster}: must be a multiple of 512 up to 1G"
         ));
     }
-    if size_bytes == 0 || size_bytes % 512 != 0 {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
         return Err("size must be a positive multiple of 512 bytes".into());
     }
     let nb_bat = size_bytes.div_ceil(cluster);

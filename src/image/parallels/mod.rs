@@ -559,7 +559,7 @@ impl ParallelsImage {
             match *p {
                 Piece::Data { host_offset, .. } => {
                     let a = self.chunk;
-                    if host_offset % a == 0 && n as u64 % a == 0 {
+                    if host_offset % a == 0 && (n as u64).is_multiple_of(a) {
                         write_all_aligned(file, host_offset, &data[pos..pos + n])?;
                     } else {
                         // Not aligned to the file's direct-I/O block: read-modify-write the
@@ -716,7 +716,7 @@ impl DataArea {
             cluster,
             file_size,
         } = *self;
-        if host < data_off || (host - data_off) % cluster != 0 {
+        if host < data_off || !(host - data_off).is_multiple_of(cluster) {
             return Err(ParallelsError::NeedsRepair(format!(
                 "{} at {host} is not a cluster of the data area",
                 what()

@@ -119,7 +119,7 @@ fn load_entry(
     for raw in table.chunks_exact(8) {
         let host = be64(raw, 0) & reader::ENTRY_OFFSET_MASK;
         if host != 0 {
-            if host % cluster != 0 || host + cluster > file_size {
+            if !host.is_multiple_of(cluster) || host + cluster > file_size {
                 return Err(format!(
                     "bitmap {:?}: a data cluster outside the file",
                     e.name

@@ -147,7 +147,7 @@ pub fn parse_directory(
             )));
         }
         let table_bytes = u64::from(table_size) * 8;
-        if table_offset % cluster_size != 0
+        if !table_offset.is_multiple_of(cluster_size)
             || table_offset
                 .checked_add(table_bytes)
                 .is_none_or(|end| end > file_size)
@@ -178,7 +178,7 @@ pub fn read_directory(
     cluster_size: u64,
     file_size: u64,
 ) -> Result<Vec<Entry>, String> {
-    if ext.directory_offset % cluster_size != 0
+    if !ext.directory_offset.is_multiple_of(cluster_size)
         || ext
             .directory_offset
             .checked_add(ext.directory_size)
@@ -221,7 +221,10 @@ pub fn load(
             }
             continue;
         }
-        if e & ENTRY_ALL_ONES != 0 || host % cluster_size != 0 || host + cluster_size > file_size {
+        if e & ENTRY_ALL_ONES != 0
+            || !host.is_multiple_of(cluster_size)
+            || host + cluster_size > file_size
+        {
             return Err(bad("a data cluster outside the file or misplaced"));
         }
         let data = crate::io::aligned::read_aligned(file, host, cluster_size as usize)

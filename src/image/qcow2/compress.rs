@@ -145,7 +145,7 @@ impl Qcow2Image {
         let pos = ws.comp_pos;
         let cur = pos & !(c - 1);
         // Narrow refcounts (1 bit) cannot count another chunk in the same cluster.
-        let can_share = pos % c != 0 && self.get_refcount(ws, file, cur)? < max;
+        let can_share = !pos.is_multiple_of(c) && self.get_refcount(ws, file, cur)? < max;
         let mut cache = self.comp.lock();
         if !cache.on {
             drop(cache);

@@ -85,7 +85,7 @@ impl Qcow2Image {
             return Ok(None);
         }
         let cluster = self.cluster_size();
-        if l2_offset % cluster != 0 || l2_offset + cluster > self.file_len() {
+        if !l2_offset.is_multiple_of(cluster) || l2_offset + cluster > self.file_len() {
             return Err(ImageError::Corrupt(
                 "L2 table offset unaligned or outside the file",
             ));
@@ -130,7 +130,7 @@ impl Qcow2Image {
                 } else if host == 0 {
                     Extent::Unallocated { len: n }
                 } else {
-                    if host % cluster != 0
+                    if !host.is_multiple_of(cluster)
                         || host + cluster > self.file_len().next_multiple_of(cluster)
                     {
                         return Err(ImageError::Corrupt(

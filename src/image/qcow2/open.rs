@@ -471,7 +471,7 @@ fn metadata_clusters(
         if l2 == 0 {
             continue;
         }
-        let inside = l2 % cluster_size == 0 && l2 + cluster_size <= file_end;
+        let inside = l2.is_multiple_of(cluster_size) && l2 + cluster_size <= file_end;
         if l2 < file_end && !map.insert(l2) && writable {
             return Err(Qcow2Error::Metadata(
                 "an L2 table overlaps other metadata or another L2 table",
@@ -524,7 +524,7 @@ fn snapshot_tables(
     let mut window = Window::new(file);
     let mut pos = table;
     for _ in 0..nb {
-        if pos % 8 != 0 || pos.saturating_add(fixed as u64) > file_size {
+        if !pos.is_multiple_of(8) || pos.saturating_add(fixed as u64) > file_size {
             return Err(outside);
         }
         let e = SnapshotEntry::parse(window.get(pos, fixed).map_err(Qcow2Error::ReadL1)?);
@@ -532,7 +532,7 @@ fn snapshot_tables(
             return Err(Qcow2Error::Limit("a snapshot L1 table larger than 32 MiB"));
         }
         let l1_end = e.l1_table_offset.saturating_add(e.l1_bytes);
-        if e.l1_table_offset % cluster_size != 0 || l1_end > file_end {
+        if !e.l1_table_offset.is_multiple_of(cluster_size) || l1_end > file_end {
             return Err(Qcow2Error::Metadata(
                 "a snapshot's L1 table is unaligned or outside the file",
             ));
