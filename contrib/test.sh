@@ -33,6 +33,7 @@ tools=(
 	"systemd-socket-activate systemd"
 	"dpkg-shlibdeps dpkg-dev"
 	"cryptsetup cryptsetup-bin"
+	"gcore gdb"
 )
 missing=()
 for t in "${tools[@]}"; do
