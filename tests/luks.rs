@@ -243,8 +243,23 @@ fn segment(img: &Path) -> (u64, u64) {
     (offset, sector)
 }
 
-fn xts_py() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/luks/xts.py")
+/// `tests/luks/xts.py OP`: decrypt `len` bytes of the data segment at (offset, sector
+/// size) of `img` into `file`, or encrypt `file` onto the segment's start, with `key` (hex).
+fn xts(img: &Path, op: &str, key: &str, (offset, sector): (u64, u64), len: u64, file: &Path) {
+    run_ok(
+        Command::new("python3")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/luks/xts.py"))
+            .arg(op)
+            .arg(img)
+            .args([
+                key,
+                &offset.to_string(),
+                &sector.to_string(),
+                "0",
+                &len.to_string(),
+            ])
+            .arg(file),
+    );
 }
 
 fn cryptsetup_case(name: &str, format_args: &[&str]) {
@@ -277,20 +292,7 @@ fn cryptsetup_case(name: &str, format_args: &[&str]) {
     // `cryptsetup luksDump` still reads the header; the volume key decrypts vublk's data.
     let key = dump_volume_key(&img, &k);
     let plain = dir.join("plain.raw");
-    run_ok(
-        Command::new("python3")
-            .arg(xts_py())
-            .arg("decrypt")
-            .arg(&img)
-            .args([
-                key.as_str(),
-                &offset.to_string(),
-                &sector.to_string(),
-                "0",
-                &size.to_string(),
-            ])
-            .arg(&plain),
-    );
+    xts(&img, "decrypt", &key, (offset, sector), size, &plain);
     check_plain(
         &read_file(&plain),
         &written,
@@ -300,20 +302,7 @@ fn cryptsetup_case(name: &str, format_args: &[&str]) {
     let mine = pattern(64 * 1024, 0, 99);
     let src = dir.join("mine.raw");
     std::fs::write(&src, &mine).unwrap();
-    run_ok(
-        Command::new("python3")
-            .arg(xts_py())
-            .arg("encrypt")
-            .arg(&img)
-            .args([
-                key.as_str(),
-                &offset.to_string(),
-                &sector.to_string(),
-                "0",
-                "0",
-            ])
-            .arg(&src),
-    );
+    xts(&img, "encrypt", &key, (offset, sector), 0, &src);
     let (backend, mut c) = serve(&dir, &img, &extra);
     assert_same(
         &c.read_at(0, 0, mine.len()).unwrap(),
@@ -549,20 +538,7 @@ fn vublk_created_volumes_open_in_cryptsetup_and_qemu() {
         );
         let key = dump_volume_key(&img, &k);
         let plain = dir.join("plain.raw");
-        run_ok(
-            Command::new("python3")
-                .arg(xts_py())
-                .arg("decrypt")
-                .arg(&img)
-                .args([
-                    key.as_str(),
-                    &offset.to_string(),
-                    &sector.to_string(),
-                    "0",
-                    &size.to_string(),
-                ])
-                .arg(&plain),
-        );
+        xts(&img, "decrypt", &key, (offset, sector), size, &plain);
         check_plain(&read_file(&plain), &written, name);
         if name == "v1.img" {
             let q = qemu_decrypt(&img, &k, &dir.join("q.raw"));

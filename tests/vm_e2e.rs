@@ -633,26 +633,7 @@ fn run_guest(variant: &Variant) {
     // A LUKS image: decrypted by QEMU's own luks driver, then compared like raw.
     let image = if image.extension().is_some_and(|e| e == "luks") {
         let raw = run.path.join("decrypted.raw");
-        let st = Command::new("qemu-img")
-            .arg("convert")
-            .arg("--object")
-            .arg(format!(
-                "secret,id=s0,file={}",
-                run.path.join("pass").display()
-            ))
-            .arg("--image-opts")
-            .arg(format!(
-                "driver=luks,key-secret=s0,file.filename={}",
-                image.display()
-            ))
-            .args(["-O", "raw"])
-            .arg(&raw)
-            .status()
-            .expect("qemu-img convert");
-        assert!(
-            st.success(),
-            "QEMU could not decrypt the guest's LUKS image"
-        );
+        vm::luks_to_raw(&image, &run.path.join("pass"), &raw);
         println!("[vm] decrypted by QEMU's luks driver");
         raw
     } else {

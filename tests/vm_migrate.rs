@@ -476,23 +476,7 @@ fn verify(name: &str, fmt: &str, o: &Outcome, image: &Path, pattern: &Path, run:
         raw
     } else if fmt == "luks" {
         let raw = run.path.join("decrypted.raw");
-        let st = Command::new("qemu-img")
-            .arg("convert")
-            .arg("--object")
-            .arg(format!(
-                "secret,id=s0,file={}",
-                run.path.join("pass").display()
-            ))
-            .arg("--image-opts")
-            .arg(format!(
-                "driver=luks,key-secret=s0,file.filename={}",
-                image.display()
-            ))
-            .args(["-O", "raw"])
-            .arg(&raw)
-            .status()
-            .unwrap();
-        assert!(st.success(), "QEMU could not decrypt the volume");
+        vm::luks_to_raw(image, &run.path.join("pass"), &raw);
         raw
     } else {
         image.to_owned()

@@ -462,23 +462,7 @@ fn luks_volume_survives_kills_and_restarts_under_a_writing_guest() {
         return;
     };
     let raw = run.path.join("decrypted.raw");
-    let st = Command::new("qemu-img")
-        .arg("convert")
-        .arg("--object")
-        .arg(format!(
-            "secret,id=s0,file={}",
-            run.path.join("pass").display()
-        ))
-        .arg("--image-opts")
-        .arg(format!(
-            "driver=luks,key-secret=s0,file.filename={}",
-            image.display()
-        ))
-        .args(["-O", "raw"])
-        .arg(&raw)
-        .status()
-        .unwrap();
-    assert!(st.success(), "QEMU could not decrypt the volume");
+    vm::luks_to_raw(&image, &run.path.join("pass"), &raw);
     let blocks = check_blocks(&o.marks, &raw, &pattern, WRITERS, DISK_BYTES);
     report("luks", &o, blocks);
 }

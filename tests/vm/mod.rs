@@ -553,3 +553,22 @@ pub fn wait_listening(p: &mut ChildGuard, log: &Path) {
         thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// Decrypt a LUKS volume with QEMU's own luks driver (`qemu-img convert`, the passphrase in
+/// the file `pass`) into the raw file `raw`: the independent view of what vublk wrote.
+pub fn luks_to_raw(image: &Path, pass: &Path, raw: &Path) {
+    let st = Command::new("qemu-img")
+        .arg("convert")
+        .arg("--object")
+        .arg(format!("secret,id=s0,file={}", pass.display()))
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=luks,key-secret=s0,file.filename={}",
+            image.display()
+        ))
+        .args(["-O", "raw"])
+        .arg(raw)
+        .status()
+        .expect("qemu-img convert");
+    assert!(st.success(), "QEMU could not decrypt {}", image.display());
+}
