@@ -164,6 +164,20 @@ impl Volume {
         self.pool.as_ref().map_or(0, |p| p.threads())
     }
 
+    /// Is a helper free to take a task ([`Self::try_spawn`])?
+    pub fn helper_idle(&self) -> bool {
+        self.pool.as_ref().is_some_and(|p| p.idle())
+    }
+
+    /// Hand `task` to an idle helper thread (see [`pool::CryptPool::try_spawn`]); gives it
+    /// back when there is none.
+    pub fn try_spawn(&self, task: pool::Task) -> Result<(), pool::Task> {
+        match &self.pool {
+            Some(p) => p.try_spawn(task),
+            None => Err(task),
+        }
+    }
+
     pub fn sector_size(&self) -> u32 {
         self.header.sector_size
     }

@@ -1,8 +1,14 @@
-//! Encryption spread over more than one core: a large request's sectors are cut into
-//! pieces, the helper threads take all pieces but one, the calling queue thread does the
-//! last, then waits for the rest. One queue thread alone encrypts about 4 GB/s; a stream of
-//! 1 MiB writes would otherwise be bound by it, not by the disk. Small requests (below
-//! [`SPLIT_MIN`]) are never split: a hand-over costs more than their sectors.
+//! Encryption spread over more than one core, two ways:
+//! - [`CryptPool::run`]: a large request's sectors are cut into pieces, the helper threads
+//!   take all pieces but one, the calling queue thread does the last, then waits for the
+//!   rest (reads, decrypted when they are in).
+//! - [`CryptPool::try_spawn`]: a whole task handed to an idle helper, the caller going on
+//!   at once (large writes: the helper encrypts one while the queue thread encrypts the
+//!   next, and nobody waits for anybody; the task reports back through the queue's inbox).
+//!
+//! One queue thread alone encrypts about 5 GB/s; a stream of 1 MiB writes would otherwise
+//! be bound by it, not by the disk. Small requests (below [`SPLIT_MIN`]) are never handed
+//! over: a hand-over costs more than their sectors.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
@@ -23,6 +29,14 @@ struct Job {
 // SAFETY: the closure is Sync and outlives the job (`run` waits for every piece).
 unsafe impl Send for Job {}
 
+/// Work that runs to its end on a helper and reports by itself.
+pub type Task = Box<dyn FnOnce() + Send>;
+
+enum Work {
+    Piece(Job),
+    Task(Task),
+}
+
 struct Done {
     left: AtomicUsize,
     lock: Mutex<()>,
@@ -31,8 +45,10 @@ struct Done {
 
 /// The helper threads.
 pub struct CryptPool {
-    tx: Mutex<Option<Sender<Job>>>,
+    tx: Mutex<Option<Sender<Work>>>,
     threads: usize,
+    /// Tasks handed over and not yet finished.
+    tasks: Arc<AtomicUsize>,
     handles: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
@@ -45,29 +61,45 @@ impl std::fmt::Debug for CryptPool {
 impl CryptPool {
     /// `threads` helpers (at least one), named `vublk-crypt-N`.
     pub fn new(threads: usize) -> std::io::Result<CryptPool> {
-        let (tx, rx) = channel::<Job>();
+        let (tx, rx) = channel::<Work>();
         let rx = Arc::new(Mutex::new(rx));
+        let tasks = Arc::new(AtomicUsize::new(0));
         let mut handles = Vec::new();
         for n in 0..threads.max(1) {
             let rx = rx.clone();
+            let tasks = tasks.clone();
             handles.push(
                 std::thread::Builder::new()
                     .name(format!("vublk-crypt-{n}"))
-                    .spawn(move || loop {
-                        let job = match next_job(&rx) {
-                            Some(j) => j,
-                            None => return,
-                        };
-                        // SAFETY: `run` keeps the closure alive until every piece is done.
-                        let f = unsafe { &*job.f };
-                        f(job.i);
-                        finish(&job.done);
+                    .spawn(move || {
+                        let mut spin = true;
+                        loop {
+                            match next_job(&rx, spin) {
+                                Some(Work::Piece(job)) => {
+                                    spin = true;
+                                    // SAFETY: `run` keeps the closure alive until every piece
+                                    // is done.
+                                    let f = unsafe { &*job.f };
+                                    f(job.i);
+                                    finish(&job.done);
+                                }
+                                Some(Work::Task(t)) => {
+                                    // The next task comes when the queue has the next
+                                    // request, hundreds of microseconds away: sleep.
+                                    spin = false;
+                                    t();
+                                    tasks.fetch_sub(1, Ordering::AcqRel);
+                                }
+                                None => return,
+                            }
+                        }
                     })?,
             );
         }
         Ok(CryptPool {
             tx: Mutex::new(Some(tx)),
             threads: threads.max(1),
+            tasks,
             handles: Mutex::new(handles),
         })
     }
@@ -76,13 +108,41 @@ impl CryptPool {
         self.threads
     }
 
-    /// How many pieces a buffer of `len` bytes (whole `sector`s) is cut into.
+    /// How many pieces a buffer of `len` bytes (whole `sector`s) is cut into (one while
+    /// every helper has a task: a piece would wait behind it).
     pub fn pieces(&self, len: usize) -> usize {
-        if len < SPLIT_MIN {
+        if len < SPLIT_MIN || !self.idle() {
             1
         } else {
             (len / PIECE_MIN).clamp(1, self.threads + 1)
         }
+    }
+
+    /// Is a helper free for a task?
+    pub fn idle(&self) -> bool {
+        self.tasks.load(Ordering::Acquire) < self.threads
+    }
+
+    /// Hand `task` to an idle helper; gives it back when every helper has one already (a
+    /// task queued behind another would wait longer than the caller takes to do it) or
+    /// the pool is shutting down.
+    pub fn try_spawn(&self, task: Task) -> Result<(), Task> {
+        if self.tasks.fetch_add(1, Ordering::AcqRel) >= self.threads {
+            self.tasks.fetch_sub(1, Ordering::AcqRel);
+            return Err(task);
+        }
+        let tx = crate::locks::Locked::locked(&self.tx);
+        let sent = match tx.as_ref() {
+            Some(t) => t.send(Work::Task(task)).map_err(|e| match e.0 {
+                Work::Task(t) => t,
+                Work::Piece(_) => unreachable!("sent a task"),
+            }),
+            None => Err(task),
+        };
+        if sent.is_err() {
+            self.tasks.fetch_sub(1, Ordering::AcqRel);
+        }
+        sent
     }
 
     /// Run `f(0..n)`: pieces 1..n on the helpers, piece 0 here; returns when all are done.
@@ -108,7 +168,7 @@ impl CryptPool {
                     i,
                     done: done.clone(),
                 };
-                match tx.as_ref().map(|t| t.send(job)) {
+                match tx.as_ref().map(|t| t.send(Work::Piece(job))) {
                     Some(Ok(())) => sent += 1,
                     _ => break,
                 }
@@ -140,10 +200,13 @@ impl CryptPool {
 /// to finish (the caller).
 const SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 
-/// The next job: spinning for [`SPIN`] first (a large write's parts come one after the
-/// other), then sleeping. None when the pool is dropped.
-fn next_job(rx: &Mutex<std::sync::mpsc::Receiver<Job>>) -> Option<Job> {
+/// The next job: spinning for [`SPIN`] first if `spin` (a large read's pieces come one
+/// after the other), then sleeping. None when the pool is dropped.
+fn next_job(rx: &Mutex<std::sync::mpsc::Receiver<Work>>, spin: bool) -> Option<Work> {
     let rx = crate::locks::Locked::locked(rx);
+    if !spin {
+        return rx.recv().ok();
+    }
     let spin = std::time::Instant::now();
     while spin.elapsed() < SPIN {
         match rx.try_recv() {
@@ -187,5 +250,36 @@ mod tests {
         assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 100));
         assert_eq!(pool.pieces(4096), 1);
         assert_eq!(pool.pieces(1 << 20), 4);
+    }
+
+    #[test]
+    fn tasks_go_only_to_idle_helpers() {
+        let pool = CryptPool::new(1).unwrap();
+        let (go_tx, go_rx) = channel::<()>();
+        let (done_tx, done_rx) = channel::<u32>();
+        let d = done_tx.clone();
+        assert!(pool
+            .try_spawn(Box::new(move || {
+                go_rx.recv().unwrap();
+                d.send(1).unwrap();
+            }))
+            .is_ok());
+        assert!(!pool.idle());
+        assert_eq!(pool.pieces(1 << 20), 1, "no pieces behind a task");
+        let d = done_tx.clone();
+        let back = pool.try_spawn(Box::new(move || d.send(2).unwrap()));
+        let back = back.expect_err("the only helper is busy");
+        go_tx.send(()).unwrap();
+        assert_eq!(done_rx.recv().unwrap(), 1);
+        back();
+        assert_eq!(done_rx.recv().unwrap(), 2);
+        let t0 = std::time::Instant::now();
+        while !pool.idle() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+            std::thread::yield_now();
+        }
+        let d = done_tx;
+        assert!(pool.try_spawn(Box::new(move || d.send(3).unwrap())).is_ok());
+        assert_eq!(done_rx.recv().unwrap(), 3);
     }
 }

@@ -581,6 +581,7 @@ impl Image {
     pub fn has_pools(&self) -> bool {
         self.qcow2()
             .is_some_and(|(_, d)| d.cow_pool.is_some() || d.compress_pool.is_some())
+            || self.cipher().is_some_and(|v| v.threads() > 0)
     }
 
     /// Write `data` at guest `offset` through the format (allocating, copying on write,

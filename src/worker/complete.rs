@@ -18,8 +18,16 @@ use super::QueueWorker;
 
 impl QueueWorker {
     /// Account one finished operation; Some((head, used_len)) when its request is done.
-    pub(super) fn complete_op(&mut self, c: Completion) -> Option<(u16, u32)> {
+    pub(super) fn complete_op(&mut self, mut c: Completion) -> Option<(u16, u32)> {
         let (id, kind, range) = decode(c.user_data);
+        if kind == Some(OpKind::Encrypted) {
+            // A helper's part of an encrypted write: it replaces itself by the part's write
+            // (or, failed, counts as a failed operation below).
+            match self.encrypted(id, range as usize, c.result) {
+                Ok(()) => return None,
+                Err(e) => c.result = e,
+            }
+        }
         if kind == Some(OpKind::Offload) {
             self.offloaded = self.offloaded.saturating_sub(1);
         }

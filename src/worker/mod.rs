@@ -21,6 +21,7 @@
 //! `start`; requests waiting for the I/O limits in `throttle`.
 
 mod complete;
+mod crypt;
 mod failure;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;

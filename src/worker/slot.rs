@@ -29,6 +29,9 @@ pub(super) enum OpKind {
     Copied = 9,
     /// One part of an encrypted write, from the bounce buffer; `range` is its iovec index.
     WritePart = 10,
+    /// Part `range` of an encrypted write, encrypted by a crypt helper (result 0) or not
+    /// (negative): its write goes out now.
+    Encrypted = 11,
 }
 
 impl OpKind {
@@ -44,6 +47,7 @@ impl OpKind {
             8 => OpKind::Offload,
             9 => OpKind::Copied,
             10 => OpKind::WritePart,
+            11 => OpKind::Encrypted,
             _ => return None,
         })
     }
@@ -174,6 +178,8 @@ pub(super) struct InFlight {
     /// An encrypted image's read in pieces: each piece's (iovec index) file offset in the
     /// image file, decrypted when they are in (`u64::MAX`: a backing file's, as it is).
     pub decrypt_pieces: Vec<u64>,
+    /// An encrypted write: the file offset of its first part (`worker::crypt`).
+    pub write_at: u64,
 }
 
 impl InFlight {
@@ -193,6 +199,7 @@ impl InFlight {
             through: None,
             decrypt_at: None,
             decrypt_pieces: Vec::new(),
+            write_at: 0,
         }
     }
 }

@@ -416,60 +416,9 @@ impl QueueWorker {
             });
             r.expect_bytes = span as u64;
             io_offset = start;
-        } else if let (Some(v), false) = (cipher, is_read) {
-            // Encrypted into the bounce buffer part by part, each part written as soon as
-            // it is encrypted: the disk writes one part while the next is encrypted.
-            let n = len as usize;
-            if slot.iov.iter().map(|v| v.iov_len).sum::<usize>() != n {
-                return Err(io::Error::from(io::ErrorKind::InvalidInput));
-            }
-            let mut buf = self.bounce.get(n)?;
-            let part = write_part_len(n, block as usize);
-            let parts = n.div_ceil(part);
-            let guest = std::mem::take(&mut slot.iov);
-            self.stats.bounced += 1;
-            if !writeback {
-                self.stats.durable_writes += 1;
-            }
-            let lost = crate::guest_memory::lost_pages();
-            let base = buf.as_mut_ptr();
-            r.bounce = Some(Bounce { buf, skip: 0 });
-            slot.iov.reserve(parts);
-            for i in 0..parts {
-                let (a, b) = (i * part, ((i + 1) * part).min(n));
-                // SAFETY: [a, b) is inside the request's bounce buffer (n bytes), which the
-                // slot keeps until the completions are reaped.
-                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(a), b - a) };
-                // SAFETY: the guest iovecs point into memory the request's snapshot keeps
-                // mapped (a page the frontend takes away reads as zeroes: checked below).
-                unsafe { v.encrypt_gather_at(&guest, a, dst, file_offset + a as u64, false) };
-                if crate::guest_memory::lost_pages() != lost {
-                    // Parts already pushed finish on their own; the request fails.
-                    r.status = crate::virtio_blk::status::IOERR;
-                    break;
-                }
-                slot.iov.push(libc::iovec {
-                    iov_base: dst.as_mut_ptr().cast(),
-                    iov_len: b - a,
-                });
-                let op = Op::Writev {
-                    iov: &slot.iov[i],
-                    iovcnt: 1,
-                    offset: file_offset + a as u64,
-                    dsync: !writeback,
-                };
-                // SAFETY: the iovec points into the request's bounce buffer; slot.iov was
-                // reserved for every part, so it does not move while parts are in flight.
-                unsafe {
-                    self.engine
-                        .push(0, &op, user_data(req.id, OpKind::WritePart, i as u32))?
-                };
-                r.pending += 1;
-                if i + 1 < parts {
-                    self.engine.submit()?;
-                }
-            }
-            return Ok(r.pending > 0);
+        } else if cipher.is_some() && !is_read {
+            // Encrypted into a bounce buffer, part by part (`worker::crypt`).
+            return self.push_encrypted_write(req, file_offset);
         }
         if !is_read && !writeback {
             self.stats.durable_writes += 1;
@@ -497,17 +446,6 @@ impl QueueWorker {
         r.pending = 1;
         Ok(true)
     }
-}
-
-/// The part length of an encrypted write of `n` bytes: four parts of at least 64 KiB (a
-/// multiple of the direct-I/O block), or one part for a small write.
-fn write_part_len(n: usize, block: usize) -> usize {
-    const MIN: usize = 64 << 10;
-    if n < 2 * MIN {
-        return n;
-    }
-    let block = block.max(4096);
-    (n / 4).max(MIN).next_multiple_of(block)
 }
 
 /// The file blocks of `block` bytes that cover [offset, offset + len).
