@@ -672,8 +672,10 @@ pub struct CreateArgs {
     #[arg(long, value_name = "FILE")]
     pub backing: Option<PathBuf>,
     /// Encrypt the new image: a LUKS1 volume (cryptsetup and QEMU open it) or a LUKS2 one
-    /// (cryptsetup), aes-xts-plain64, raw data inside (--format raw or luks). Its data
-    /// reads as whatever the file's bytes decrypt to until written.
+    /// (cryptsetup), aes-xts-plain64, raw data inside (--format raw or luks); or a qcow2
+    /// image encrypted as QEMU's encrypt.format=luks (--format qcow2; QEMU opens LUKS1 ones;
+    /// no --backing). A LUKS volume's data reads as whatever the file's bytes decrypt to
+    /// until written; a qcow2 image's unwritten clusters read as zeroes.
     #[arg(long, value_enum, requires = "key_secret")]
     pub encrypt: Option<crate::crypt::format::LuksVersion>,
     /// The passphrase of the new volume's key slot: file:PATH, fd:N or credential:NAME.

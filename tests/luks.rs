@@ -622,6 +622,33 @@ fn vublk_created_volumes_open_in_cryptsetup_and_qemu() {
             check_plain(&q, &written, "QEMU's decryption of a vublk-created volume");
         }
     }
+    // What create refuses, naming the option, with no file left behind.
+    let base = dir.join("base.raw");
+    create_sparse_image(&base, 16 * MIB);
+    let refusals: [(&[&str], &str); 4] = [
+        (&["--format", "qcow2", "--backing", "base.raw"], "--backing"),
+        (
+            &["--format", "qcow2", "--sector-size", "4096"],
+            "--sector-size",
+        ),
+        (&["--format", "parallels"], "--encrypt"),
+        (&["--format", "raw", "--kdf", "argon2id"], "--kdf"),
+    ];
+    for (args, want) in refusals {
+        let img = dir.join("refused.img");
+        let out = Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .args(["create", "--size", "16M", "--encrypt", "luks1"])
+            .arg(format!("--key-secret=file:{}", k.display()))
+            .args(args)
+            .arg(&img)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!img.exists(), "{args:?} left a file");
+    }
+    assert!(base.exists());
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -756,36 +783,54 @@ fn the_key_stays_out_of_logs_environ_control_answers_and_core_dumps() {
 /// exactly that, with zeroes where nothing was written; `qemu-img check` is clean.
 #[test]
 fn qemu_encrypted_qcow2_both_ways() {
-    encrypted_qcow2_case("luks-qcow2", &[]);
+    encrypted_qcow2_case("luks-qcow2", &[], false);
+}
+
+/// An encrypted qcow2 image `vublk create --format qcow2 --encrypt luks1` made: QEMU opens
+/// it (qemu-io writes, `qemu-img check`, decryption of what vublk wrote).
+#[test]
+fn vublk_created_encrypted_qcow2_both_ways() {
+    encrypted_qcow2_case("luks-qcow2-create", &[], true);
 }
 
 /// The same with every write durable (`--cache writethrough`): new clusters are written
 /// by the format (copy-on-write, whole encrypted clusters) instead of the engine.
 #[test]
 fn qemu_encrypted_qcow2_both_ways_writethrough() {
-    encrypted_qcow2_case("luks-qcow2-wt", &["--cache", "writethrough"]);
+    encrypted_qcow2_case("luks-qcow2-wt", &["--cache", "writethrough"], false);
 }
 
-fn encrypted_qcow2_case(name: &str, extra: &[&str]) {
+/// The qcow2 round trip on an image QEMU made or (`vublk_made`) vublk did.
+fn encrypted_qcow2_case(name: &str, extra: &[&str], vublk_made: bool) {
     let Some(dir) = setup(name, &["qemu-img", "qemu-io"]) else {
         return;
     };
     let k = key_file(&dir);
     let img = dir.join("disk.qcow2");
     let size = 32 * MIB;
-    run_ok(
-        Command::new("qemu-img")
-            .arg("create")
-            .args(qemu_secret_args(&k))
-            .args([
-                "-f",
-                "qcow2",
-                "-o",
-                "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
-            ])
-            .arg(&img)
-            .arg(size.to_string()),
-    );
+    if vublk_made {
+        run_ok(
+            Command::new(env!("CARGO_BIN_EXE_vublk"))
+                .args(["create", "--format", "qcow2", "--size", "32M"])
+                .args(["--encrypt", "luks1", "--kdf-iterations", "1000"])
+                .arg(format!("--key-secret=file:{}", k.display()))
+                .arg(&img),
+        );
+    } else {
+        run_ok(
+            Command::new("qemu-img")
+                .arg("create")
+                .args(qemu_secret_args(&k))
+                .args([
+                    "-f",
+                    "qcow2",
+                    "-o",
+                    "encrypt.format=luks,encrypt.key-secret=s0,encrypt.iter-time=10",
+                ])
+                .arg(&img)
+                .arg(size.to_string()),
+        );
+    }
     let opts = format!(
         "driver=qcow2,encrypt.key-secret=s0,file.filename={}",
         img.display()

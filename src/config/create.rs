@@ -65,11 +65,27 @@ fn encrypt_request(
     src: &crate::crypt::KeySource,
 ) -> Result<crate::image::create::Encrypt, String> {
     use crate::crypt::format::{FormatParams, KdfChoice, LuksVersion};
-    if !matches!(a.format, Format::Raw | Format::Luks) {
+    if !matches!(a.format, Format::Raw | Format::Luks | Format::Qcow2) {
         return Err(format!(
-            "--encrypt: makes a LUKS image of raw data (--format raw or luks), not {:?}",
+            "--encrypt: makes a LUKS volume of raw data (--format raw or luks) or an \
+             encrypted qcow2 image (--format qcow2), not {:?}",
             a.format
         ));
+    }
+    if a.format == Format::Qcow2 {
+        if a.backing.is_some() {
+            return Err(
+                "--encrypt with --backing: encrypted qcow2 images with a backing \
+                        file are not supported"
+                    .into(),
+            );
+        }
+        if a.sector_size != 512 {
+            return Err(format!(
+                "--sector-size {}: an encrypted qcow2 image encrypts 512-byte sectors",
+                a.sector_size
+            ));
+        }
     }
     let kdf = a.kdf.unwrap_or(match version {
         LuksVersion::Luks1 => KdfChoice::Pbkdf2,

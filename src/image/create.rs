@@ -13,7 +13,9 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::qcow2::header::{put32, put64, Header, EXT_BACKING_FORMAT, MAX_BACKING_NAME};
+use super::qcow2::header::{
+    put32, put64, Header, CRYPT_LUKS, EXT_BACKING_FORMAT, EXT_CRYPTO, MAX_BACKING_NAME,
+};
 use super::qcow2::{Compression, MAX_L1_BYTES};
 
 /// What to create.
@@ -77,9 +79,21 @@ pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
         .map(|c| super::parallels::new_header(p.size_bytes, c))
         .transpose()
         .map_err(CreateError::Parallels)?;
+    // An encrypted qcow2 image's LUKS header, before any file exists (measuring the KDF
+    // takes a moment; a refusal leaves nothing behind).
+    let crypt = match (&p.encrypt, p.qcow2) {
+        (Some(e), true) => Some(
+            crate::crypt::format::format(&e.params, (*e.passphrase).as_ref())
+                .map_err(CreateError::Luks)?,
+        ),
+        _ => None,
+    };
     let layout = p
         .qcow2
-        .then(|| Qcow2Layout::new(p.size_bytes, p.cluster_bits))
+        .then(|| {
+            let crypt_bytes = crypt.as_ref().map_or(0, |h| h.data_offset);
+            Qcow2Layout::new(p.size_bytes, p.cluster_bits, crypt_bytes)
+        })
         .transpose()?;
     fail_instead_of_dying_at_the_file_size_limit();
     let f = OpenOptions::new()
@@ -99,7 +113,7 @@ pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
             .and_then(|()| f.set_len(data_off))
             .map_err(io)
     } else if let Some(layout) = layout {
-        write_qcow2(&f, p, &layout).map_err(io)
+        write_qcow2(&f, p, &layout, crypt.as_ref()).map_err(io)
     } else if let Some(e) = &p.encrypt {
         crate::crypt::format::format(&e.params, (*e.passphrase).as_ref())
             .map_err(CreateError::Luks)
@@ -130,11 +144,14 @@ fn fail_instead_of_dying_at_the_file_size_limit() {
     }
 }
 
-/// Where a new qcow2 image's metadata goes, in clusters after the header: the refcount table,
-/// the refcount blocks (16-bit refcounts) that cover all the metadata, then the L1 table.
+/// Where a new qcow2 image's metadata goes, in clusters after the header: an encrypted
+/// image's LUKS header, the refcount table, the refcount blocks (16-bit refcounts) that cover
+/// all the metadata, then the L1 table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Qcow2Layout {
     cluster: u64,
+    /// Clusters of the LUKS header (0: not encrypted).
+    crypt_clusters: u64,
     l1_size: u64,
     l1_clusters: u64,
     rt_clusters: u64,
@@ -142,8 +159,9 @@ struct Qcow2Layout {
 }
 
 impl Qcow2Layout {
-    fn new(size_bytes: u64, cluster_bits: u32) -> Result<Self, CreateError> {
+    fn new(size_bytes: u64, cluster_bits: u32, crypt_bytes: u64) -> Result<Self, CreateError> {
         let c = 1u64 << cluster_bits;
+        let crypt_clusters = crypt_bytes.div_ceil(c);
         let per_l1 = c * (c / 8);
         let l1_size = size_bytes.div_ceil(per_l1);
         if l1_size * 8 > MAX_L1_BYTES {
@@ -155,7 +173,7 @@ impl Qcow2Layout {
         let per_block = c / 2;
         let (mut rt_clusters, mut rb_clusters) = (1, 1);
         loop {
-            let total = 1 + rt_clusters + rb_clusters + l1_clusters;
+            let total = 1 + crypt_clusters + rt_clusters + rb_clusters + l1_clusters;
             let rb = total.div_ceil(per_block);
             let rt = (rb * 8).div_ceil(c);
             if (rt, rb) == (rt_clusters, rb_clusters) {
@@ -165,6 +183,7 @@ impl Qcow2Layout {
         }
         Ok(Qcow2Layout {
             cluster: c,
+            crypt_clusters,
             l1_size,
             l1_clusters,
             rt_clusters,
@@ -172,8 +191,13 @@ impl Qcow2Layout {
         })
     }
 
-    fn rt_offset(&self) -> u64 {
+    /// The LUKS header's place (right after the image header).
+    fn crypt_offset(&self) -> u64 {
         self.cluster
+    }
+
+    fn rt_offset(&self) -> u64 {
+        self.cluster * (1 + self.crypt_clusters)
     }
 
     fn rb_offset(&self) -> u64 {
@@ -191,7 +215,14 @@ impl Qcow2Layout {
 }
 
 /// The qcow2 image in `f`, a cluster at a time; the L1 table (zeroes) by extending the file.
-fn write_qcow2(f: &File, p: &CreateParams, layout: &Qcow2Layout) -> std::io::Result<()> {
+/// With `crypt`, encrypted as QEMU's `encrypt.format=luks`: the LUKS header in clusters of
+/// its own, named by the full disk encryption header extension.
+fn write_qcow2(
+    f: &File,
+    p: &CreateParams,
+    layout: &Qcow2Layout,
+    crypt: Option<&crate::crypt::format::Formatted>,
+) -> std::io::Result<()> {
     let c = layout.cluster;
     let mut hdr = vec![0u8; c as usize];
     let mut h = Header::new_v3(p.cluster_bits, p.size_bytes, p.compression);
@@ -201,6 +232,15 @@ fn write_qcow2(f: &File, p: &CreateParams, layout: &Qcow2Layout) -> std::io::Res
     h.refcount_table_clusters = layout.rt_clusters as u32;
     // Header extensions, then the end marker, then the backing file name.
     let mut pos = h.header_length as usize;
+    if let Some(luks) = crypt {
+        h.crypt_method = CRYPT_LUKS;
+        put32(&mut hdr, pos, EXT_CRYPTO);
+        put32(&mut hdr, pos + 4, 16);
+        put64(&mut hdr, pos + 8, layout.crypt_offset());
+        put64(&mut hdr, pos + 16, luks.data_offset);
+        pos += 8 + 16;
+        f.write_all_at(&luks.header, layout.crypt_offset())?;
+    }
     if let Some((_, fmt)) = &p.backing {
         put32(&mut hdr, pos, EXT_BACKING_FORMAT);
         put32(&mut hdr, pos + 4, fmt.len() as u32);
@@ -368,7 +408,7 @@ mod tests {
         for bits in 9..=21 {
             let c = 1u64 << bits;
             for size in [512, 1 << 30, 128 << 30, 1 << 40, 1 << 50, 1 << 60] {
-                let Ok(l) = Qcow2Layout::new(size, bits) else {
+                let Ok(l) = Qcow2Layout::new(size, bits, 0) else {
                     assert!(size.div_ceil(c * c / 8) * 8 > MAX_L1_BYTES, "{bits} {size}");
                     continue;
                 };
@@ -377,7 +417,7 @@ mod tests {
                 assert!(l.l1_clusters * c >= l.l1_size * 8, "{l:?}");
             }
         }
-        let l = Qcow2Layout::new(128 << 30, 9).unwrap();
+        let l = Qcow2Layout::new(128 << 30, 9, 0).unwrap();
         assert_eq!(
             (l.rt_clusters, l.rb_clusters, l.l1_clusters),
             (5, 258, 65536)
