@@ -137,6 +137,26 @@ impl Inbox {
         out.append(&mut done);
     }
 
+    /// Move the posted completions `pick` chooses into `out`, leaving the others (and the
+    /// signal, for them) in place.
+    pub fn take_where(&self, out: &mut Vec<Completion>, pick: impl Fn(&Completion) -> bool) {
+        if !self.has() {
+            return;
+        }
+        let mut done = self.done.locked();
+        let mut i = 0;
+        while i < done.len() {
+            if pick(&done[i]) {
+                out.push(done.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        if done.is_empty() {
+            self.ready.store(false, Ordering::Release);
+        }
+    }
+
     /// Block until something is posted, at most `timeout`.
     pub fn wait(&self, timeout: Duration) {
         let done = self.done.locked();

@@ -164,16 +164,11 @@ impl Volume {
         self.pool.as_ref().map_or(0, |p| p.threads())
     }
 
-    /// Is a helper free to take a task ([`Self::try_spawn`])?
-    pub fn helper_idle(&self) -> bool {
-        self.pool.as_ref().is_some_and(|p| p.idle())
-    }
-
-    /// Hand `task` to an idle helper thread (see [`pool::CryptPool::try_spawn`]); gives it
-    /// back when there is none.
-    pub fn try_spawn(&self, task: pool::Task) -> Result<(), pool::Task> {
+    /// Queue `task` for the helper threads (see [`pool::CryptPool::spawn`]); gives it back
+    /// when there are none.
+    pub fn spawn(&self, task: pool::Task) -> Result<(), pool::Task> {
         match &self.pool {
-            Some(p) => p.try_spawn(task),
+            Some(p) => p.spawn(task),
             None => Err(task),
         }
     }

@@ -2,9 +2,10 @@
 //! - [`CryptPool::run`]: a large request's sectors are cut into pieces, the helper threads
 //!   take all pieces but one, the calling queue thread does the last, then waits for the
 //!   rest (reads, decrypted when they are in).
-//! - [`CryptPool::try_spawn`]: a whole task handed to an idle helper, the caller going on
-//!   at once (large writes: the helper encrypts one while the queue thread encrypts the
-//!   next, and nobody waits for anybody; the task reports back through the queue's inbox).
+//! - [`CryptPool::spawn`]: a task queued for the helpers, the caller going on at once
+//!   (large writes: the helpers encrypt their share of the parts while the queue thread
+//!   encrypts its own, and nobody waits for anybody; the task reports back through the
+//!   queue's inbox).
 //!
 //! One queue thread alone encrypts about 5 GB/s; a stream of 1 MiB writes would otherwise
 //! be bound by it, not by the disk. Small requests (below [`SPLIT_MIN`]) are never handed
@@ -123,14 +124,9 @@ impl CryptPool {
         self.tasks.load(Ordering::Acquire) < self.threads
     }
 
-    /// Hand `task` to an idle helper; gives it back when every helper has one already (a
-    /// task queued behind another would wait longer than the caller takes to do it) or
-    /// the pool is shutting down.
-    pub fn try_spawn(&self, task: Task) -> Result<(), Task> {
-        if self.tasks.fetch_add(1, Ordering::AcqRel) >= self.threads {
-            self.tasks.fetch_sub(1, Ordering::AcqRel);
-            return Err(task);
-        }
+    /// Queue `task` for the helpers; gives it back if the pool is shutting down.
+    pub fn spawn(&self, task: Task) -> Result<(), Task> {
+        self.tasks.fetch_add(1, Ordering::AcqRel);
         let tx = crate::locks::Locked::locked(&self.tx);
         let sent = match tx.as_ref() {
             Some(t) => t.send(Work::Task(task)).map_err(|e| match e.0 {
@@ -253,33 +249,29 @@ mod tests {
     }
 
     #[test]
-    fn tasks_go_only_to_idle_helpers() {
+    fn tasks_run_in_order_and_pieces_do_not_queue_behind_them() {
         let pool = CryptPool::new(1).unwrap();
         let (go_tx, go_rx) = channel::<()>();
         let (done_tx, done_rx) = channel::<u32>();
         let d = done_tx.clone();
         assert!(pool
-            .try_spawn(Box::new(move || {
+            .spawn(Box::new(move || {
                 go_rx.recv().unwrap();
                 d.send(1).unwrap();
             }))
             .is_ok());
         assert!(!pool.idle());
         assert_eq!(pool.pieces(1 << 20), 1, "no pieces behind a task");
-        let d = done_tx.clone();
-        let back = pool.try_spawn(Box::new(move || d.send(2).unwrap()));
-        let back = back.expect_err("the only helper is busy");
+        let d = done_tx;
+        assert!(pool.spawn(Box::new(move || d.send(2).unwrap())).is_ok());
         go_tx.send(()).unwrap();
         assert_eq!(done_rx.recv().unwrap(), 1);
-        back();
         assert_eq!(done_rx.recv().unwrap(), 2);
         let t0 = std::time::Instant::now();
         while !pool.idle() {
             assert!(t0.elapsed() < std::time::Duration::from_secs(5));
             std::thread::yield_now();
         }
-        let d = done_tx;
-        assert!(pool.try_spawn(Box::new(move || d.send(3).unwrap())).is_ok());
-        assert_eq!(done_rx.recv().unwrap(), 3);
+        assert_eq!(pool.pieces(1 << 20), 2);
     }
 }

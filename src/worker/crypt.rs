@@ -2,12 +2,13 @@
 //! memory is never changed by a write) and written part by part, each part as soon as it
 //! is encrypted, so the disk writes one part while the next is encrypted.
 //!
-//! A large write goes as a whole to an idle crypt helper when there is one: the helper
-//! encrypts its parts and posts each through the queue's inbox ([`OpKind::Encrypted`]), the
-//! queue thread writes each part when it comes back and meanwhile goes on with the next
-//! request, which it encrypts itself when no helper is idle. Two writes are then encrypted
-//! at once and none waits for another's encryption (splitting each write between threads
-//! instead had the queue thread wait for the helper's half).
+//! A large write's parts are dealt out between the queue thread and the crypt helpers: a
+//! helper encrypts its parts and posts each through the queue's inbox
+//! ([`OpKind::Encrypted`]), the queue thread encrypts and writes its own, writes the helpers'
+//! when they come back, and goes on with the next request without waiting for them. Each
+//! write's encryption is shared (its latency halved with one helper), and nobody spins:
+//! the synchronous split used before had the queue thread wait for the helper's half, and
+//! handing whole writes to the helper left each write's latency whole.
 
 use std::io;
 use std::sync::Arc;
@@ -19,7 +20,7 @@ use crate::io::{Completion, Op};
 use crate::offload::Inbox;
 use crate::watchdog::Wait;
 
-use super::slot::{user_data, Bounce, OpKind, Req, SlotId, SlotState};
+use super::slot::{decode, user_data, Bounce, OpKind, Req, SlotId, SlotState};
 use super::QueueWorker;
 
 impl QueueWorker {
@@ -58,29 +59,43 @@ impl QueueWorker {
                 iov_len: b - a,
             });
         }
-        if let (true, Some(inbox)) = (n >= SPLIT_MIN && v.helper_idle(), self.inbox.clone()) {
-            r.pending = parts as u32;
-            let task = EncryptTask {
-                image: image.clone(),
-                guest,
-                base,
-                n,
-                part,
-                at: file_offset,
-                inbox,
-                id: req.id,
-            };
-            // Another queue may have taken the helper meanwhile: then here (the parts
-            // reach the inbox all the same).
-            if let Err(task) = v.try_spawn(Box::new(move || task.run())) {
-                task();
+        // The parts are dealt out: with h helpers (and an inbox for them to report to), part
+        // i goes to helper i mod (h + 1) (0: this thread). Nobody waits for anybody: this
+        // thread writes its own parts as it encrypts them, and the helpers' as they come
+        // back, here or in the ordinary completion path.
+        let guest = Arc::new(guest);
+        let share = match &self.inbox {
+            Some(_) if n >= SPLIT_MIN => v.threads().min(parts - 1),
+            _ => 0,
+        };
+        if let (true, Some(inbox)) = (share > 0, &self.inbox) {
+            for k in 1..=share {
+                let task = EncryptTask {
+                    image: image.clone(),
+                    guest: guest.clone(),
+                    base,
+                    n,
+                    part,
+                    first: k,
+                    step: share + 1,
+                    at: file_offset,
+                    inbox: inbox.clone(),
+                    id: req.id,
+                };
+                let theirs = (k..parts).step_by(share + 1).count();
+                r.pending += theirs as u32;
+                self.offloaded += theirs;
+                // The pool is gone only while the process ends: then here (the parts reach
+                // the inbox all the same).
+                if let Err(task) = v.spawn(Box::new(move || task.run())) {
+                    task();
+                }
             }
-            self.offloaded += parts;
-            self.watch().wait(req.id.get(), Wait::Pool);
-            return Ok(true);
         }
+        // Helpers never split a part with this thread: it would wait (spinning) for them.
+        let alone = share > 0;
         let lost = lost_pages();
-        for i in 0..parts {
+        for i in (0..parts).step_by(share + 1) {
             let (a, b) = (i * part, ((i + 1) * part).min(n));
             // SAFETY: [a, b) is inside the request's bounce buffer (n bytes), which the slot
             // keeps until its completions are reaped; the guest iovecs point into memory the
@@ -88,7 +103,7 @@ impl QueueWorker {
             // zeroes: checked below).
             unsafe {
                 let dst = std::slice::from_raw_parts_mut((base + a) as *mut u8, b - a);
-                v.encrypt_gather_at(&guest.0, a, dst, file_offset + a as u64, false);
+                v.encrypt_gather_at(&guest.0, a, dst, file_offset + a as u64, alone);
             }
             if lost_pages() != lost {
                 // Parts already pushed finish on their own; the request fails.
@@ -101,11 +116,39 @@ impl QueueWorker {
             if let Some(r) = self.slots.busy(req.id) {
                 r.pending += 1;
             }
-            if i + 1 < parts {
-                self.engine.submit()?;
-            }
+            // Parts the helpers encrypted meanwhile go out too: this thread's own
+            // encryption must not hold back the disk's work on them.
+            self.push_helper_parts();
+            self.engine.submit()?;
+        }
+        if share > 0 {
+            self.watch().wait(req.id.get(), Wait::Pool);
         }
         Ok(self.slots.busy(req.id).is_some_and(|r| r.pending > 0))
+    }
+
+    /// Push the writes of the parts helpers have encrypted and posted (failed ones are left
+    /// for the ordinary completion path).
+    fn push_helper_parts(&mut self) {
+        let Some(inbox) = self.inbox.clone() else {
+            return;
+        };
+        let mut ready = std::mem::take(&mut self.helper_parts);
+        inbox.take_where(&mut ready, |c| {
+            c.result >= 0 && decode(c.user_data).1 == Some(OpKind::Encrypted)
+        });
+        for c in ready.drain(..) {
+            let (id, _, i) = decode(c.user_data);
+            if self.encrypted(id, i as usize, 0).is_err() {
+                // Its write could not be pushed: it fails the ordinary way.
+                self.offloaded += 1;
+                inbox.post(Completion {
+                    user_data: c.user_data,
+                    result: -libc::EIO,
+                });
+            }
+        }
+        self.helper_parts = ready;
     }
 
     /// Part `i` of an encrypted write (its iovec `i`, from the bounce buffer) to the engine.
@@ -164,28 +207,34 @@ fn write_part_len(n: usize, block: usize) -> usize {
 struct GuestIovecs(Vec<libc::iovec>);
 
 // SAFETY: the iovecs point into guest memory the request's memory snapshot keeps mapped
-// until the request is finished, which waits for every part the task posts.
+// until the request is finished, which waits for every part the tasks post; the memory is
+// only read (by the queue thread and the helpers, each its own parts).
 unsafe impl Send for GuestIovecs {}
+// SAFETY: as above.
+unsafe impl Sync for GuestIovecs {}
 
-/// One write's encryption on a crypt helper.
+/// A crypt helper's share of a write: parts `first`, `first + step`, ...
 struct EncryptTask {
     image: Arc<Image>,
-    guest: GuestIovecs,
+    guest: Arc<GuestIovecs>,
     /// The bounce buffer (`n` bytes), owned by the request's slot.
     base: usize,
     n: usize,
     part: usize,
+    first: usize,
+    step: usize,
     at: u64,
     inbox: Arc<Inbox>,
     id: SlotId,
 }
 
 impl EncryptTask {
-    /// Encrypt part after part, posting each (after a failure the rest fail too).
+    /// Encrypt its parts one after the other, posting each (after a failure the rest fail
+    /// too).
     fn run(self) {
         let lost = lost_pages();
         let mut ok = true;
-        for i in 0..self.n.div_ceil(self.part) {
+        for i in (self.first..self.n.div_ceil(self.part)).step_by(self.step) {
             let (a, b) = (i * self.part, ((i + 1) * self.part).min(self.n));
             if let (true, Some(v)) = (ok, self.image.cipher()) {
                 // SAFETY: [a, b) is this part of the bounce buffer, which the request's

@@ -111,6 +111,8 @@ pub struct QueueWorker {
     /// Where the image's pools report this queue's writes (None: no pools, or an engine
     /// without an eventfd: those writes run on this thread).
     inbox: Option<Arc<Inbox>>,
+    /// Scratch for the encrypted parts taken from the inbox mid-request (`crypt`).
+    helper_parts: Vec<Completion>,
     /// Requests on a pool.
     offloaded: usize,
     /// Finished requests held back for a batch since (`hold_for_batch`).
@@ -162,6 +164,7 @@ impl QueueWorker {
         QueueWorker {
             image,
             inbox,
+            helper_parts: Vec::new(),
             offloaded: 0,
             held_since: None,
             broken: None,
