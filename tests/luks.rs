@@ -522,6 +522,34 @@ fn wrong_keys_corrupt_headers_and_absurd_parameters_are_refused() {
     let short = dir.join("short.img");
     std::fs::write(&short, &read_file(&img)[..64 * 1024]).unwrap();
     refused(&dir, &short, &[&key_arg(&k)], "image");
+    // A key for an image that is not (or no longer) encrypted: its header overwritten, a
+    // plain file, a plain qcow2. Serving it would write the guest's data in the clear.
+    let mut bytes = read_file(&img);
+    bytes[..4096].fill(0);
+    let wiped = dir.join("wiped.img");
+    std::fs::write(&wiped, &bytes).unwrap();
+    let plain_qcow2 = dir.join("plain.qcow2");
+    run_ok(
+        Command::new(env!("CARGO_BIN_EXE_vublk"))
+            .args(["create", "--format", "qcow2", "--size", "16M"])
+            .arg(&plain_qcow2),
+    );
+    for (file, extra) in [
+        (&wiped, &[][..]),
+        (&wiped, &["--format", "raw"][..]),
+        (&plain_qcow2, &[][..]),
+    ] {
+        let mut args = vec![key_arg(&k)];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, out) = vublk_refuses(&dir, file, &args);
+        assert_eq!(code, Some(2), "{out}");
+        assert!(out.contains("not encrypted"), "{}: {out}", file.display());
+    }
+    // The same for a migration destination (`--incoming`), before any frontend.
+    let (code, out) = vublk_refuses(&dir, &wiped, &[&key_arg(&k), "--incoming"]);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("not encrypted"), "incoming: {out}");
 }
 
 /// `vublk create --encrypt ARGS` of a 16 MiB disk, which must succeed.

@@ -82,6 +82,14 @@ impl Image {
                 "--compress-writes on: needs a qcow2 image opened read-write".into(),
             ));
         }
+        let encrypted = match &kind {
+            Kind::Luks(_) => true,
+            Kind::Qcow2(d) => d.q.crypt().is_some(),
+            _ => false,
+        };
+        if opts.key.is_some() && !encrypted {
+            return Err(not_encrypted(opts, format));
+        }
         let facts = RawFacts {
             file_size_bytes: img.size_bytes,
             ..facts
@@ -129,6 +137,9 @@ impl Image {
             })
         };
         let bad = |what: &str| ImageOpenError::Option(format!("{}: {what}", opts.path.display()));
+        if opts.key.is_some() && matches!(format, Format::Raw | Format::Parallels) {
+            return Err(not_encrypted(opts, format));
+        }
         let size_bytes = match format {
             Format::Raw => img.size_bytes,
             Format::Qcow2 => {
@@ -398,4 +409,20 @@ fn open_qcow2(
         }
     }
     Ok(d)
+}
+
+/// A key was given for an image that is not encrypted (a damaged or replaced header, or the
+/// wrong file): serving it would write the guest's data in the clear.
+fn not_encrypted(opts: &ImageOptions, format: Format) -> ImageOpenError {
+    ImageOpenError::Option(format!(
+        "{}: --key-secret was given, but the image is not encrypted ({} without encryption; \
+         no LUKS header found): refusing to serve it in the clear",
+        opts.path.display(),
+        match format {
+            Format::Raw => "raw",
+            Format::Qcow2 => "qcow2",
+            Format::Parallels => "parallels",
+            Format::Luks => "LUKS",
+        }
+    ))
 }
