@@ -113,22 +113,28 @@ fn qemu_decrypt(img: &Path, k: &Path, out: &Path) -> Vec<u8> {
     read_file(out)
 }
 
+/// `qemu-img create -f luks` of `size` bytes of data (cheap key slot), `disk.luks`.
+fn qemu_luks_image(dir: &TestDir, k: &Path, size: u64) -> PathBuf {
+    let img = dir.join("disk.luks");
+    run_ok(
+        Command::new("qemu-img")
+            .arg("create")
+            .args(qemu_secret_args(k))
+            .args(["-f", "luks", "-o", "key-secret=s0,iter-time=10"])
+            .arg(&img)
+            .arg(size.to_string()),
+    );
+    img
+}
+
 #[test]
 fn qemu_luks1_both_ways() {
     let Some(dir) = setup("luks-qemu", &["qemu-img", "qemu-io"]) else {
         return;
     };
     let k = key_file(&dir);
-    let img = dir.join("disk.luks");
     let size = 16 * MIB;
-    run_ok(
-        Command::new("qemu-img")
-            .arg("create")
-            .args(qemu_secret_args(&k))
-            .args(["-f", "luks", "-o", "key-secret=s0,iter-time=10"])
-            .arg(&img)
-            .arg(size.to_string()),
-    );
+    let img = qemu_luks_image(&dir, &k, size);
     // QEMU writes, vublk reads.
     let qemu_data = [(3 * MIB, 0xa5u8, 64 * 1024), (size - 4096, 0x5a, 4096)];
     for (off, byte, len) in qemu_data {
@@ -953,16 +959,8 @@ fn concurrent_large_writes_on_the_helper_and_the_queue_threads() {
         return;
     };
     let k = key_file(&dir);
-    let img = dir.join("disk.luks");
     let size = 24 * MIB;
-    run_ok(
-        Command::new("qemu-img")
-            .arg("create")
-            .args(qemu_secret_args(&k))
-            .args(["-f", "luks", "-o", "key-secret=s0,iter-time=10"])
-            .arg(&img)
-            .arg(size.to_string()),
-    );
+    let img = qemu_luks_image(&dir, &k, size);
     let opts = BackendOpts {
         num_queues: Some(2),
         extra_args: vec![
