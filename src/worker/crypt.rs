@@ -92,6 +92,10 @@ impl QueueWorker {
                 }
             }
         }
+        if share > 0 {
+            // Until its last part is written (`encrypted`).
+            self.watch().wait(req.id.get(), Wait::Pool);
+        }
         // Helpers never split a part with this thread: it would wait (spinning) for them.
         let alone = share > 0;
         let lost = lost_pages();
@@ -120,9 +124,6 @@ impl QueueWorker {
             // encryption must not hold back the disk's work on them.
             self.push_helper_parts();
             self.engine.submit()?;
-        }
-        if share > 0 {
-            self.watch().wait(req.id.get(), Wait::Pool);
         }
         Ok(self.slots.busy(req.id).is_some_and(|r| r.pending > 0))
     }
