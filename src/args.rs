@@ -210,6 +210,22 @@ pub struct Args {
     #[arg(long, value_name = "US|auto", default_value = "0")]
     pub poll_us: PollArg,
 
+    /// Which host errors of writes (and write-zeroes, discards, flushes) hold the request
+    /// instead of failing it: report = none, enospc = "no space" and "quota exceeded", hold
+    /// = every one. While requests are held the disk takes no new ones; they are retried
+    /// every --error-retry-interval and on `vublk ctl resume` (docs/error-policy.md).
+    #[arg(long, value_enum, value_name = "POLICY", default_value_t = crate::hold::WritePolicy::Enospc)]
+    pub werror: crate::hold::WritePolicy,
+
+    /// Which host errors of reads hold the request: report = none, hold = every one.
+    #[arg(long, value_enum, value_name = "POLICY", default_value_t = crate::hold::ReadPolicy::Report)]
+    pub rerror: crate::hold::ReadPolicy,
+
+    /// Retry held requests every SECS seconds (0 = only on `vublk ctl resume`; at most
+    /// 86400).
+    #[arg(long, value_name = "SECS", default_value_t = 5)]
+    pub error_retry_interval: u32,
+
     /// Log a request in flight longer than this many seconds, with what it waits for (one
     /// line per queue, repeated at most once per period while it stays; 0 = never;
     /// at most 86400). `stats` and the metrics show each queue's oldest request's age.
@@ -408,6 +424,16 @@ pub enum CtlMethod {
     },
     /// Write back all metadata and sync the file; answers once it is durable.
     Flush,
+    /// Retry the requests the error policy holds now (--werror, --rerror), without waiting
+    /// for --error-retry-interval (docs/error-policy.md).
+    Resume {
+        /// Answer them with an I/O error instead (as stop-holding).
+        #[arg(long)]
+        report: bool,
+    },
+    /// Answer every request the error policy holds with an I/O error (giving up on the
+    /// disk coming back); the disk takes new requests again.
+    StopHolding,
     /// Grow the disk online to SIZE (bytes, or with K, M, G, T) and tell the frontend;
     /// without SIZE, a block device's or RBD image's size now.
     Resize {

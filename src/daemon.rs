@@ -185,6 +185,8 @@ pub fn open_device(cfg: &Config) -> Result<Arc<Device>, DaemonError> {
         info!("I/O limits: {:?} (0: unlimited)", cfg.throttle);
         dev.throttle.set(cfg.throttle);
     }
+    dev.holds
+        .set_policy(cfg.werror, cfg.rerror, cfg.error_retry);
     watch_resizes(&dev)?;
     Ok(dev)
 }

@@ -59,6 +59,7 @@ pub mod crypt;
 pub mod daemon;
 pub mod device;
 pub mod guest_memory;
+pub mod hold;
 pub mod http;
 pub mod image;
 pub mod inflight;

@@ -190,6 +190,7 @@ impl Collector for Vublk {
                 u64::from(dev.frontend_connected.load(Ordering::Relaxed)),
             )],
         )?;
+        held(&mut enc, &dev.holds)?;
         let z = &dev.zero_stats;
         family(
             &mut enc,
@@ -324,6 +325,60 @@ impl Collector for Vublk {
         }
         Ok(())
     }
+}
+
+/// The error policy's families (`crate::hold`).
+fn held(enc: &mut DescriptorEncoder, h: &crate::hold::Holds) -> Result<(), fmt::Error> {
+    let now = h.now();
+    family(
+        enc,
+        "vublk_held_requests",
+        "Requests the error policy holds now (--werror, --rerror)",
+        MetricType::Gauge,
+        [(vec![], now.map_or(0, |n| n.requests as u64))],
+    )?;
+    family(
+        enc,
+        "vublk_held_errno",
+        "The host errno that started the hold now (0: nothing held)",
+        MetricType::Gauge,
+        [(vec![], now.map_or(0, |n| n.errno as u64))],
+    )?;
+    family(
+        enc,
+        "vublk_held_seconds",
+        "Seconds since the hold now started (0: nothing held)",
+        MetricType::Gauge,
+        [(vec![], now.map_or(0, |n| n.seconds() as u64))],
+    )?;
+    for (name, help, v) in [
+        (
+            "vublk_holds",
+            "Hold episodes (from the first request held to none)",
+            &h.episodes,
+        ),
+        (
+            "vublk_held",
+            "Requests ever held by the error policy",
+            &h.held_total,
+        ),
+        ("vublk_held_retries", "Retries of held requests", &h.retries),
+        (
+            "vublk_held_given_up",
+            "Held requests answered with an I/O error (stop-holding, or a stop without an \
+             inflight region)",
+            &h.given_up,
+        ),
+    ] {
+        family(
+            enc,
+            name,
+            help,
+            MetricType::Counter,
+            [(vec![], v.load(Ordering::Relaxed))],
+        )?;
+    }
+    Ok(())
 }
 
 /// The text a scrape gets.

@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use log::{info, warn};
 use sd_notify::NotifyState;
 
+use crate::locks::Locked;
+
 /// Raise the soft limit of open files to the hard limit, as systemd advises for programs that
 /// do not use select(2) (vublk does not): the soft limit (1024 under systemd and in most
 /// shells) is a compatibility default, and the descriptors a frontend's set-up needs (memory
@@ -81,12 +83,40 @@ fn notify(states: &[NotifyState]) {
 
 /// Listening: `READY=1` and the status.
 pub fn ready(status: &str) {
+    STATUS.locked().0 = status.to_owned();
     notify(&[NotifyState::Ready, NotifyState::Status(status)]);
+}
+
+/// The last status line given, and what the error policy holds (shown before it).
+static STATUS: std::sync::Mutex<(String, Option<String>)> =
+    std::sync::Mutex::new((String::new(), None));
+
+/// The status line with the held requests first, if any.
+fn status_line(s: &(String, Option<String>)) -> String {
+    match &s.1 {
+        Some(h) => format!("{h}; {}", s.0),
+        None => s.0.clone(),
+    }
 }
 
 /// A new status line (`systemctl status` shows it).
 pub fn status(status: &str) {
-    notify(&[NotifyState::Status(status)]);
+    let line = {
+        let mut s = STATUS.locked();
+        s.0 = status.to_owned();
+        status_line(&s)
+    };
+    notify(&[NotifyState::Status(&line)]);
+}
+
+/// The error policy holds requests (what, for the status line) or no longer (None).
+pub fn holding(what: Option<&str>) {
+    let line = {
+        let mut s = STATUS.locked();
+        s.1 = what.map(str::to_owned);
+        status_line(&s)
+    };
+    notify(&[NotifyState::Status(&line)]);
 }
 
 /// Shutting down: `STOPPING=1`.

@@ -31,6 +31,8 @@ pub enum Wait {
     Range = 6,
     /// Taking the image over (a live migration's destination, or its take-back).
     TakeOver = 7,
+    /// Held by the error policy (`--werror`, `--rerror`): not reported as stuck.
+    Held = 8,
 }
 
 impl Wait {
@@ -43,6 +45,7 @@ impl Wait {
             5 => Wait::Fill,
             6 => Wait::Range,
             7 => Wait::TakeOver,
+            8 => Wait::Held,
             _ => Wait::Nothing,
         }
     }
@@ -58,6 +61,7 @@ impl Wait {
             Wait::Fill => "another write's fill of the same clusters".into(),
             Wait::Range => "another write to the same blocks".into(),
             Wait::TakeOver => "taking the image over (locks held by another process)".into(),
+            Wait::Held => "a retry (held by the error policy)".into(),
         }
     }
 }
@@ -207,7 +211,8 @@ pub fn period(limit: Duration) -> Duration {
 pub fn check_queue(q: usize, w: &QueueWatch, limit: Duration, last: &mut Option<Instant>) {
     let now = now_us();
     let (oldest, over) = w.oldest(now, limit);
-    let stuck = oldest.filter(|o| o.age > limit);
+    // Held requests have their own log line (`hold`).
+    let stuck = oldest.filter(|o| o.age > limit && o.wait != Wait::Held);
     let Some(o) = stuck else {
         if last.take().is_some() {
             log::info!(

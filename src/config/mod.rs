@@ -66,6 +66,10 @@ pub struct Config {
     pub poll: Poller,
     /// `--stuck-request-secs` (zero: no watchdog).
     pub stuck_request: Duration,
+    /// `--werror`, `--rerror`, `--error-retry-interval`.
+    pub werror: crate::hold::WritePolicy,
+    pub rerror: crate::hold::ReadPolicy,
+    pub error_retry: Duration,
     /// `--bitmap`: (name, granularity) of the in-memory bitmaps to start with.
     pub bitmaps: Vec<(String, u64)>,
     /// `--persistent-bitmap`: (name, granularity) of the bitmaps the image file must keep
@@ -389,6 +393,12 @@ impl Config {
                 args.stuck_request_secs
             )));
         }
+        if args.error_retry_interval > 86400 {
+            return Err(bad(format!(
+                "--error-retry-interval {}: at most 86400 (0: only on resume)",
+                args.error_retry_interval
+            )));
+        }
         if !(1..=86400).contains(&args.control_idle_timeout) {
             return Err(bad(format!(
                 "--control-idle-timeout {}: must be between 1 and 86400 seconds",
@@ -450,6 +460,9 @@ impl Config {
             control_group: args.control_group.clone(),
             control_idle_timeout: Duration::from_secs(u64::from(args.control_idle_timeout)),
             stuck_request: Duration::from_secs(u64::from(args.stuck_request_secs)),
+            werror: args.werror,
+            rerror: args.rerror,
+            error_retry: Duration::from_secs(u64::from(args.error_retry_interval)),
             bitmaps,
             persistent_bitmaps,
             metrics_addr: args.metrics_addr.clone(),

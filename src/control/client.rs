@@ -49,6 +49,15 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
             },
         ),
         M::Flush => (name("flush"), Value::Null),
+        M::Resume { report } => (
+            name("resume"),
+            if *report {
+                json!({"report": true})
+            } else {
+                Value::Null
+            },
+        ),
+        M::StopHolding => (name("stop-holding"), Value::Null),
         M::Resize { size } => (
             name("resize"),
             match size {

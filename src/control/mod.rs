@@ -13,7 +13,8 @@
 //! saying why. Every close of that kind sends a JSON-RPC error ([`CLOSING`]) first.
 //!
 //! Methods: `version`, `status`, `stats`, `flush`, `set-throttle` (params: the limits to set,
-//! the others unchanged; 0 = unlimited), `get-throttle`.
+//! the others unchanged; 0 = unlimited), `get-throttle`, `resume` and `stop-holding` (the
+//! error policy's held requests: `hold`), and those of `jobs` and the other modules.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::Shutdown;
@@ -28,6 +29,7 @@ use log::info;
 use serde_json::{json, Value};
 
 mod client;
+mod hold;
 mod jobs;
 
 pub use client::{client, request_of};
@@ -450,6 +452,7 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                 "queues": dev.params.num_queues,
                 "queue_size": dev.params.queue_size,
                 "uptime_seconds": ctx.started.elapsed().as_secs_f64(),
+                "error_policy": hold::status(dev),
             }))
         }
         "stats" => {
@@ -552,6 +555,7 @@ fn call(method: &str, params: Value, ctx: &Context) -> CallResult {
                     CallError::Unknown(m) => (METHOD_NOT_FOUND, format!("unknown method {m:?}")),
                 })
         }
+        "resume" | "stop-holding" => hold::call(method, &params, ctx),
         "stream" | "commit" | "mirror" | "jobs" | "job-cancel" | "job-complete" => {
             jobs::call(method, &params, ctx)
         }

@@ -96,7 +96,7 @@ impl QueueWorker {
                         != Some(res as u64) =>
             {
                 failure = Some(format!("short {kind:?}: {res} bytes"));
-                res = -libc::EIO;
+                res = short_errno(kind);
             }
             Some(OpKind::Read) | Some(OpKind::Write)
                 if res >= 0 && res as u64 != r.expect_bytes =>
@@ -105,7 +105,7 @@ impl QueueWorker {
                     "short {kind:?} of {res} bytes, expected {}",
                     r.expect_bytes
                 ));
-                res = -libc::EIO;
+                res = short_errno(kind);
             }
             Some(OpKind::Discard) if res == -libc::EOPNOTSUPP => {
                 // Discard is a hint (5.2.6.2: the device may do nothing).
@@ -126,13 +126,11 @@ impl QueueWorker {
             }
             _ => {}
         }
-        if let Some(msg) = failure {
-            log_limited!(log::Level::Warn, "queue {}: {msg}", self.index);
-        }
         let mut failed = None;
         if res < 0 {
             self.stats.errors += 1;
             r.status = status::IOERR;
+            r.note_failure(Some(-res));
             failed = Some(Failure::Op {
                 kind,
                 source: io::Error::from_raw_os_error(-res),
@@ -153,8 +151,16 @@ impl QueueWorker {
         if sync_first {
             r.then = Then::Finish;
         }
-        if let Some(f) = failed {
-            self.report(&f);
+        if failure.is_some() || failed.is_some() {
+            // Logged unless the error policy will hold the request (that has its line).
+            if !self.would_hold(id, Some(-res)) {
+                if let Some(msg) = failure {
+                    log_limited!(log::Level::Warn, "queue {}: {msg}", self.index);
+                }
+                if let Some(f) = failed {
+                    self.report(&f);
+                }
+            }
         }
         if !done {
             return None;
@@ -167,15 +173,20 @@ impl QueueWorker {
                 r.status = status::IOERR;
             }
         }
-        Some((head, self.finish(id)))
+        self.finish(id).map(|used| (head, used))
     }
 
     /// Copy bounced read data out, give back what the image lent, write the status byte,
-    /// free the slot. Returns the used length.
-    pub(super) fn finish(&mut self, id: SlotId) -> u32 {
+    /// free the slot. Returns the used length; None when the error policy holds the
+    /// request instead (`hold`).
+    pub(super) fn finish(&mut self, id: SlotId) -> Option<u32> {
+        if self.must_hold(id) {
+            self.hold(id);
+            return None;
+        }
         let slot = self.slots.get(id);
         let SlotState::Busy(mut r) = std::mem::replace(&mut slot.state, SlotState::Free) else {
-            return 0;
+            return Some(0);
         };
         let is_read = slot.req.kind == RequestType::In;
         // Changed-block tracking: what changes what the guest reads is in every enabled
@@ -273,7 +284,19 @@ impl QueueWorker {
         if let Some(f) = failure {
             self.report(&f);
         }
-        r.used_len
+        if r.was_held {
+            self.dev.holds.release(1);
+        }
+        Some(r.used_len)
+    }
+}
+
+/// The errno of a short transfer: a write's is ENOSPC (the file system took what fitted:
+/// QEMU's AIO engines answer the same), a read's EIO.
+fn short_errno(kind: Option<OpKind>) -> i32 {
+    match kind {
+        Some(OpKind::Write) | Some(OpKind::WritePart) => -libc::ENOSPC,
+        _ => -libc::EIO,
     }
 }
 

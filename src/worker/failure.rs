@@ -61,6 +61,19 @@ impl Failure {
         status::IOERR
     }
 
+    /// The host errno behind it, for the error policy (None: the guest's fault or one no
+    /// retry fixes: never held).
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            Failure::Image { source, .. } => image_errno(source),
+            Failure::Io { source, .. } | Failure::Op { source, .. } => source.raw_os_error(),
+            Failure::PastEnd { .. }
+            | Failure::BadPlan
+            | Failure::GuestMemoryGone
+            | Failure::PlantedHeader => None,
+        }
+    }
+
     fn level(&self) -> Level {
         match self {
             // The guest's doing, and the operator can lift it.
@@ -70,12 +83,31 @@ impl Failure {
     }
 }
 
+/// The errno of an image error the error policy may hold (None: the image's state, which
+/// no retry changes).
+pub(super) fn image_errno(e: &ImageError) -> Option<i32> {
+    match e {
+        ImageError::Io(e) => Some(e.raw_os_error().unwrap_or(libc::EIO)),
+        ImageError::CompressedDataLost => Some(libc::EIO),
+        ImageError::Corrupt(_)
+        | ImageError::ReadOnly
+        | ImageError::Full
+        | ImageError::Unsupported(_)
+        | ImageError::Inactive => None,
+    }
+}
+
 impl QueueWorker {
-    /// Fail the request in slot `id` with `f` (its status set, the failure logged).
+    /// Fail the request in slot `id` with `f` (its status set, the failure noted for the
+    /// error policy and logged, unless the policy will hold it: `hold` logs that).
     pub(super) fn fail(&mut self, id: SlotId, f: Failure) {
-        self.report(&f);
+        let errno = f.errno();
+        if !self.would_hold(id, errno) {
+            self.report(&f);
+        }
         if let Some(r) = self.slots.busy(id) {
             r.status = f.status();
+            r.note_failure(errno);
         }
     }
 

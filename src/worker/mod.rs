@@ -25,6 +25,7 @@ mod crypt;
 mod failure;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
+mod hold;
 pub mod poll;
 mod publish;
 mod read;
@@ -144,6 +145,8 @@ pub struct QueueWorker {
     timer: Option<vmm_sys_util::timerfd::TimerFd>,
     /// Where the frontend logs this queue's used-ring writes (VHOST_VRING_F_LOG).
     used_log: Option<u64>,
+    /// Requests the error policy holds here (`hold`).
+    holds: hold::QueueHolds,
 }
 
 impl QueueWorker {
@@ -180,6 +183,7 @@ impl QueueWorker {
                 .map_err(|e| warn!("queue {index}: no throttle timer ({e})"))
                 .ok(),
             used_log: None,
+            holds: hold::QueueHolds::default(),
             lost_pages: crate::guest_memory::lost_pages(),
             poll: poll::Poller::default(),
             poll_abort: Arc::new(AtomicBool::new(false)),
@@ -392,7 +396,7 @@ impl QueueWorker {
         };
         loop {
             self.reap_and_complete(&vring);
-            if self.in_flight() <= self.throttled.len() {
+            if self.in_flight() <= self.throttled.len() + self.held_here() {
                 break;
             }
             if !self.wait_for_completion() {
@@ -413,6 +417,8 @@ impl QueueWorker {
             // Completions already known (including synthetic ones) first: waiting with
             // nothing in the kernel would block for ever.
             self.reap_and_complete(&vring);
+            // Held requests wait for nothing in the kernel either.
+            self.leave_held();
             if self.in_flight() == 0 {
                 break;
             }
@@ -491,7 +497,7 @@ impl QueueWorker {
         // notifications off for good (with EVENT_IDX the driver then stops kicking).
         self.stalled = false;
         loop {
-            if self.broken.is_some() || self.memory_lost() || !enabled {
+            if self.broken.is_some() || self.memory_lost() || !enabled || self.held_back() {
                 break;
             }
             if let Some(why) = ring_problem(state.get_queue(), &mem) {
@@ -514,6 +520,9 @@ impl QueueWorker {
             loop {
                 if !self.slots.has_free() || !self.resubmit.is_empty() {
                     self.stalled = true;
+                    break;
+                }
+                if self.held_back() {
                     break;
                 }
                 if self.memory_lost() {

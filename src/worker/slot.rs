@@ -129,6 +129,9 @@ pub(super) struct Slot {
 // sits behind the backend's per-queue mutex).
 unsafe impl Send for Slot {}
 
+// Slots live in a table made once (`Slots`): a free one taking a busy one's room costs
+// nothing, and boxing the busy one would cost an allocation per request.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum SlotState {
     Free,
     Busy(InFlight),
@@ -180,6 +183,14 @@ pub(super) struct InFlight {
     pub decrypt_pieces: Vec<u64>,
     /// An encrypted write: the file offset of its first part (`worker::crypt`).
     pub write_at: u64,
+    /// The first host error (errno) of this attempt, which the error policy may hold it
+    /// for (`hold`; 0: none).
+    pub host_errno: i32,
+    /// It also failed for a reason no retry fixes (the guest's fault, a corrupt image): it
+    /// is never held.
+    pub unholdable: bool,
+    /// It has been held (counted in the device's holds until it completes).
+    pub was_held: bool,
 }
 
 impl InFlight {
@@ -200,6 +211,22 @@ impl InFlight {
             decrypt_at: None,
             decrypt_pieces: Vec::new(),
             write_at: 0,
+            host_errno: 0,
+            unholdable: false,
+            was_held: false,
+        }
+    }
+
+    /// Note why an operation of this request failed: a host `errno`, or (None) a reason
+    /// the error policy never holds.
+    pub fn note_failure(&mut self, errno: Option<i32>) {
+        match errno {
+            Some(e) => {
+                if self.host_errno == 0 {
+                    self.host_errno = e;
+                }
+            }
+            None => self.unholdable = true,
         }
     }
 }
@@ -254,6 +281,17 @@ impl Slots {
     /// Give slot `id` back (its request is finished, or never started).
     pub fn release(&mut self, id: SlotId) {
         self.free.push(id);
+    }
+
+    /// Free slot `id` without finishing its request (the error policy leaves a held one in
+    /// the inflight region: `hold`).
+    pub fn free(&mut self, id: SlotId) {
+        if let Some(s) = self.table.get_mut(usize::from(id.0)) {
+            if matches!(s.state, SlotState::Busy(_)) {
+                s.state = SlotState::Free;
+                self.free.push(id);
+            }
+        }
     }
 
     pub fn has_free(&self) -> bool {

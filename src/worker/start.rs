@@ -178,7 +178,7 @@ impl QueueWorker {
 
     /// Start the requests recovery found in flight, oldest first, as far as slots allow.
     pub(super) fn resubmit_recovered(&mut self, q: &virtio_queue::Queue, mem: &Arc<Mem>) {
-        while !self.resubmit.is_empty() && self.slots.has_free() {
+        while !self.resubmit.is_empty() && self.slots.has_free() && !self.dev.holds.paused() {
             let Some(head) = self.resubmit.pop() else {
                 break;
             };

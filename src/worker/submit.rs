@@ -63,7 +63,7 @@ impl QueueWorker {
                     source: crate::image::ImageError::Inactive,
                 },
             );
-            return Some(self.finish(id));
+            return self.finish(id);
         }
         self.count_in_flight();
         if self.must_wait_for_throttle(req) {
@@ -139,7 +139,7 @@ impl QueueWorker {
                 None
             }
             // Nothing to submit (or failed before any operation): complete now.
-            Ok(false) => Some(self.finish(id)),
+            Ok(false) => self.finish(id),
             Err(e) => {
                 self.fail(
                     id,
@@ -149,7 +149,11 @@ impl QueueWorker {
                     },
                 );
                 let pending = self.slots.busy(id).map_or(0, |r| r.pending);
-                (pending == 0).then(|| self.finish(id))
+                if pending == 0 {
+                    self.finish(id)
+                } else {
+                    None
+                }
             }
         }
     }

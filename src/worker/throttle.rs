@@ -14,7 +14,7 @@ impl QueueWorker {
         self.timer.as_ref().map(|t| t.as_raw_fd())
     }
 
-    /// The throttle timer fired: start what the limits admit now.
+    /// The timer fired: start what the limits admit now, and look at held requests.
     pub fn handle_timer(&mut self) {
         if let Some(t) = self.timer.as_mut() {
             let _ = t.clear();
@@ -25,6 +25,8 @@ impl QueueWorker {
         self.release_throttled();
         self.submit_engine();
         self.reap_and_complete(&vring);
+        // The error policy's tick shares the timer (`hold`).
+        self.hold_tick(&vring);
         if self.stalled {
             self.process_queue(&vring, true);
         }

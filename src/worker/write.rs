@@ -13,7 +13,7 @@ use crate::virtio_blk::Range;
 use crate::watchdog::Wait;
 use crate::zero::DetectZeroes;
 
-use super::failure::{report_offloaded, Failure};
+use super::failure::{image_errno, report_offloaded, Failure};
 use super::slot::{user_data, OpKind, Req, Slot, SlotId};
 use super::submit::{block_span, copy_from_guest, copy_from_guest_prefix};
 use super::QueueWorker;
@@ -210,19 +210,24 @@ impl QueueWorker {
         let image = self.image.clone();
         let ud = user_data(id, OpKind::Offload, 0);
         let queue = self.index;
+        let dev = self.dev.clone();
         let job: crate::offload::Job = Box::new(move || {
             let result = match image.write_through_format(offset, &data, durable) {
                 Ok(()) => 0,
                 Err(e) => {
-                    report_offloaded(
-                        queue,
-                        &Failure::Image {
-                            what: "write",
-                            offset,
-                            source: e,
-                        },
-                    );
-                    -libc::EIO
+                    // The errno goes back for the error policy, which logs what it holds.
+                    let errno = image_errno(&e).unwrap_or(libc::EIO);
+                    if !dev.holds.holds(crate::virtio_blk::RequestType::Out, errno) {
+                        report_offloaded(
+                            queue,
+                            &Failure::Image {
+                                what: "write",
+                                offset,
+                                source: e,
+                            },
+                        );
+                    }
+                    -errno
                 }
             };
             drop(gate);

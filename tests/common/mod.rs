@@ -22,6 +22,7 @@ mod process;
 mod qemu_img;
 mod seccomp;
 mod skip_log;
+mod tmpfs;
 mod writer;
 
 // Each test binary uses a different subset.
@@ -49,6 +50,8 @@ pub use qemu_img::*;
 #[allow(unused_imports)]
 pub use seccomp::*;
 pub use skip_log::log_skip;
+#[allow(unused_imports)]
+pub use tmpfs::*;
 #[allow(unused_imports)]
 pub use writer::*;
 
