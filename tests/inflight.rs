@@ -10,6 +10,7 @@ mod common;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
@@ -509,4 +510,130 @@ fn a_restarted_vublk_interrupts_the_guest_at_queue_start_with_event_idx() {
     );
     drop(fe);
     assert_eq!(second.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+}
+
+/// Fill the file system at `dir` to the last byte with a file `name`.
+fn fill_up(dir: &Path, name: &str) -> std::path::PathBuf {
+    use std::io::Write;
+    let p = dir.join(name);
+    let mut f = File::create(&p).unwrap();
+    let chunk = vec![0x11u8; 64 * 1024];
+    while f.write_all(&chunk).is_ok() {}
+    for n in [4096, 512, 1] {
+        while f.write_all(&chunk[..n]).is_ok() {}
+    }
+    p
+}
+
+/// The error policy's held requests across process ends (docs/error-policy.md): writes to
+/// a full file system are held, not completed; a SIGTERM leaves them marked in the region
+/// (the daemon still exits at once), a SIGKILL too; a later vublk resubmits them, holds
+/// them again while there is no space, and completes them with their data once there is.
+#[test]
+fn held_requests_stay_in_the_region_for_the_next_process() {
+    if skip_unless_vublk("the error policy is vublk's") {
+        return;
+    }
+    let dir = TestDir::new("inflight-held");
+    let Some(fs) = Tmpfs::mount(&dir.join("fs"), 2 * MIB) else {
+        return;
+    };
+    let img = fs.join("img.raw");
+    create_sparse_image(&img, 16 * MIB);
+    let filler = fill_up(fs.path(), "filler");
+    let ctl = dir.join("ctl.sock");
+    let mut o = opts();
+    o.extra_args.extend(
+        ["--error-retry-interval", "1", "--control-socket"]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    o.extra_args.push(ctl.display().to_string());
+    let held = || {
+        ctl_ok(&ctl, "status", &[])["error_policy"]["held"]["requests"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let wait_held = |n: u64, what: &str| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while held() != n {
+            assert!(Instant::now() < deadline, "{what}: held {}", held());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let g = guest();
+    let heads: Vec<u16> = (0..4)
+        .map(|k| write_request(&g, k, 64 * u64::from(k), 0x90 + k as u8))
+        .collect();
+    publish(&g, &heads);
+
+    // First: held, then a SIGTERM.
+    let first = Backend::start(&dir, &img, &o);
+    let mut fe = frontend(&first.socket);
+    let region = get_region(&mut fe);
+    fe.set_inflight_fd(&region.info, region.file.as_raw_fd())
+        .unwrap();
+    fe.set_mem_table(&[g.region()]).unwrap();
+    let _kicks = start_queue(&mut fe, &g, USED);
+    wait_held(4, "a full file system");
+    let stopped = Instant::now();
+    assert_eq!(first.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    assert!(
+        stopped.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        stopped.elapsed()
+    );
+    drop(fe);
+    let log = first.log_contents();
+    assert!(log.contains("left in the inflight region"), "{log}");
+    assert_eq!(used_idx(&g), 0, "a held request completed");
+    for (k, h) in heads.iter().enumerate() {
+        assert_eq!(
+            region.inflight(*h),
+            1,
+            "request {k} not marked after SIGTERM"
+        );
+        assert_eq!(status(&g, k as u16), 0xff, "request {k} got a status");
+    }
+    wait_unlocked(&img, Duration::from_secs(5));
+
+    // Second: resubmitted, held again (still full), then a SIGKILL.
+    let second = Backend::start(&dir, &img, &o);
+    let mut fe = frontend(&second.socket);
+    fe.set_inflight_fd(&region.info, region.file.as_raw_fd())
+        .unwrap();
+    fe.set_mem_table(&[g.region()]).unwrap();
+    let _kicks = start_queue_at(&mut fe, &g, USED, 0);
+    wait_held(4, "resubmitted to a full file system");
+    second.signal(libc::SIGKILL);
+    second.wait_exit(EXIT_DEADLINE);
+    drop(fe);
+    assert_eq!(used_idx(&g), 0, "a held request completed");
+    for h in &heads {
+        assert_eq!(region.inflight(*h), 1);
+    }
+    wait_unlocked(&img, Duration::from_secs(5));
+
+    // Third, with space: everything completes, in the file.
+    std::fs::remove_file(&filler).unwrap();
+    let third = Backend::start(&dir, &img, &o);
+    let mut fe = frontend(&third.socket);
+    fe.set_inflight_fd(&region.info, region.file.as_raw_fd())
+        .unwrap();
+    fe.set_mem_table(&[g.region()]).unwrap();
+    let _kicks = start_queue_at(&mut fe, &g, USED, 0);
+    wait_used(&g, 4, "with space again");
+    for (k, h) in heads.iter().enumerate() {
+        assert_eq!(status(&g, k as u16), 0, "request {k}");
+        assert_eq!(region.inflight(*h), 0);
+    }
+    drop(fe);
+    assert_eq!(third.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
+    for k in 0..4u64 {
+        let f = read_file_range(&img, 64 * k * 512, 4096);
+        assert!(
+            f.iter().all(|&b| b == 0x90 + k as u8),
+            "request {k} not in the file"
+        );
+    }
 }

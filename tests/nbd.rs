@@ -839,3 +839,82 @@ fn hostile_server_replies_fail_the_request_not_the_daemon() {
         println!("{what}: IOERR, vublk kept running");
     }
 }
+
+/// nbdkit's error filter answers writes with NBD_ENOSPC while a file exists, and reads
+/// with EIO while another does: vublk holds the writes (the default `--werror enospc`) and,
+/// with `--rerror hold`, the reads, and completes them once the server takes them again
+/// (docs/error-policy.md). The guest sees no error.
+#[test]
+fn server_enospc_is_held_until_the_server_takes_writes_again() {
+    if skip_unless_vublk("the error policy is vublk's") {
+        return;
+    }
+    let dir = TestDir::new("nbd-enospc");
+    let (inject_w, inject_r) = (dir.join("inject-write"), dir.join("inject-read"));
+    std::fs::write(&inject_w, b"").unwrap();
+    let (fw, fr) = (
+        format!("error-pwrite-file={}", inject_w.display()),
+        format!("error-pread-file={}", inject_r.display()),
+    );
+    let Some((_srv, port)) = nbdkit(&[
+        "--filter=error",
+        "memory",
+        "16M",
+        "error-pwrite=ENOSPC",
+        "error-pwrite-rate=100%",
+        &fw,
+        "error-pread=EIO",
+        "error-pread-rate=100%",
+        &fr,
+    ]) else {
+        return;
+    };
+    let ctl = dir.join("ctl.sock");
+    let ctl_arg = ctl.display().to_string();
+    let backend = serve(
+        &dir,
+        &format!("nbd://127.0.0.1:{port}/"),
+        1,
+        &[
+            "--control-socket",
+            &ctl_arg,
+            "--error-retry-interval",
+            "1",
+            "--rerror",
+            "hold",
+        ],
+    );
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    let held = || ctl_ok(&ctl, "status", &[])["error_policy"]["held"].clone();
+    let wait_held = |errno: i32| {
+        wait_until("a request held", || held()["errno"] == errno);
+        let h = held();
+        assert_eq!(h["requests"], 1, "{h}");
+        // Still held a while later: retries fail while the server does.
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(held()["requests"], 1);
+    };
+    let results = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            (0..4u64)
+                .map(|i| c.write_at(0, i * 4096, &[0xa0 + i as u8; 4096]))
+                .collect::<Vec<_>>()
+        });
+        wait_held(libc::ENOSPC);
+        std::fs::remove_file(&inject_w).unwrap();
+        h.join().unwrap()
+    });
+    assert_eq!(results, vec![0; 4], "a write failed");
+    assert_eq!(held(), serde_json::Value::Null);
+    std::fs::write(&inject_r, b"").unwrap();
+    let read = std::thread::scope(|s| {
+        let h = s.spawn(|| c.read_at(0, 4096, 4096));
+        wait_held(libc::EIO);
+        std::fs::remove_file(&inject_r).unwrap();
+        h.join().unwrap()
+    });
+    assert_eq!(read, Ok(vec![0xa1; 4096]));
+    backend.assert_running();
+    drop(c);
+    assert!(backend.sigterm_and_wait(EXIT_DEADLINE).success());
+}

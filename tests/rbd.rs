@@ -696,3 +696,73 @@ fn a_backup_of_an_rbd_image_is_its_state_at_the_begin() {
     drop(c);
     assert!(backend.sigterm_and_wait(EXIT_DEADLINE).success());
 }
+
+/// A pool over its quota (`ceph osd pool set-quota`; the cluster's manager reports its use):
+/// the cluster answers writes with EDQUOT (vublk asks librados not to wait on a full pool),
+/// vublk holds them (the default `--werror enospc`), and completes them with their data
+/// once the quota is raised (docs/error-policy.md).
+#[test]
+fn writes_to_a_pool_over_its_quota_are_held_until_it_is_raised() {
+    let dir = TestDir::new("rbd-quota");
+    let Some(ceph) = Ceph::start_with_mgr(&dir.path, CLUSTER_BYTES) else {
+        return;
+    };
+    ceph.rbd(&["create", "rbd/disk", "--size", "32M"]);
+    ceph.ceph(&["osd", "pool", "set-quota", "rbd", "max_bytes", "4194304"]);
+    let ctl = dir.join("ctl.sock");
+    let ctl_arg = ctl.display().to_string();
+    let backend = serve(
+        &dir,
+        &ceph,
+        "disk",
+        &["--control-socket", &ctl_arg, "--error-retry-interval", "1"],
+        false,
+    );
+    let mut c = connect(&backend.socket, ClientOpts::default());
+    let data = |i: u64| pattern(MIB as usize, i * MIB, 0x9a);
+    // Over the quota (it is checked after the fact): these succeed.
+    for i in 0..6 {
+        assert_eq!(c.write_at(0, i * MIB, &data(i)), 0, "write {i}");
+    }
+    let full = || {
+        ceph.ceph(&["osd", "pool", "ls", "detail"])
+            .contains("full_quota")
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !full() {
+        assert!(Instant::now() < deadline, "the pool never became full");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let held = || ctl_ok(&ctl, "status", &[])["error_policy"]["held"].clone();
+    let results = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            (6..8)
+                .map(|i| c.write_at(0, i * MIB, &data(i)))
+                .collect::<Vec<_>>()
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while held()["errno"] != libc::EDQUOT {
+            assert!(Instant::now() < deadline, "nothing held: {}", held());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(held()["requests"], 1);
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(held()["requests"], 1, "no longer held with the pool full");
+        ceph.ceph(&["osd", "pool", "set-quota", "rbd", "max_bytes", "0"]);
+        h.join().unwrap()
+    });
+    assert_eq!(results, vec![0, 0], "a write failed");
+    assert_eq!(held(), serde_json::Value::Null);
+    let all = c.read_all(0);
+    for i in 0..8 {
+        assert_same(
+            &all[(i * MIB) as usize..((i + 1) * MIB) as usize],
+            &data(i),
+            &format!("write {i}"),
+        );
+    }
+    drop(c);
+    assert!(backend.sigterm_and_wait(EXIT_DEADLINE).success());
+    let e = ceph.export("rbd/disk", &dir.join("export.raw"));
+    assert_same(&e, &all, "rbd export");
+}

@@ -2,11 +2,13 @@
 # A throwaway single-node Ceph cluster for tests and benchmarks: one monitor on 127.0.0.1,
 # one OSD with the memstore object store (nothing on disk but logs), auth off, pool size 1.
 #
-#   contrib/ceph/cluster.sh start DIR [MEMSTORE_BYTES]   # prints CEPH_CONF=DIR/ceph.conf
+#   contrib/ceph/cluster.sh start DIR [MEMSTORE_BYTES [mgr]]   # prints CEPH_CONF=DIR/ceph.conf
 #   contrib/ceph/cluster.sh stop DIR                     # stops the daemons by their PIDs
 #
 # Needs Debian's ceph-mon, ceph-osd and ceph-common. Ready means a probe object was written
-# and read back (without a mgr, `ceph -s` shows no PGs although I/O works).
+# and read back (without a mgr, `ceph -s` shows no PGs although I/O works). With `mgr`, a
+# manager daemon (ceph-mgr) runs too, reporting pool statistics every second: what pool
+# quotas (`ceph osd pool set-quota`) need to take effect.
 set -euo pipefail
 
 cmd=${1:?start|stop}
@@ -43,7 +45,14 @@ for tool in ceph-mon ceph-osd ceph monmaptool rados; do
 	command -v "$tool" >/dev/null || { echo "$tool missing: apt-get install ceph-mon ceph-osd ceph-common" >&2; exit 77; }
 done
 bytes=${3:-$((2 << 30))}
-mkdir -p "$dir"/{mon,osd,run,log}
+with_mgr=${4:-}
+if [ -n "$with_mgr" ]; then
+	command -v ceph-mgr >/dev/null || { echo "ceph-mgr missing: apt-get install ceph-mgr" >&2; exit 77; }
+fi
+mkdir -p "$dir"/{mon,osd,run,log,mgr}
+# With a manager, quotas are checked every second (the monitor's tick).
+tick=""
+[ -z "$with_mgr" ] || tick="mon tick interval = 1"
 # One cluster starts at a time on this machine: OSDs of clusters started together have been
 # seen taking each other's monitor replies ("wrong fsid").
 exec 9>"${TMPDIR:-/tmp}/vublk-ceph-start.lock"
@@ -81,6 +90,9 @@ rados osd op timeout = 30
 client mount timeout = 10
 [mon.a]
 mon data = $dir/mon/a
+mgr data = $dir/mgr/\$id
+mgr stats period = 1
+$tick
 [osd]
 osd data = $dir/osd/\$id
 osd max object name len = 256
@@ -129,6 +141,19 @@ done
 [ "$osd_up" = 1 ] || { echo "the OSD did not start; logs in $dir/log" >&2; exit 1; }
 ceph -c "$conf" --connect-timeout 20 osd pool create rbd 8 >/dev/null 2>&1
 ceph -c "$conf" osd pool application enable rbd rbd >/dev/null 2>&1 || true
+if [ -n "$with_mgr" ]; then
+	mkdir -p "$dir/mgr/x"
+	ceph-mgr -c "$conf" -i x 9>&-
+	mgr_up=0
+	for _ in $(seq 1 600); do
+		if ceph -c "$conf" mgr stat -f json 2>/dev/null | grep -q '"available": *true'; then
+			mgr_up=1
+			break
+		fi
+		sleep 0.1
+	done
+	[ "$mgr_up" = 1 ] || { echo "the manager did not become available; logs in $dir/log" >&2; exit 1; }
+fi
 # Ready: a probe object written and read back.
 for _ in $(seq 1 300); do
 	if echo probe | rados -c "$conf" -p rbd put vublk-probe - 2>/dev/null &&

@@ -263,6 +263,42 @@ resize)
 	phase
 	exit 0
 	;;
+hold)
+	# The host's file system fills up under the disk while the guest writes files onto ext4
+	# (E2E_HOLD_COPIES copies of pattern.bin, default 4, each written with fsync); the host
+	# frees space after a while. vublk holds the writes meanwhile (--werror enospc): the
+	# guest must finish with no I/O error, no ext4 error and no read-only remount in dmesg,
+	# every file verified after a remount, and fsck clean.
+	phase hold-mkfs
+	run hold-mkfs "$MKFS" -F -q -E lazy_itable_init=0,lazy_journal_init=0 "$DEV" \
+		"$((FS_BYTES / 1024))k"
+	run hold-mkdir mkdir -p "$MNT"
+	run hold-mount mount -t ext4 "$DEV" "$MNT"
+	phase hold-write
+	say "HOLD-WRITING"
+	copies=${E2E_HOLD_COPIES:-4}
+	for i in $(seq 1 "$copies"); do
+		run "hold-write-$i" "$DD" if="$PAT" of="$MNT/h$i" bs=1M conv=fsync status=none
+	done
+	run hold-sync sync
+	say "HOLD-WRITTEN"
+	(cd "$MNT" && "$SHA" h* >/tmp/sums) || fail hold-checksum-record
+	run hold-umount umount "$MNT"
+	phase hold-fsck
+	run hold-fsck "$FSCK" -fn "$DEV"
+	phase hold-verify
+	run hold-remount mount -t ext4 "$DEV" "$MNT"
+	echo 3 >/proc/sys/vm/drop_caches
+	for i in $(seq 1 "$copies"); do
+		"$CMP" "$MNT/h$i" "$PAT" || fail "hold-verify-$i"
+	done
+	run hold-umount-2 umount "$MNT"
+	errors=$(/bin/busybox dmesg | grep -i -E 'i/o error|blk_update_request|EXT4-fs error|remounting filesystem read-only|aborting journal|buffer i/o error' || true)
+	[ -z "$errors" ] || fail hold-dmesg "$(echo "$errors" | head -n 3 | tr '\n' ' ')"
+	say "INFO $copies files of $(($(stat -c %s "$PAT") / MIB)) MiB written across the host's full episode"
+	phase
+	exit 0
+	;;
 "") ;;
 *) fail mode "unknown E2E_MODE=$E2E_MODE" ;;
 esac

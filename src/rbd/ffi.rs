@@ -47,6 +47,9 @@ extern "C" {
         io: *mut rados_ioctx_t,
     ) -> c_int;
     pub fn rados_ioctx_destroy(io: rados_ioctx_t);
+    /// Writes to a full pool (quota) or cluster fail with EDQUOT or ENOSPC instead of
+    /// waiting in librados (librados 15+).
+    pub fn rados_set_pool_full_try(io: rados_ioctx_t);
 }
 
 #[link(name = "rbd")]

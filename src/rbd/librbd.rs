@@ -220,6 +220,11 @@ impl RbdImage {
         // SAFETY: a connected cluster, a C string, a valid out pointer.
         let r = unsafe { ffi::rados_ioctx_create(cluster.h, pool.as_ptr(), &mut io) };
         check(r, || format!("opening pool {:?}", spec.pool))?;
+        // A write to a full pool or cluster fails (EDQUOT, ENOSPC) rather than waits in
+        // librados unseen: vublk's error policy decides (--werror: held, by default, and
+        // retried; or reported).
+        // SAFETY: the io context just created.
+        unsafe { ffi::rados_set_pool_full_try(io) };
         let name = cstr(&spec.image)?;
         let snap = spec.snapshot.as_deref().map(cstr).transpose()?;
         let snap_ptr = snap.as_ref().map_or(ptr::null(), |s| s.as_ptr());

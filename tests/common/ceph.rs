@@ -20,6 +20,15 @@ impl Ceph {
     /// Start a cluster in `dir/ceph` with a memstore of `bytes`; None (skipped) where the
     /// Ceph packages are missing, a failure under CI.
     pub fn start(dir: &Path, bytes: u64) -> Option<Ceph> {
+        Self::start_with(dir, bytes, false)
+    }
+
+    /// [`Ceph::start`] with a manager daemon too (pool statistics, which pool quotas need).
+    pub fn start_with_mgr(dir: &Path, bytes: u64) -> Option<Ceph> {
+        Self::start_with(dir, bytes, true)
+    }
+
+    fn start_with(dir: &Path, bytes: u64, mgr: bool) -> Option<Ceph> {
         let cdir = dir.join("ceph");
         // A start sometimes fails while other clusters run on the machine ("problem getting
         // command descriptions from mon", "wrong fsid"); the script then stops what it
@@ -32,6 +41,7 @@ impl Ceph {
                 .arg("start")
                 .arg(&cdir)
                 .arg(bytes.to_string())
+                .args(mgr.then_some("mgr"))
                 .output()
                 .unwrap();
             if o.status.code() == Some(77) {
@@ -71,6 +81,11 @@ impl Ceph {
     /// Run `rbd -c CONF ARGS`, which must succeed; its stdout.
     pub fn rbd(&self, args: &[&str]) -> String {
         run_ok(Command::new("rbd").arg("-c").arg(&self.conf).args(args))
+    }
+
+    /// Run `ceph -c CONF ARGS`, which must succeed; its stdout.
+    pub fn ceph(&self, args: &[&str]) -> String {
+        run_ok(Command::new("ceph").arg("-c").arg(&self.conf).args(args))
     }
 
     /// `rbd export` of `image` into `out`; its bytes.
