@@ -168,7 +168,7 @@ pub struct Device {
     /// What pauses the queues of the connected frontend (None: none is connected).
     pause: std::sync::Mutex<Option<std::sync::Weak<dyn QueuePause>>>,
     /// The error policy and the requests it holds (`--werror`, `--rerror`: `hold`).
-    pub holds: crate::hold::Holds,
+    pub holds: Box<crate::hold::Holds>,
 }
 
 /// Pausing every queue between two requests: the connected frontend's backend.
@@ -239,7 +239,7 @@ impl Device {
             jobs: crate::jobs::Jobs::default(),
             write_through: Default::default(),
             pause: std::sync::Mutex::new(None),
-            holds: crate::hold::Holds::default(),
+            holds: Box::default(),
             write_ranges: rmw_possible.then(RangeLocks::default),
             zero_stats: ZeroStats::default(),
             image: ImageSlot::new(image, reopen),

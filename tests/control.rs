@@ -351,36 +351,6 @@ fn metrics_parse_and_match_stats() {
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
 }
 
-/// `name{labels} value` lines of the text format, keyed by `name{labels}` (comments skipped;
-/// every other line must parse).
-fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
-    let mut m = std::collections::HashMap::new();
-    for l in text.lines() {
-        if l.starts_with('#') || l.trim().is_empty() {
-            continue;
-        }
-        let (key, value) = l
-            .rsplit_once(' ')
-            .unwrap_or_else(|| panic!("metrics line without a value: {l:?}"));
-        let v: f64 = value
-            .parse()
-            .unwrap_or_else(|_| panic!("metrics line with a bad value: {l:?}"));
-        assert!(
-            key.starts_with("vublk_")
-                && key.chars().next().is_some_and(|c| c.is_ascii_alphabetic()),
-            "{l:?}"
-        );
-        if let Some(i) = key.find('{') {
-            assert!(key.ends_with('}'), "{l:?}");
-            assert!(key[i + 1..key.len() - 1]
-                .split(',')
-                .all(|kv| kv.contains("=\"") && kv.ends_with('"')));
-        }
-        m.insert(key.to_owned(), v);
-    }
-    m
-}
-
 /// Online resize under libblkio: raw and qcow2 grow (a new client sees the new capacity and
 /// writes and reads the new last block; the old data stays), shrinking and a bad size are
 /// refused; qcow2 is `qemu-img check` clean, also after a SIGKILL right after a resize, and

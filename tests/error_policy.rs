@@ -54,6 +54,10 @@ struct Setup {
 }
 
 fn setup(name: &str, format: &str, args: &[&str]) -> Option<Setup> {
+    setup_with(name, format, args, BackendOpts::default())
+}
+
+fn setup_with(name: &str, format: &str, args: &[&str], opts: BackendOpts) -> Option<Setup> {
     let dir = TestDir::new(name);
     let fs = Tmpfs::mount(&dir.join("fs"), FS)?;
     let img = fs.join(&format!("disk.{format}"));
@@ -77,7 +81,7 @@ fn setup(name: &str, format: &str, args: &[&str]) -> Option<Setup> {
         &img,
         &BackendOpts {
             extra_args: extra,
-            ..BackendOpts::default()
+            ..opts
         },
     );
     Some(Setup {
@@ -97,7 +101,7 @@ fn data(i: u64) -> Vec<u8> {
 
 /// Write `WRITES` MiB (four at a time, each from a buffer of its own) on a thread, while
 /// `during` runs here; the writes' results.
-fn write_all_while(c: &mut Client, during: impl FnOnce()) -> Vec<i32> {
+fn write_all_while(c: &mut Client, during: impl FnOnce(&mut Client)) -> Vec<i32> {
     let mut ops = Vec::new();
     for i in 0..WRITES {
         let buf = (i * W) as usize;
@@ -110,6 +114,7 @@ fn write_all_while(c: &mut Client, during: impl FnOnce()) -> Vec<i32> {
     }
     let (mut queues, mem) = c.take_queues();
     let mut q = queues.remove(0);
+    c.queues = queues;
     let results = std::thread::scope(|s| {
         let h = s.spawn(move || {
             set_io_deadline_for_this_thread(Duration::from_secs(60));
@@ -119,18 +124,23 @@ fn write_all_while(c: &mut Client, during: impl FnOnce()) -> Vec<i32> {
             }
             (results, q)
         });
-        during();
+        during(&mut *c);
         let (r, q) = h.join().unwrap();
-        c.queues.push(q);
+        c.queues.insert(0, q);
         r
     });
     results
 }
 
 fn client(s: &Setup) -> Client {
+    client_queues(s, 1)
+}
+
+fn client_queues(s: &Setup, num_queues: i32) -> Client {
     connect(
         &s.backend.socket,
         ClientOpts {
+            num_queues,
             mem_size: (WRITES * W) as usize,
             ..ClientOpts::default()
         },
@@ -149,32 +159,76 @@ fn check_data(c: &mut Client, s: &Setup, raw: bool) {
     }
 }
 
-/// The space runs out: no write fails; `status` and the metrics show them held (ENOSPC);
-/// freed, they complete within the retry interval and read back right. One log line says
-/// they are held, none reports them as errors.
+/// The space runs out: no write fails; `status`, the metrics and the service status
+/// (NOTIFY_SOCKET) show them held (ENOSPC); a flush sent on the other queue meanwhile waits
+/// (nothing new is taken while anything is held); freed, everything completes within the
+/// retry interval and reads back right. One log line says they are held, none reports
+/// them as errors.
 fn held_writes_complete_once_space_is_freed(format: &str) {
     if skip_unless_vublk("the error policy is vublk's") {
         return;
     }
-    let Some(s) = setup(
+    let dir = TestDir::new(&format!("hold-{format}-notify"));
+    let notify = dir.join("notify.sock");
+    let listener = std::os::unix::net::UnixDatagram::bind(&notify).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let Some(s) = setup_with(
         &format!("hold-{format}"),
         format,
-        &["--error-retry-interval", "1"],
+        &["--error-retry-interval", "1", "--metrics-addr", &addr],
+        BackendOpts {
+            num_queues: Some(2),
+            env: vec![("NOTIFY_SOCKET".into(), notify.display().to_string())],
+            ..BackendOpts::default()
+        },
     ) else {
         return;
     };
-    let mut c = client(&s);
-    let results = write_all_while(&mut c, || {
+    let statuses = || {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = listener.recv(&mut buf) {
+            out.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+        out
+    };
+    let mut c = client_queues(&s, 2);
+    let results = write_all_while(&mut c, |c| {
         let h = wait_held(&s.ctl, "the disk filled", |n| n > 0);
         assert_eq!(h["errno"], libc::ENOSPC, "{h}");
         assert_eq!(h["error"], "No space left on device", "{h}");
-        // Held, not failed: still held a while later (retries fail: still no space).
-        std::thread::sleep(Duration::from_millis(1500));
+        let m = parse_metrics(&http_get(&addr, "/metrics"));
+        assert!(m["vublk_held_requests"] > 0.0, "{m:?}");
+        assert_eq!(m["vublk_held_errno"], f64::from(libc::ENOSPC));
+        assert!(m["vublk_holds_total"] >= 1.0, "{m:?}");
+        let st = statuses();
+        assert!(
+            st.iter()
+                .any(|s| s.contains("STATUS=holding requests since")
+                    && s.contains("No space left on device")),
+            "{st:?}"
+        );
+        // A flush on the other queue is not taken while writes are held.
+        let q1 = &mut c.queues[0];
+        q1.flush(0, blkio::ReqFlags::empty());
+        let mut done = [std::mem::MaybeUninit::<blkio::Completion>::uninit()];
+        let mut wait = Duration::from_millis(1500);
+        assert!(
+            q1.do_io(&mut done, 1, Some(&mut wait), None).is_err(),
+            "a flush completed while writes were held"
+        );
+        // Held, not failed: still held (retries fail: still no space).
         let (n, h) = held(&s.ctl);
         assert!(n > 0, "nothing held any more with no space freed: {h}");
         let v = ctl_ok(&s.ctl, "status", &[]);
         assert_eq!(v["error_policy"]["werror"], "enospc", "{v}");
         std::fs::remove_file(&s.filler).unwrap();
+        let mut wait = Duration::from_secs(10);
+        assert_eq!(q1.do_io(&mut done, 1, Some(&mut wait), None).ok(), Some(1));
+        // SAFETY: do_io filled the first completion.
+        let flushed = unsafe { done[0].assume_init_ref() }.ret;
+        assert_eq!(flushed, 0, "the flush failed");
         let freed = Instant::now();
         wait_held(&s.ctl, "after space was freed", |n| n == 0);
         assert!(
@@ -192,6 +246,15 @@ fn held_writes_complete_once_space_is_freed(format: &str) {
     assert_eq!(lines("holding writes that failed on the host"), 1, "{log}");
     assert_eq!(lines("No space left on device"), 1, "{log}");
     assert!(log.contains("no request held any more"), "{log}");
+    let m = parse_metrics(&http_get(&addr, "/metrics"));
+    assert_eq!(m["vublk_held_requests"], 0.0);
+    assert!(m["vublk_held_total"] >= 1.0, "{m:?}");
+    assert!(m["vublk_held_retries_total"] >= 1.0, "{m:?}");
+    let st = statuses();
+    assert!(
+        st.last().is_some_and(|s| !s.contains("holding")),
+        "the service status still says holding: {st:?}"
+    );
     drop(c);
     assert_eq!(s.backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
     if format != "raw" {
@@ -219,7 +282,7 @@ fn werror_report_fails_them() {
         return;
     };
     let mut c = client(&s);
-    let results = write_all_while(&mut c, || {});
+    let results = write_all_while(&mut c, |_| {});
     let failed = results.iter().filter(|&&r| r == EIO).count();
     assert!(failed > 0, "no write failed on a full disk: {results:?}");
     assert_eq!(
@@ -242,7 +305,7 @@ fn stop_holding_answers_them_with_an_error() {
         return;
     };
     let mut c = client(&s);
-    let results = write_all_while(&mut c, || {
+    let results = write_all_while(&mut c, |_| {
         wait_held(&s.ctl, "the disk filled", |n| n > 0);
         // A resume with no space: held again.
         let v = ctl_ok(&s.ctl, "resume", &[]);

@@ -7,7 +7,8 @@
 //! its dmesg, its files verified, and `e2fsck` clean on the host.
 //!
 //! Environment: `VUBLK_E2E_REQUIRE=1` fails instead of skipping when QEMU or the guest
-//! kernel is missing; `VUBLK_E2E_KEEP=1` keeps the run directory.
+//! kernel is missing; `VUBLK_E2E_KEEP=1` keeps the run directory; `VUBLK_HOLD_SECS=N` holds
+//! the guest N seconds instead of 4.
 
 mod common;
 mod vm;
@@ -26,8 +27,15 @@ const DISK: u64 = 512 << 20;
 /// guest's 96 MiB of files.
 const FS: u64 = 256 << 20;
 const FILLER: u64 = 176 << 20;
-/// How long the guest is kept waiting once writes are held.
-const HELD_FOR: Duration = Duration::from_secs(4);
+/// How long the guest is kept waiting once writes are held (`VUBLK_HOLD_SECS`, default 4).
+fn held_for() -> Duration {
+    Duration::from_secs(
+        env::var("VUBLK_HOLD_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(4),
+    )
+}
 
 #[test]
 fn a_guest_rides_out_a_full_host_file_system() {
@@ -98,7 +106,7 @@ fn a_guest_rides_out_a_full_host_file_system() {
             }
         }
         if let Some((at, _)) = &seen_held {
-            if !freed && at.elapsed() >= HELD_FOR {
+            if !freed && at.elapsed() >= held_for() {
                 // Still held (the guest waits, nothing failed): free the space.
                 let h = held();
                 assert!(
@@ -145,7 +153,7 @@ fn a_guest_rides_out_a_full_host_file_system() {
     );
     let (_, h) = seen_held.unwrap_or_else(|| panic!("nothing was ever held\n{}", dump()));
     assert_eq!(h["errno"], libc::ENOSPC, "{h}");
-    println!("[hold] held: {h}; freed after {HELD_FOR:?}");
+    println!("[hold] held: {h}; freed after {:?}", held_for());
     let st = vublk.terminate(Duration::from_secs(30));
     assert_eq!(st.and_then(|s| s.code()), Some(0), "{}", read_log(&log));
     let vlog = read_log(&log);

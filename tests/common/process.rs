@@ -31,6 +31,8 @@ pub struct BackendOpts {
     /// Let the backend dump core (RLIMIT_CORE unlimited), in the test directory (its
     /// working directory then).
     pub core_dumps: bool,
+    /// Environment variables for the backend (e.g. NOTIFY_SOCKET).
+    pub env: Vec<(String, String)>,
 }
 
 /// A running backend. Dropping it kills the process (SIGKILL) and reaps it.
@@ -142,6 +144,7 @@ impl Backend {
                 cmd.pre_exec(move || fail_fallocate_mode0(errno));
             }
         }
+        cmd.envs(opts.env.iter().map(|(k, v)| (k, v)));
         let log_file = File::create(&log).unwrap();
         cmd.stdin(Stdio::null())
             .stdout(log_file.try_clone().unwrap())
@@ -574,4 +577,34 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// `name{labels} value` lines of the text format, keyed by `name{labels}` (comments skipped;
+/// every other line must parse).
+pub fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
+    let mut m = std::collections::HashMap::new();
+    for l in text.lines() {
+        if l.starts_with('#') || l.trim().is_empty() {
+            continue;
+        }
+        let (key, value) = l
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("metrics line without a value: {l:?}"));
+        let v: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("metrics line with a bad value: {l:?}"));
+        assert!(
+            key.starts_with("vublk_")
+                && key.chars().next().is_some_and(|c| c.is_ascii_alphabetic()),
+            "{l:?}"
+        );
+        if let Some(i) = key.find('{') {
+            assert!(key.ends_with('}'), "{l:?}");
+            assert!(key[i + 1..key.len() - 1]
+                .split(',')
+                .all(|kv| kv.contains("=\"") && kv.ends_with('"')));
+        }
+        m.insert(key.to_owned(), v);
+    }
+    m
 }
