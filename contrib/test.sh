@@ -26,6 +26,7 @@ tools=(
 	"mke2fs e2fsprogs"
 	"ceph-mon ceph-mon"
 	"ceph-osd ceph-osd"
+	"ceph-mgr ceph-mgr"
 	"rbd ceph-common"
 	"ss iproute2"
 	"nbdkit nbdkit"

@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{markers, read_log, ChildGuard, LineCollector, ScratchDir, MARK};
+use vm::{read_log, ChildGuard, LineCollector, ScratchDir, MARK};
 
 const DISK: u64 = 512 << 20;
 /// The tmpfs and the filler that leaves about 80 MiB of it: enough for mkfs, not for the
@@ -133,25 +133,13 @@ fn a_guest_rides_out_a_full_host_file_system() {
         thread::sleep(Duration::from_millis(100));
     };
     lines_seen.extend(serial.finish());
-    let marks = markers(&lines_seen);
-    let dump = || {
-        format!(
-            "--- serial:\n{}\n--- vublk:\n{}\n--- qemu:\n{}",
-            lines_seen.join("\n"),
-            read_log(&log),
-            read_log(&run.path.join("qemu.log"))
+    vm::assert_passed(status.is_some(), &lines_seen, &log, &run.path);
+    let (_, h) = seen_held.unwrap_or_else(|| {
+        panic!(
+            "nothing was ever held\n{}",
+            vm::dump(&lines_seen, &log, &run.path)
         )
-    };
-    assert!(status.is_some(), "the guest hung\n{}", dump());
-    if let Some(f) = marks.iter().find(|m| m.starts_with("FAIL")) {
-        panic!("guest reported {f}\n{}", dump());
-    }
-    assert!(
-        marks.iter().any(|m| m.starts_with("PASS")),
-        "no PASS\n{}",
-        dump()
-    );
-    let (_, h) = seen_held.unwrap_or_else(|| panic!("nothing was ever held\n{}", dump()));
+    });
     assert_eq!(h["errno"], libc::ENOSPC, "{h}");
     println!("[hold] held: {h}; freed after {:?}", held_for());
     let st = vublk.terminate(Duration::from_secs(30));

@@ -18,7 +18,7 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{markers, read_log, ChildGuard, LineCollector, ScratchDir, MARK};
+use vm::{read_log, ChildGuard, LineCollector, ScratchDir, MARK};
 
 const DISK: u64 = 512 << 20;
 const GROWN: u64 = DISK + (64 << 20);
@@ -115,24 +115,8 @@ fn run(fmt: &str) {
         thread::sleep(Duration::from_millis(20));
     };
     let lines = serial.finish();
-    let marks = markers(&lines);
-    let dump = || {
-        format!(
-            "--- serial:\n{}\n--- vublk:\n{}\n--- qemu:\n{}",
-            lines.join("\n"),
-            read_log(&log),
-            read_log(&run.path.join("qemu.log"))
-        )
-    };
-    assert!(status.is_some(), "the guest hung\n{}", dump());
-    if let Some(f) = marks.iter().find(|m| m.starts_with("FAIL")) {
-        panic!("guest reported {f}\n{}", dump());
-    }
-    assert!(
-        marks.iter().any(|m| m.starts_with("PASS")),
-        "no PASS\n{}",
-        dump()
-    );
+    let marks = vm::assert_passed(status.is_some(), &lines, &log, &run.path);
+    let dump = || vm::dump(&lines, &log, &run.path);
     let resized = marks
         .iter()
         .find_map(|m| m.strip_prefix("RESIZED "))

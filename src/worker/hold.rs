@@ -216,7 +216,10 @@ impl QueueWorker {
             fresh.was_held = true;
             *r = fresh;
             let req = Req::new(id, head, &slot.req);
-            self.watch().wait(id.get(), Wait::Start);
+            let (op, sector) = (crate::stats::op_index(req.kind), slot.req.sector);
+            // The watchdog times this attempt (the latency statistics keep the first start).
+            self.watch()
+                .start(id.get(), op, sector, crate::watchdog::now_us());
             if let Some(used) = self.launch(req) {
                 self.deferred_used.push((req.head, used));
             }

@@ -366,6 +366,33 @@ pub fn markers(lines: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// What a failed guest run prints: its serial lines, vublk's log and QEMU's (`qemu.log` in
+/// the run directory).
+pub fn dump(lines: &[String], vublk_log: &Path, run: &Path) -> String {
+    format!(
+        "--- serial:\n{}\n--- vublk:\n{}\n--- qemu:\n{}",
+        lines.join("\n"),
+        read_log(vublk_log),
+        read_log(&run.join("qemu.log"))
+    )
+}
+
+/// A guest run that ended (`exited`: QEMU exited before the test's deadline) must have
+/// reported no FAIL and a PASS; its markers.
+pub fn assert_passed(exited: bool, lines: &[String], vublk_log: &Path, run: &Path) -> Vec<String> {
+    let marks = markers(lines);
+    assert!(exited, "the guest hung\n{}", dump(lines, vublk_log, run));
+    if let Some(f) = marks.iter().find(|m| m.starts_with("FAIL")) {
+        panic!("guest reported {f}\n{}", dump(lines, vublk_log, run));
+    }
+    assert!(
+        marks.iter().any(|m| m.starts_with("PASS")),
+        "no PASS\n{}",
+        dump(lines, vublk_log, run)
+    );
+    marks
+}
+
 /// Every block each writer of the guest's `restart` workload reported (its WROTE and BULK
 /// markers) is in the image, with its pattern block; returns how many blocks were checked.
 /// Block i of writer w is at device block (i * writers + w) * 16 (4 KiB blocks).
