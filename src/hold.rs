@@ -199,7 +199,7 @@ impl Holds {
             );
             crate::service::holding(Some(&format!(
                 "holding requests since {}: {}",
-                humantime_utc(self.since_ms.load(Ordering::Relaxed)),
+                utc_time(self.since_ms.load(Ordering::Relaxed)),
                 errno_text(errno)
             )));
         }
@@ -244,25 +244,11 @@ impl Holds {
 }
 
 /// `ms` since the epoch as `YYYY-MM-DD HH:MM:SS UTC`.
-pub fn humantime_utc(ms: u64) -> String {
-    let secs = ms / 1000;
-    let (days, rem) = (secs / 86400, secs % 86400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+pub fn utc_time(ms: u64) -> String {
+    match i64::try_from(ms).map(jiff::Timestamp::from_millisecond) {
+        Ok(Ok(t)) => t.strftime("%Y-%m-%d %H:%M:%S UTC").to_string(),
+        _ => format!("{ms} ms after 1970"),
+    }
 }
 
 #[cfg(test)]
@@ -307,8 +293,8 @@ mod tests {
 
     #[test]
     fn dates_read_as_utc() {
-        assert_eq!(humantime_utc(0), "1970-01-01 00:00:00 UTC");
-        assert_eq!(humantime_utc(1_796_300_000_000), "2026-12-03 12:13:20 UTC");
-        assert_eq!(humantime_utc(951_782_400_000), "2000-02-29 00:00:00 UTC");
+        assert_eq!(utc_time(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc_time(1_796_300_000_000), "2026-12-03 12:13:20 UTC");
+        assert_eq!(utc_time(951_782_400_000), "2000-02-29 00:00:00 UTC");
     }
 }

@@ -53,7 +53,7 @@ pub(super) fn status(dev: &Device) -> Value {
             "requests": n.requests,
             "errno": n.errno,
             "error": n.error(),
-            "since": crate::hold::humantime_utc(n.since_ms),
+            "since": crate::hold::utc_time(n.since_ms),
             "seconds": n.seconds(),
         })
     });
