@@ -14,13 +14,13 @@ mod common;
 mod vm;
 
 use std::env;
-use std::fs::{self, File};
+use std::fs;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{read_log, ChildGuard, LineCollector, ScratchDir, MARK};
+use vm::{read_log, ScratchDir, MARK};
 
 const DISK: u64 = 512 << 20;
 /// The tmpfs and the filler that leaves about 80 MiB of it: enough for mkfs, not for the
@@ -66,21 +66,13 @@ fn a_guest_rides_out_a_full_host_file_system() {
         &["--control-socket", &ctl_arg, "--error-retry-interval", "1"],
     );
     vm::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
-    let mut qcmd = vm::guest_command(
+    let (mut q, mut serial) = vm::start_one_queue_guest(
         &qemu,
         &guest,
-        "512M",
-        1,
-        &format!("path={}", sock.display()),
-        ",num-queues=1",
+        &sock,
         "console=ttyS0 panic=-1 loglevel=4 E2E_MODE=hold E2E_HOLD_COPIES=4",
+        &run.path,
     );
-    qcmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(File::create(run.path.join("qemu.log")).unwrap());
-    let mut q = ChildGuard::spawn("qemu", &mut qcmd).unwrap();
-    let stdout = q.child_mut().stdout.take().unwrap();
-    let mut serial = LineCollector::new(stdout, File::create(run.path.join("serial.log")).ok());
     let held = || -> serde_json::Value {
         let o = Command::new(env!("CARGO_BIN_EXE_vublk"))
             .args(["ctl", "--control-socket", &ctl_arg, "status"])

@@ -12,13 +12,13 @@ mod common;
 mod vm;
 
 use std::env;
-use std::fs::{self, File};
+use std::fs;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use vm::{read_log, ChildGuard, LineCollector, ScratchDir, MARK};
+use vm::{read_log, ScratchDir, MARK};
 
 const DISK: u64 = 512 << 20;
 const GROWN: u64 = DISK + (64 << 20);
@@ -62,21 +62,13 @@ fn run(fmt: &str) {
     let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
     let mut vublk = vm::spawn_vublk("vublk", &log, &sock, &image, 1, &args);
     vm::wait_for_socket(&sock, &mut vublk, Duration::from_secs(20)).unwrap();
-    let mut qcmd = vm::guest_command(
+    let (mut q, mut serial) = vm::start_one_queue_guest(
         &qemu,
         &guest,
-        "512M",
-        1,
-        &format!("path={}", sock.display()),
-        ",num-queues=1",
+        &sock,
         "console=ttyS0 panic=-1 loglevel=4 E2E_MODE=resize E2E_LBS=512",
+        &run.path,
     );
-    qcmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(File::create(run.path.join("qemu.log")).unwrap());
-    let mut q = ChildGuard::spawn("qemu", &mut qcmd).unwrap();
-    let stdout = q.child_mut().stdout.take().unwrap();
-    let mut serial = LineCollector::new(stdout, File::create(run.path.join("serial.log")).ok());
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut resized_at = None;
     let status = loop {

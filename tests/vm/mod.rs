@@ -366,6 +366,34 @@ pub fn markers(lines: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// A one-queue, 512 MiB guest on vublk's socket `sock` with kernel command line `append`,
+/// its serial console collected (and kept in `run`/serial.log, QEMU's stderr in
+/// `run`/qemu.log).
+pub fn start_one_queue_guest(
+    qemu: &Path,
+    guest: &Guest,
+    sock: &Path,
+    append: &str,
+    run: &Path,
+) -> (ChildGuard, LineCollector) {
+    let mut qcmd = guest_command(
+        qemu,
+        guest,
+        "512M",
+        1,
+        &format!("path={}", sock.display()),
+        ",num-queues=1",
+        append,
+    );
+    qcmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(File::create(run.join("qemu.log")).unwrap());
+    let mut q = ChildGuard::spawn("qemu", &mut qcmd).unwrap();
+    let stdout = q.child_mut().stdout.take().unwrap();
+    let serial = LineCollector::new(stdout, File::create(run.join("serial.log")).ok());
+    (q, serial)
+}
+
 /// What a failed guest run prints: its serial lines, vublk's log and QEMU's (`qemu.log` in
 /// the run directory).
 pub fn dump(lines: &[String], vublk_log: &Path, run: &Path) -> String {
