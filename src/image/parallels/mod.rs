@@ -535,6 +535,11 @@ impl ParallelsImage {
                 _ => preallocate(file, PreallocMode::Truncate, old_end, new_end),
             };
             r?;
+            // The new size must be durable before a BAT entry that points into it can be:
+            // BAT chunks are written before the requests that changed them complete, and a
+            // power cut that kept one of them but not the growth would leave clusters
+            // outside the file. Once per growth (the preallocation makes that rare).
+            file.sync_data()?;
             self.stats.grows.fetch_add(1, Ordering::Relaxed);
             self.stats
                 .grown_bytes
