@@ -23,6 +23,12 @@ pub enum Op {
         buf: usize,
         len: usize,
     },
+    /// A write with BLKIO_REQ_FUA (libblkio's virtio-blk driver follows it with a flush).
+    WriteFua {
+        offset: u64,
+        buf: usize,
+        len: usize,
+    },
     /// (region offset, length) segments
     Readv {
         offset: u64,
@@ -269,6 +275,9 @@ pub fn run_batch(q: &mut Blkioq, mem: MemView, ops: &[Op]) -> Vec<i32> {
             }
             Op::Write { offset, buf, len } => {
                 q.write(*offset, check(*buf, *len), *len, i, ReqFlags::empty())
+            }
+            Op::WriteFua { offset, buf, len } => {
+                q.write(*offset, check(*buf, *len), *len, i, ReqFlags::FUA)
             }
             Op::Readv { offset, iov } | Op::Writev { offset, iov } => {
                 let v: Vec<libc::iovec> = iov

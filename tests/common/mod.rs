@@ -13,6 +13,7 @@
 mod ceph;
 mod chain;
 mod client;
+mod crash;
 mod files;
 mod frontend;
 mod loopdev;
@@ -33,6 +34,8 @@ pub use ceph::*;
 pub use chain::*;
 #[allow(unused_imports)]
 pub use client::*;
+#[allow(unused_imports)]
+pub use crash::*;
 #[allow(unused_imports)]
 pub use files::*;
 #[allow(unused_imports)]
