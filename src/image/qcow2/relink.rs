@@ -1,6 +1,14 @@
 //! Changing a qcow2 image's backing file in its header (a stream job's last step), with the
-//! image closed: the header's first cluster rewritten in one write (the fixed fields, the
-//! backing format extension and the name; every other extension kept), then synced.
+//! image closed, then synced.
+//!
+//! Dropping the link changes only the two fixed fields that point at the name (offset and
+//! length, in the first 512-byte sector): one sector, so a power cut leaves the old header
+//! or the new one, never a mix (the crash states of tests/crash_states.rs tear writes at
+//! sectors; a rewrite of the whole header once left the old offset pointing at a zeroed
+//! name). The stale name and backing format extension stay behind, unreferenced and
+//! ignored without a backing file, until the header is next rebuilt. A new link rewrites
+//! the header's first cluster in one write (the fixed fields, the backing format extension
+//! and the name; every other extension kept), as QEMU does.
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
@@ -20,6 +28,13 @@ pub fn set_backing(path: &Path, backing: Option<(&str, &str)>) -> Result<(), Str
     let mut first = vec![0u8; 4096];
     f.read_exact_at(&mut first, 0).map_err(err)?;
     let h = Header::parse(&first).map_err(|e| format!("{}: {e}", path.display()))?;
+    if backing.is_none() {
+        let mut sector = first[..512].to_vec();
+        // backing_file_offset (8 bytes at 8) and backing_file_size (4 bytes at 16).
+        sector[8..20].fill(0);
+        f.write_all_at(&sector, 0).map_err(err)?;
+        return f.sync_all().map_err(err);
+    }
     let mut old = vec![0u8; 1usize << h.cluster_bits];
     f.read_exact_at(&mut old, 0).map_err(err)?;
     if let Some((name, _)) = backing {
