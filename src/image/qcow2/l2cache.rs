@@ -155,9 +155,16 @@ impl Qcow2Image {
                 // cluster), or the entry names compressed data: the data written for it
                 // (the new cluster's copy of what is kept, the compressed chunk) must be
                 // durable before this entry is, or a crash could show what it replaced as
-                // lost, or a chunk that does not decompress.
+                // lost, or a chunk that does not decompress. In an encrypted image even
+                // fresh space does not read as zeroes (it decrypts to noise): the new data
+                // must be durable first there too.
                 let compressed = entry & super::map::L2_COMPRESSED != 0;
-                if old != entry && (old != 0 || compressed || self.backing_file.is_some()) {
+                if old != entry
+                    && (old != 0
+                        || compressed
+                        || self.backing_file.is_some()
+                        || self.crypt_region.is_some())
+                {
                     ws.unsynced_data = true;
                 }
                 return Ok(());
