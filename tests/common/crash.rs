@@ -15,7 +15,8 @@ use super::*;
 
 /// The workload's disk.
 pub const CRASH_DISK: u64 = 8 * MIB;
-const SECTORS: usize = (CRASH_DISK / 512) as usize;
+/// The most the workload's disk grows to (a resize row doubles it).
+const MAX_SECTORS: usize = (2 * CRASH_DISK / 512) as usize;
 
 /// How many crash states a row checks: `VUBLK_CRASH_STATES`, else `ci`.
 pub fn crash_budget(ci: usize) -> usize {
@@ -52,14 +53,29 @@ pub struct CrashRow {
     pub name: &'static str,
     /// The image vublk serves (a file name in the directory).
     pub image: &'static str,
-    /// `qemu-img check -f FORMAT` on every state (None: raw, nothing to check).
-    pub check_format: Option<&'static str>,
+    /// `qemu-img check` every qcow2 and parallels file of each state (the image, its
+    /// overlays, a mirror's target).
+    pub check_images: bool,
+    /// The passphrase file qemu-img needs to open the images (an encrypted qcow2).
+    pub qemu_key: Option<PathBuf>,
+    /// vublk gets a control socket while recording (`<dir>/ctl.sock`, for the hooks).
+    pub ctl: bool,
     /// vublk's options while recording and when serving a state.
     pub args: Vec<String>,
-    /// The disk starts with the pattern (an overlay over a filled backing file); else zeroes.
-    pub initial_pattern: bool,
+    /// What the disk holds before the workload writes.
+    pub initial: Initial,
     /// Creates the files in the (empty) directory.
     pub setup: Box<dyn Fn(&Path) + Sync>,
+}
+
+/// What the disk holds before the workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Initial {
+    Zero,
+    /// `pattern_disk()` (an overlay over a filled backing file).
+    Pattern,
+    /// Anything (a fresh LUKS volume reads as whatever its bytes decrypt to).
+    Any,
 }
 
 /// What one sector may hold: a write's stamp or zeroes.
@@ -73,14 +89,20 @@ enum Kind {
 /// The workload's log: every request, and per epoch (a mark in the recording) what was
 /// durable and how far requests had been issued.
 pub struct WorkloadLog {
-    initial_pattern: bool,
+    initial: Initial,
+    discard_reads_anything: bool,
     /// By request id; id 0 is the disk's initial content.
     kinds: Vec<Kind>,
     /// Per sector, the ids that touched it, in order.
     touch: Vec<Vec<u32>>,
-    /// Per epoch: the durable id of every sector, and the last id issued before the next
-    /// epoch's mark.
-    epochs: Vec<(Arc<Vec<u32>>, u32)>,
+    /// Per epoch: the durable id of every sector, the last id issued before the next
+    /// epoch's mark, and the disk's durable size.
+    epochs: Vec<(Arc<Vec<u32>>, u32, u64)>,
+    /// Per epoch: a digest of every request so far (in the mark, so that a recording is
+    /// never checked against a different workload).
+    digests: Vec<u64>,
+    /// Where the recorder was mounted (paths vublk wrote into files start with it).
+    pub mount: PathBuf,
     /// The last id issued before the first mark.
     first_batch_last: u32,
     pub requests: usize,
@@ -88,16 +110,19 @@ pub struct WorkloadLog {
     pub fua: usize,
 }
 
+const WORKLOAD_VERSION: u64 = 2;
+
 const STAMP_MAGIC: u64 = 0x5642_4c4b_4352_5348;
 
 /// Sector `s` as written by request `id` (id 0: the initial pattern).
 pub fn stamp(s: u64, id: u32, out: &mut [u8]) {
     out[..8].copy_from_slice(&(STAMP_MAGIC ^ s).to_le_bytes());
     out[8..12].copy_from_slice(&id.to_le_bytes());
-    let mut z = (s << 32) | u64::from(id);
+    // One word of the sector's own repeated: unique, and it compresses (the compressed
+    // rows need data that does).
+    let z = splitmix64((s << 32) | u64::from(id)).to_le_bytes();
     for chunk in out[12..512].chunks_mut(8) {
-        z = splitmix64(z);
-        chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+        chunk.copy_from_slice(&z[..chunk.len()]);
     }
 }
 
@@ -134,11 +159,17 @@ fn decode(s: u64, sec: &[u8]) -> Seen {
 impl WorkloadLog {
     /// Checks a whole disk read back from a crash state whose last mark was `epoch`.
     pub fn check(&self, epoch: Option<usize>, disk: &[u8]) -> Result<(), String> {
-        let zeros = Arc::new(vec![0u32; SECTORS]);
-        let (durable, issued) = match epoch {
-            Some(e) => (&self.epochs[e].0, self.epochs[e].1),
-            None => (&zeros, self.first_batch_last),
+        let zeros = Arc::new(vec![0u32; MAX_SECTORS]);
+        let (durable, issued, capacity) = match epoch {
+            Some(e) => (&self.epochs[e].0, self.epochs[e].1, self.epochs[e].2),
+            None => (&zeros, self.first_batch_last, CRASH_DISK),
         };
+        if (disk.len() as u64) < capacity {
+            return Err(format!(
+                "the disk has {} bytes; {capacity} were durable (epoch {epoch:?})",
+                disk.len()
+            ));
+        }
         let mut bad = Vec::new();
         for (s, sec) in disk.chunks(512).enumerate() {
             let seen = decode(s as u64, sec);
@@ -168,11 +199,14 @@ impl WorkloadLog {
 
     fn content_is(&self, s: usize, id: u32, seen: &Seen) -> bool {
         match (id, self.kinds[id as usize], seen) {
-            (0, _, Seen::Stamp(0)) => self.initial_pattern,
-            (0, _, Seen::Zero) => !self.initial_pattern,
+            (0, _, _) if self.initial == Initial::Any => true,
+            (0, _, Seen::Stamp(0)) => self.initial == Initial::Pattern,
+            (0, _, Seen::Zero) => self.initial == Initial::Zero,
             (_, Kind::Stamp, Seen::Stamp(w)) => *w == id,
             (_, Kind::Zero, Seen::Zero) => true,
-            // A discarded sector reads as zeroes or as anything it held before.
+            // A discarded sector reads as zeroes or as anything it held before (on an
+            // encrypted volume, as whatever the host's zeroes decrypt to).
+            (_, Kind::Discard, _) if self.discard_reads_anything => true,
             (_, Kind::Discard, Seen::Zero) => true,
             (_, Kind::Discard, other) => {
                 self.content_is(s, 0, other)
@@ -186,7 +220,10 @@ impl WorkloadLog {
     }
 
     fn allowed(&self, s: usize, durable: u32, issued: u32, seen: &Seen) -> bool {
-        if *seen == Seen::Garbage {
+        if *seen == Seen::Garbage
+            && !(durable == 0 && self.initial == Initial::Any)
+            && !self.discard_reads_anything
+        {
             return false;
         }
         self.content_is(s, durable, seen)
@@ -196,101 +233,168 @@ impl WorkloadLog {
                 .any(|&w| self.content_is(s, w, seen))
     }
 
-    /// The epoch named by the mark at `record` ("epoch N").
+    /// The epoch named by the mark at `record` ("epoch N DIGEST").
     pub fn epoch_of(rec: &Recording, record: Option<usize>) -> Option<usize> {
         record.map(|i| match &rec.records[i].op {
-            RecOp::Mark(m) => m
-                .strip_prefix("epoch ")
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("mark {m:?} is not an epoch")),
+            RecOp::Mark(m) => parse_mark(m).0,
             other => panic!("record {i} is not a mark: {other:?}"),
         })
     }
+
+    /// Panics unless every mark of `rec` names this workload's epoch and digest.
+    pub fn assert_recorded_by_me(&self, rec: &Recording) {
+        for (i, m) in rec.marks() {
+            let (e, d) = parse_mark(m);
+            assert!(
+                self.digests.get(e) == Some(&d),
+                "record {i}, {m:?}: the recording was made by another workload (this one's \
+                 digest is {:?}); record the case again",
+                self.digests.get(e)
+            );
+        }
+    }
 }
 
+fn parse_mark(m: &str) -> (usize, u64) {
+    let mut w = m.split(' ');
+    match (
+        w.next(),
+        w.next().and_then(|e| e.parse().ok()),
+        w.next().and_then(|d| u64::from_str_radix(d, 16).ok()),
+    ) {
+        (Some("epoch"), Some(e), Some(d)) => (e, d),
+        _ => panic!("mark {m:?} is not \"epoch N DIGEST\""),
+    }
+}
+
+/// Something done with the daemon before a batch (a resize, a snapshot, a job); it
+/// returns the disk's new size if it changed it (durable once it returned).
+pub type Hook<'a> = Box<dyn FnMut(&Backend) -> Option<u64> + 'a>;
+
 /// The libblkio random mix: batches of up to six non-overlapping requests (writes of 1 to
-/// 64 sectors, one in five with FUA; write-zeroes; discards), a flush after a third of
-/// them, and after each batch a mark in the recording: "epoch N", once everything the
-/// batch did is complete.
-pub fn random_mix(
-    c: &mut Client,
-    rec: &Recorder,
-    seed: u64,
-    batches: usize,
-    initial_pattern: bool,
-) -> WorkloadLog {
-    let mut rng = Rng::new(seed);
+/// 64 sectors, one in five with FUA, some all-zero; write-zeroes; discards), a flush after a
+/// third of them, and after each batch a mark in the recording: "epoch N", once everything
+/// the batch did is complete.
+pub struct Mix<'a> {
+    pub seed: u64,
+    pub batches: usize,
+    pub initial: Initial,
+    /// Every completed write is durable (vublk's --cache writethrough: no write cache).
+    pub writethrough: bool,
+    /// One request in four writes one or two whole 64 KiB clusters (what compresses).
+    pub big_writes: bool,
+    /// A discarded sector may read as anything (LUKS: the host's hole decrypts to noise).
+    pub discard_reads_anything: bool,
+    /// `(batch, hook)`: run the hook before that batch.
+    pub hooks: Vec<(usize, Hook<'a>)>,
+}
+
+impl<'a> Mix<'a> {
+    pub fn new(seed: u64, batches: usize, initial: Initial) -> Mix<'a> {
+        Mix {
+            seed,
+            batches,
+            initial,
+            writethrough: false,
+            big_writes: false,
+            discard_reads_anything: false,
+            hooks: Vec::new(),
+        }
+    }
+}
+
+/// Runs the mix on queue 0 of `c`, marking each epoch in `rec`.
+pub fn random_mix(c: &mut Client, rec: &Recorder, backend: &Backend, mut mix: Mix) -> WorkloadLog {
+    let mut rng = Rng::new(mix.seed);
     let mut m = WorkloadLog {
-        initial_pattern,
+        initial: mix.initial,
+        discard_reads_anything: mix.discard_reads_anything,
         kinds: vec![Kind::Stamp],
-        touch: vec![Vec::new(); SECTORS],
+        touch: vec![Vec::new(); MAX_SECTORS],
         epochs: Vec::new(),
         first_batch_last: 0,
+        digests: Vec::new(),
+        mount: PathBuf::new(),
         requests: 0,
         flushes: 0,
         fua: 0,
     };
-    let mut durable = vec![0u32; SECTORS];
+    let mut durable = vec![0u32; MAX_SECTORS];
     let mut unflushed: Vec<(u32, u64, u64)> = Vec::new();
+    let mut capacity = CRASH_DISK;
+    // The workload's version: a change to what it writes (requests, stamps) must change it,
+    // so that kept recordings are made again.
+    let mut digest = WORKLOAD_VERSION;
     let (mut queues, mem) = c.take_queues();
-    for e in 0..batches {
+    for e in 0..mix.batches {
+        for (_, hook) in mix.hooks.iter_mut().filter(|(b, _)| *b == e) {
+            if let Some(size) = hook(backend) {
+                assert!(size <= 2 * CRASH_DISK, "the model holds at most 16 MiB");
+                capacity = size;
+            }
+        }
+        let sectors = capacity / 512;
         let mut ops = Vec::new();
         let mut taken: Vec<(u64, u64)> = Vec::new();
         let mut reqs: Vec<(u32, u64, u64, bool)> = Vec::new();
         let mut buf = 0usize;
         let n = rng.range(1, 7);
         while ops.len() < n as usize {
-            let len = if rng.below(4) == 0 {
-                rng.range(9, 65)
+            let (start, len) = if mix.big_writes && rng.below(4) == 0 {
+                let len = 128 * rng.range(1, 3);
+                (rng.below(sectors / 128 - 1) * 128, len)
             } else {
-                rng.range(1, 9)
+                let len = if rng.below(4) == 0 {
+                    rng.range(9, 65)
+                } else {
+                    rng.range(1, 9)
+                };
+                (rng.below(sectors - len), len)
             };
-            let start = rng.below(SECTORS as u64 - len);
             if taken.iter().any(|&(s, l)| start < s + l && s < start + len) {
                 continue;
             }
             taken.push((start, len));
             let id = m.kinds.len() as u32;
-            let r = rng.below(20);
-            let (kind, fua) = match r {
-                0..=1 => (Kind::Zero, false),
-                2 => (Kind::Discard, false),
-                3..=6 => (Kind::Stamp, true),
-                _ => (Kind::Stamp, false),
+            let (kind, fua, zero_data) = match rng.below(20) {
+                0..=1 => (Kind::Zero, false, false),
+                2 => (Kind::Discard, false, false),
+                3 => (Kind::Zero, false, true),
+                4..=6 => (Kind::Stamp, true, false),
+                _ => (Kind::Stamp, false, false),
             };
             let (offset, bytes) = (start * 512, len * 512);
-            ops.push(match kind {
-                Kind::Zero => Op::WriteZeroes {
+            ops.push(match (kind, zero_data) {
+                (Kind::Zero, false) => Op::WriteZeroes {
                     offset,
                     len: bytes,
                     flags: blkio::ReqFlags::empty(),
                 },
-                Kind::Discard => Op::Discard { offset, len: bytes },
-                Kind::Stamp => {
+                (Kind::Discard, _) => Op::Discard { offset, len: bytes },
+                _ => {
                     // SAFETY: the client lives; no request uses the region between batches,
                     // and each request of the batch has its own bytes.
                     let region = unsafe { mem.slice_mut(buf, bytes as usize) };
                     for (k, sec) in region.chunks_mut(512).enumerate() {
-                        stamp(start + k as u64, id, sec);
+                        if zero_data {
+                            sec.fill(0);
+                        } else {
+                            stamp(start + k as u64, id, sec);
+                        }
                     }
+                    let len = bytes as usize;
                     let op = if fua {
-                        Op::WriteFua {
-                            offset,
-                            buf,
-                            len: bytes as usize,
-                        }
+                        Op::WriteFua { offset, buf, len }
                     } else {
-                        Op::Write {
-                            offset,
-                            buf,
-                            len: bytes as usize,
-                        }
+                        Op::Write { offset, buf, len }
                     };
-                    buf += bytes as usize;
+                    buf += len;
                     op
                 }
             });
             m.kinds.push(kind);
+            digest =
+                splitmix64(digest ^ (start << 24 | len << 4 | kind as u64 | u64::from(fua) << 3));
             for s in start..start + len {
                 m.touch[s as usize].push(id);
             }
@@ -304,8 +408,8 @@ pub fn random_mix(
         m.requests += ops.len();
         for &(id, start, len, fua) in &reqs {
             unflushed.push((id, start, len));
-            if fua {
-                m.fua += 1;
+            if fua || mix.writethrough {
+                m.fua += usize::from(fua);
                 for s in start..start + len {
                     durable[s as usize] = id;
                 }
@@ -326,8 +430,9 @@ pub fn random_mix(
             Some(prev) => prev.1 = last,
             None => m.first_batch_last = last,
         }
-        m.epochs.push((Arc::new(durable.clone()), last));
-        rec.mark(format!("epoch {e}"));
+        m.epochs.push((Arc::new(durable.clone()), last, capacity));
+        m.digests.push(digest);
+        rec.mark(format!("epoch {e} {digest:016x}"));
     }
     c.queues = queues;
     m
@@ -343,6 +448,11 @@ pub struct Summary {
     pub failed: usize,
     /// The first few failures.
     pub failures: Vec<String>,
+}
+
+/// The control socket of the recorded vublk (rows with `ctl`).
+pub fn ctl_socket(dir: &TestDir) -> PathBuf {
+    dir.join("ctl.sock")
 }
 
 /// Records `workload` on vublk serving `row` through the recorder, and checks that the
@@ -362,13 +472,29 @@ pub fn record_row(
         dir,
         &mnt.join(row.image),
         &BackendOpts {
-            extra_args: row.args.clone(),
+            extra_args: row
+                .args
+                .iter()
+                .cloned()
+                .chain(
+                    row.ctl
+                        .then(|| {
+                            [
+                                "--control-socket".to_string(),
+                                ctl_socket(dir).display().to_string(),
+                            ]
+                        })
+                        .into_iter()
+                        .flatten(),
+                )
+                .collect(),
             ..BackendOpts::default()
         },
     );
     let mut c = connect(&backend.socket, ClientOpts::default());
     assert_eq!(c.capacity(), CRASH_DISK);
-    let model = workload(&mut c, &rec, &backend);
+    let mut model = workload(&mut c, &rec, &backend);
+    model.mount = mnt.clone();
     drop(c);
     let st = backend.sigterm_and_wait(Duration::from_secs(30));
     assert!(
@@ -399,6 +525,7 @@ pub fn record_row(
 
 /// Builds up to `budget` crash states and checks each, on two threads.
 pub fn check_row(row: &CrashRow, rec: &Recording, model: &WorkloadLog, budget: usize) -> Summary {
+    model.assert_recorded_by_me(rec);
     let replay = Replay::new(rec);
     let mut summary = Summary {
         durability_points: rec
@@ -415,19 +542,21 @@ pub fn check_row(row: &CrashRow, rec: &Recording, model: &WorkloadLog, budget: u
         ..Summary::default()
     };
     let (tx, rx) = mpsc::sync_channel::<State>(2);
-    let rx = Arc::new(Mutex::new(rx));
+    // Only the workers hold the receiver: if they all died, sending fails instead of
+    // blocking for ever.
+    let mut rx = Some(Arc::new(Mutex::new(rx)));
     let failures = Arc::new(Mutex::new(Vec::new()));
     let checked = Arc::new(Mutex::new(0usize));
     let failed = Arc::new(Mutex::new(0usize));
     let started = Instant::now();
     std::thread::scope(|scope| {
         for w in 0..2 {
-            let (rx, failures, checked, failed) = (
-                rx.clone(),
-                failures.clone(),
-                checked.clone(),
-                failed.clone(),
-            );
+            let rx = if w == 1 {
+                rx.take().unwrap()
+            } else {
+                rx.clone().unwrap()
+            };
+            let (failures, checked, failed) = (failures.clone(), checked.clone(), failed.clone());
             scope.spawn(move || {
                 let work = shm_dir(&format!("{}-w{w}", row.name));
                 let state_dir = work.join("state");
@@ -435,7 +564,19 @@ pub fn check_row(row: &CrashRow, rec: &Recording, model: &WorkloadLog, budget: u
                     let Some(state) = rx.lock().unwrap().recv().ok() else {
                         break;
                     };
-                    if let Err(e) = check_state(row, rec, model, &work, &state_dir, &state) {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        check_state(row, rec, model, &work, &state_dir, &state)
+                    }))
+                    .unwrap_or_else(|p| {
+                        Err(format!(
+                            "the check panicked: {}",
+                            p.downcast_ref::<String>()
+                                .cloned()
+                                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                                .unwrap_or_default()
+                        ))
+                    });
+                    if let Err(e) = r {
                         *failed.lock().unwrap() += 1;
                         let mut f = failures.lock().unwrap();
                         if f.len() < 5 {
@@ -492,6 +633,57 @@ pub fn check_row(row: &CrashRow, rec: &Recording, model: &WorkloadLog, budget: u
     summary
 }
 
+/// `qemu-img check` of a qcow2 or parallels file (others are left alone).
+fn check_image(path: &Path, key: Option<&Path>) -> Result<(), String> {
+    let mut head = Vec::new();
+    use std::io::Read;
+    fs::File::open(path)
+        .and_then(|f| f.take(16).read_to_end(&mut head))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let fmt = if head.starts_with(b"QFI\xfb") {
+        "qcow2"
+    } else if head.starts_with(b"WithoutFreeSpace") || head.starts_with(b"WithouFreSpacExt") {
+        "parallels"
+    } else {
+        return Ok(());
+    };
+    let mut cmd = std::process::Command::new("qemu-img");
+    cmd.arg("check");
+    match key {
+        Some(k) => cmd
+            .arg("--object")
+            .arg(format!("secret,id=sec0,file={}", k.display()))
+            .arg("--image-opts")
+            .arg(format!(
+                "driver={fmt},file.filename={},encrypt.key-secret=sec0",
+                path.display()
+            )),
+        None => cmd.args(["-f", fmt]).arg(path),
+    };
+    let out = cmd.output().map_err(|e| format!("qemu-img: {e}"))?;
+    // 0: clean; 3: leaked clusters only (allowed after a crash). A parallels image open
+    // read-write carries the "in use" flag, as QEMU sets it: after a crash qemu-img counts
+    // it as an error ("not closed correctly"), and an open repairs it. That one error is
+    // expected; any other is not.
+    let text = String::from_utf8_lossy(&out.stdout);
+    let unclean_only = fmt == "parallels"
+        && out.status.code() == Some(2)
+        && text.contains("1 errors were found")
+        && text.lines().filter(|l| l.starts_with("ERROR")).all(|l| {
+            l.contains("image was not closed correctly")
+                || l.contains("space leaked at the end of the image")
+        });
+    if !matches!(out.status.code(), Some(0) | Some(3)) && !unclean_only {
+        return Err(format!(
+            "qemu-img check {}: {}: {text}{}",
+            path.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(())
+}
+
 fn check_state(
     row: &CrashRow,
     rec: &Recording,
@@ -508,31 +700,50 @@ fn check_state(
     if !image.exists() {
         return Err(format!("{} is gone", row.image));
     }
-    if let Some(fmt) = row.check_format {
+    for entry in fs::read_dir(state_dir).map_err(|e| e.to_string())? {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        // The chain's state file names images by absolute path: the recorder's mount then,
+        // this directory now.
+        if name.ends_with(".vublk-chain") {
+            let text = fs::read_to_string(&path).map_err(|e| e.to_string())?;
+            let text = text.replace(model.mount.to_str().unwrap(), state_dir.to_str().unwrap());
+            fs::write(&path, text).map_err(|e| e.to_string())?;
+            continue;
+        }
+    }
+    if row.check_images {
+        // The disk's chain: the top the chain's state file names (after a snapshot or a
+        // job's switch), else the image, and its backing files. (Other files, such as a
+        // mirror's target while the job runs, are not the disk yet: a crash may leave them
+        // half made.)
+        let chain_file = state_dir.join(format!(".{}.vublk-chain", row.image));
+        let top = match fs::read_to_string(&chain_file) {
+            Ok(text) => {
+                let v: serde_json::Value = serde_json::from_str(&text)
+                    .map_err(|e| format!("{}: {e}: {text}", chain_file.display()))?;
+                PathBuf::from(v["top"].as_str().ok_or("no top in the chain's state")?)
+            }
+            Err(_) => image.clone(),
+        };
         let out = std::process::Command::new("qemu-img")
-            .args(["check", "-f", fmt])
-            .arg(&image)
+            .args(["info", "--backing-chain", "--output=json"])
+            .arg(&top)
             .output()
             .map_err(|e| format!("qemu-img: {e}"))?;
-        // 0: clean; 3: leaked clusters only (allowed after a crash). A parallels image
-        // open read-write carries the "in use" flag, as QEMU sets it: after a crash qemu-img
-        // counts it as an error ("not closed correctly"), and an open repairs it. That one
-        // error is expected; any other is not.
-        let text = String::from_utf8_lossy(&out.stdout);
-        let unclean_only = fmt == "parallels"
-            && out.status.code() == Some(2)
-            && text.contains("1 errors were found")
-            && text.lines().filter(|l| l.starts_with("ERROR")).all(|l| {
-                l.contains("image was not closed correctly")
-                    || l.contains("space leaked at the end of the image")
-            });
-        if !matches!(out.status.code(), Some(0) | Some(3)) && !unclean_only {
+        if !out.status.success() {
             return Err(format!(
-                "qemu-img check: {}: {}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
+                "qemu-img info {}: {}",
+                top.display(),
                 String::from_utf8_lossy(&out.stderr)
             ));
+        }
+        let chain: serde_json::Value =
+            serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
+        for layer in chain.as_array().ok_or("qemu-img info: not a list")? {
+            if let Some(f) = layer["filename"].as_str() {
+                check_image(Path::new(f), row.qemu_key.as_deref())?;
+            }
         }
     }
     let backend = Backend::start(

@@ -2,7 +2,7 @@
 //! regression tests).
 
 use std::fs;
-use std::io;
+use std::io::{self, Read, Write};
 use std::path::Path;
 
 use crate::image::{FileImage, Files};
@@ -192,11 +192,19 @@ impl Recording {
                 }
             }
         }
-        fs::write(path, out)
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        gz.write_all(&out)?;
+        fs::write(path, gz.finish()?)
     }
 
     pub fn load(path: &Path) -> io::Result<Recording> {
-        let buf = fs::read(path)?;
+        let raw = fs::read(path)?;
+        let mut buf = Vec::new();
+        if raw.starts_with(&[0x1f, 0x8b]) {
+            flate2::read::GzDecoder::new(&raw[..]).read_to_end(&mut buf)?;
+        } else {
+            buf = raw;
+        }
         let mut r = Reader { buf: &buf, pos: 0 };
         if r.take(8)? != MAGIC {
             return Err(bad("not a vublk-crash recording"));
