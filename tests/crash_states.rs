@@ -405,13 +405,18 @@ fn stream_row() -> CrashRow {
     r
 }
 
+/// A job started with `method` a third of the way through, waited for (completed first
+/// when `complete`) two thirds of the way.
+fn job_hooks(m: &mut Mix, method: &'static str, a: &[&str], id: &'static str, complete: bool) {
+    let (start, end) = (m.batches / 3, 2 * m.batches / 3);
+    let mut a = args(a);
+    a.extend(args(&["--id", id]));
+    m.hooks.push((start, ctl_hook(method, a)));
+    m.hooks.push((end, finish_job(id, complete)));
+}
+
 fn stream_tune(m: &mut Mix) {
-    let (a, b) = (m.batches / 3, 2 * m.batches / 3);
-    m.hooks.push((
-        a,
-        ctl_hook("stream", args(&["--id", "s0", "--speed", "8M"])),
-    ));
-    m.hooks.push((b, finish_job("s0", false)));
+    job_hooks(m, "stream", &["--speed", "8M"], "s0", false);
 }
 
 /// A stream job copies the backing file into the overlay while the guest writes, then
@@ -464,12 +469,7 @@ fn qcow2_commit() {
     );
     r.ctl = true;
     run_row_with(r, |m| {
-        let (a, b) = (m.batches / 3, 2 * m.batches / 3);
-        m.hooks.push((
-            a,
-            ctl_hook("commit", args(&["--id", "c0", "--speed", "8M"])),
-        ));
-        m.hooks.push((b, finish_job("c0", false)));
+        job_hooks(m, "commit", &["--speed", "8M"], "c0", false)
     });
 }
 
@@ -486,22 +486,8 @@ fn qcow2_mirror() {
     );
     r.ctl = true;
     run_row_with(r, |m| {
-        let (a, b) = (m.batches / 3, 2 * m.batches / 3);
-        m.hooks.push((
-            a,
-            ctl_hook(
-                "mirror",
-                args(&[
-                    "--target",
-                    "{dir}/mirror.qcow2",
-                    "--format",
-                    "qcow2",
-                    "--id",
-                    "m0",
-                ]),
-            ),
-        ));
-        m.hooks.push((b, finish_job("m0", true)));
+        let target = ["--target", "{dir}/mirror.qcow2", "--format", "qcow2"];
+        job_hooks(m, "mirror", &target, "m0", true)
     });
 }
 
