@@ -70,6 +70,17 @@ fn row(
     }
 }
 
+/// A qcow2 row (`disk.qcow2`) whose hooks drive vublk through its control socket.
+fn ctl_row(
+    name: &'static str,
+    initial: Initial,
+    setup: impl Fn(&Path) + Sync + 'static,
+) -> CrashRow {
+    let mut r = row(name, "disk.qcow2", initial, &["--format", "qcow2"], setup);
+    r.ctl = true;
+    r
+}
+
 fn create(fmt: &'static str, name: &'static str) -> impl Fn(&Path) + Sync + 'static {
     move |d: &Path| vublk(&["create", "--format", fmt, "--size", "8M", name], d)
 }
@@ -352,14 +363,7 @@ fn qcow2_bitmap() {
 /// Grown online from 8 to 16 MiB halfway through.
 #[test]
 fn qcow2_resize() {
-    let mut r = row(
-        "qcow2-resize",
-        "disk.qcow2",
-        Initial::Zero,
-        &["--format", "qcow2"],
-        create("qcow2", "disk.qcow2"),
-    );
-    r.ctl = true;
+    let r = ctl_row("qcow2-resize", Initial::Zero, create("qcow2", "disk.qcow2"));
     run_row_with(r, |m| {
         let at = m.batches / 2;
         m.hooks.push((
@@ -376,14 +380,11 @@ fn qcow2_resize() {
 /// An external snapshot a third of the way through: the rest goes to the overlay.
 #[test]
 fn qcow2_snapshot() {
-    let mut r = row(
+    let r = ctl_row(
         "qcow2-snapshot",
-        "disk.qcow2",
         Initial::Zero,
-        &["--format", "qcow2"],
         create("qcow2", "disk.qcow2"),
     );
-    r.ctl = true;
     run_row_with(r, |m| {
         let at = m.batches / 3;
         m.hooks.push((
@@ -394,15 +395,7 @@ fn qcow2_snapshot() {
 }
 
 fn stream_row() -> CrashRow {
-    let mut r = row(
-        "qcow2-stream",
-        "disk.qcow2",
-        Initial::Pattern,
-        &["--format", "qcow2"],
-        overlay_over_pattern,
-    );
-    r.ctl = true;
-    r
+    ctl_row("qcow2-stream", Initial::Pattern, overlay_over_pattern)
 }
 
 /// A job started with `method` a third of the way through, waited for (completed first
@@ -430,44 +423,37 @@ fn qcow2_stream() {
 /// switches the guest to the base.
 #[test]
 fn qcow2_commit() {
-    let mut r = row(
-        "qcow2-commit",
-        "disk.qcow2",
-        Initial::Pattern,
-        &["--format", "qcow2"],
-        |d| {
-            std::fs::write(d.join("base.raw"), pattern_disk()).unwrap();
-            qemu_img_in(
-                d,
-                &[
-                    "convert",
-                    "-q",
-                    "-f",
-                    "raw",
-                    "-O",
-                    "qcow2",
-                    "base.raw",
-                    "base.qcow2",
-                ],
-            );
-            std::fs::remove_file(d.join("base.raw")).unwrap();
-            qemu_img_in(
-                d,
-                &[
-                    "create",
-                    "-q",
-                    "-f",
-                    "qcow2",
-                    "-b",
-                    "base.qcow2",
-                    "-F",
-                    "qcow2",
-                    "disk.qcow2",
-                ],
-            );
-        },
-    );
-    r.ctl = true;
+    let r = ctl_row("qcow2-commit", Initial::Pattern, |d| {
+        std::fs::write(d.join("base.raw"), pattern_disk()).unwrap();
+        qemu_img_in(
+            d,
+            &[
+                "convert",
+                "-q",
+                "-f",
+                "raw",
+                "-O",
+                "qcow2",
+                "base.raw",
+                "base.qcow2",
+            ],
+        );
+        std::fs::remove_file(d.join("base.raw")).unwrap();
+        qemu_img_in(
+            d,
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                "base.qcow2",
+                "-F",
+                "qcow2",
+                "disk.qcow2",
+            ],
+        );
+    });
     run_row_with(r, |m| {
         job_hooks(m, "commit", &["--speed", "8M"], "c0", false)
     });
@@ -477,14 +463,7 @@ fn qcow2_commit() {
 /// job-complete switches the guest to it.
 #[test]
 fn qcow2_mirror() {
-    let mut r = row(
-        "qcow2-mirror",
-        "disk.qcow2",
-        Initial::Zero,
-        &["--format", "qcow2"],
-        create("qcow2", "disk.qcow2"),
-    );
-    r.ctl = true;
+    let r = ctl_row("qcow2-mirror", Initial::Zero, create("qcow2", "disk.qcow2"));
     run_row_with(r, |m| {
         let target = ["--target", "{dir}/mirror.qcow2", "--format", "qcow2"];
         job_hooks(m, "mirror", &target, "m0", true)

@@ -89,13 +89,16 @@ done
 # engine with verify does): built static from its source here, /usr/bin/aio-verify in the
 # guest (E2E_MODE=aio-verify). Needs a C compiler with static libc (gcc, libc6-dev).
 AIO_VERIFY_SRC=$SCRIPT_DIR/aio-verify.c
+# crash-fs (the file-system workload of the power-loss crash states, tests/vm_crash.rs):
+# built the same way, /usr/bin/crash-fs in the guest (E2E_MODE=crash-fs).
+CRASH_FS_SRC=$SCRIPT_DIR/crash-fs.c
 command -v gcc >/dev/null 2>&1 || skip "gcc (install gcc libc6-dev), to build aio-verify"
 
 # ---------------------------------------------------------------- cache
 fingerprint() {
 	echo "kver=$KVER pattern=$PATTERN_MIB novmlinux=${VUBLK_E2E_NO_VMLINUX:-}"
 	stat -Lc '%n %s %Y' "$BZIMAGE" "$MODDIR/modules.dep" "$BUSYBOX" "${TOOLS_REQUIRED[@]}" "${TOOLS_EXTRA[@]}"
-	sha256sum "$SELF" "$WORKLOAD" "$AIO_VERIFY_SRC"
+	sha256sum "$SELF" "$WORKLOAD" "$AIO_VERIFY_SRC" "$CRASH_FS_SRC"
 }
 KEY=$(fingerprint | sha256sum | cut -d' ' -f1)
 
@@ -302,6 +305,8 @@ cp "$WORKLOAD" "$ROOT/e2e/workload.sh"
 chmod +x "$ROOT/e2e/workload.sh"
 gcc -static -O2 -o "$ROOT/usr/bin/aio-verify" "$AIO_VERIFY_SRC" ||
 	die "building aio-verify from $AIO_VERIFY_SRC"
+gcc -static -O2 -o "$ROOT/usr/bin/crash-fs" "$CRASH_FS_SRC" ||
+	die "building crash-fs from $CRASH_FS_SRC"
 
 cat >"$ROOT/init" <<'EOF'
 #!/bin/busybox sh

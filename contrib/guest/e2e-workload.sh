@@ -85,7 +85,7 @@ if [ -n "${E2E_SERIAL:-}" ]; then
 	[ "$SERIAL" = "$E2E_SERIAL" ] || fail serial "GET_ID gave '$SERIAL', expected '$E2E_SERIAL'"
 	say "INFO serial (GET_ID) $SERIAL"
 fi
-[ "$DEV_BYTES" -ge $((256 * MIB)) ] || fail device-size "need at least 256 MiB, have $DEV_BYTES bytes"
+[ "${E2E_MODE:-}" = crash-fs ] || [ "$DEV_BYTES" -ge $((256 * MIB)) ] || fail device-size "need at least 256 MiB, have $DEV_BYTES bytes"
 FS_BYTES=$(((DEV_BYTES - TAIL_BYTES) / MIB * MIB))
 
 # ---------------------------------------------------------------- zero-write modes
@@ -98,6 +98,18 @@ zero-dd)
 	run zero-dd "$DD" if=/dev/zero of="$DEV" bs=1M count=$((DEV_BYTES / MIB)) oflag=direct \
 		status=none
 	run zero-dd-sync sync
+	phase
+	exit 0
+	;;
+crash-fs)
+	# The power-loss workload (tests/vm_crash.rs): the host made the ext4 with a directory d;
+	# crash-fs works in it for E2E_STEPS steps (seed E2E_SEED), telling the host each
+	# operation and waiting for its answer at each durability point (contrib/guest/crash-fs.c).
+	phase crash-fs
+	run mkdir-crash-fs mkdir -p "$MNT"
+	run mount-crash-fs mount -t ext4 "$DEV" "$MNT"
+	run crash-fs /usr/bin/crash-fs "$MNT/d" "${E2E_STEPS:-100}" "${E2E_SEED:-1}"
+	run umount-crash-fs umount "$MNT"
 	phase
 	exit 0
 	;;

@@ -233,14 +233,6 @@ impl WorkloadLog {
                 .any(|&w| self.content_is(s, w, seen))
     }
 
-    /// The epoch named by the mark at `record` ("epoch N DIGEST").
-    pub fn epoch_of(rec: &Recording, record: Option<usize>) -> Option<usize> {
-        record.map(|i| match &rec.records[i].op {
-            RecOp::Mark(m) => parse_mark(m).0,
-            other => panic!("record {i} is not a mark: {other:?}"),
-        })
-    }
-
     /// Panics unless every mark of `rec` names this workload's epoch and digest.
     pub fn assert_recorded_by_me(&self, rec: &Recording) {
         for (i, m) in rec.marks() {
@@ -438,6 +430,46 @@ pub fn random_mix(c: &mut Client, rec: &Recorder, backend: &Backend, mut mix: Mi
     m
 }
 
+/// What checks a crash state against what the workload did: the libblkio mix's log
+/// ([`WorkloadLog`]), the guest file system's (tests/vm_crash.rs).
+pub trait Oracle: Sync {
+    /// Where the recorder was mounted (paths vublk wrote into files start with it).
+    fn mount(&self) -> &Path;
+    /// Panics unless the recording's marks are this workload's.
+    fn assert_recorded_by_me(&self, rec: &Recording);
+    /// Checks a state whose last mark before the crash was `mark` (None: before the first):
+    /// `disk` is the whole disk as vublk served it from `image`; `work` is scratch space.
+    fn check(
+        &self,
+        mark: Option<&str>,
+        image: &Path,
+        disk: &[u8],
+        work: &Path,
+    ) -> Result<(), String>;
+}
+
+impl Oracle for WorkloadLog {
+    fn mount(&self) -> &Path {
+        &self.mount
+    }
+
+    fn assert_recorded_by_me(&self, rec: &Recording) {
+        WorkloadLog::assert_recorded_by_me(self, rec)
+    }
+
+    fn check(&self, mark: Option<&str>, _: &Path, disk: &[u8], _: &Path) -> Result<(), String> {
+        WorkloadLog::check(self, mark.map(|m| parse_mark(m).0), disk)
+    }
+}
+
+/// The text of the mark at record `i` of `rec`.
+pub fn mark_text(rec: &Recording, i: usize) -> &str {
+    match &rec.records[i].op {
+        RecOp::Mark(m) => m,
+        other => panic!("record {i} is not a mark: {other:?}"),
+    }
+}
+
 /// What a row's check found.
 #[derive(Debug, Default)]
 pub struct Summary {
@@ -462,6 +494,24 @@ pub fn record_row(
     dir: &TestDir,
     workload: impl FnOnce(&mut Client, &Recorder, &Backend) -> WorkloadLog,
 ) -> (Recording, WorkloadLog) {
+    record_served(row, dir, |rec, backend, mnt| {
+        let mut c = connect(&backend.socket, ClientOpts::default());
+        assert_eq!(c.capacity(), CRASH_DISK);
+        let mut model = workload(&mut c, rec, backend);
+        model.mount = mnt.to_path_buf();
+        model
+    })
+}
+
+/// Makes `row`'s files, mounts the recorder over them, starts vublk serving the row's image
+/// on the mount and runs `run` (given the recorder, vublk and the mount point); then stops
+/// vublk, unmounts and checks that the recording reproduces the files the directory ended
+/// with.
+pub fn record_served<R>(
+    row: &CrashRow,
+    dir: &TestDir,
+    run: impl FnOnce(&Recorder, &Backend, &Path) -> R,
+) -> (Recording, R) {
     let backing = shm_dir(&format!("{}-backing", row.name));
     (row.setup)(&backing.path);
     let mnt = dir.join("mnt");
@@ -491,11 +541,7 @@ pub fn record_row(
             ..BackendOpts::default()
         },
     );
-    let mut c = connect(&backend.socket, ClientOpts::default());
-    assert_eq!(c.capacity(), CRASH_DISK);
-    let mut model = workload(&mut c, &rec, &backend);
-    model.mount = mnt.clone();
-    drop(c);
+    let out = run(&rec, &backend, &mnt);
     let st = backend.sigterm_and_wait(Duration::from_secs(30));
     assert!(
         st.success(),
@@ -520,11 +566,11 @@ pub fn record_row(
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     assert_eq!(names.len(), all.names.len(), "files: {names:?}");
-    (recording, model)
+    (recording, out)
 }
 
 /// Builds up to `budget` crash states and checks each, on two threads.
-pub fn check_row(row: &CrashRow, rec: &Recording, model: &WorkloadLog, budget: usize) -> Summary {
+pub fn check_row(row: &CrashRow, rec: &Recording, model: &dyn Oracle, budget: usize) -> Summary {
     model.assert_recorded_by_me(rec);
     let replay = Replay::new(rec);
     let mut summary = Summary {
@@ -687,7 +733,7 @@ fn check_image(path: &Path, key: Option<&Path>) -> Result<(), String> {
 fn check_state(
     row: &CrashRow,
     rec: &Recording,
-    model: &WorkloadLog,
+    model: &dyn Oracle,
     work: &TestDir,
     state_dir: &Path,
     state: &State,
@@ -707,7 +753,7 @@ fn check_state(
         // this directory now.
         if name.ends_with(".vublk-chain") {
             let text = fs::read_to_string(&path).map_err(|e| e.to_string())?;
-            let text = text.replace(model.mount.to_str().unwrap(), state_dir.to_str().unwrap());
+            let text = text.replace(model.mount().to_str().unwrap(), state_dir.to_str().unwrap());
             fs::write(&path, text).map_err(|e| e.to_string())?;
             continue;
         }
@@ -766,5 +812,10 @@ fn check_state(
     let disk = c.read_all(0);
     drop(c);
     drop(backend);
-    model.check(WorkloadLog::epoch_of(rec, state.mark), &disk)
+    model.check(
+        state.mark.map(|i| mark_text(rec, i)),
+        &image,
+        &disk,
+        &work.path,
+    )
 }
