@@ -66,6 +66,7 @@ fn row(
         ctl: false,
         args: args(a),
         initial,
+        tear_unit: 512,
         setup: Box::new(setup),
     }
 }

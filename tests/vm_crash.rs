@@ -76,6 +76,10 @@ fn row(name: &'static str, format: &'static str) -> CrashRow {
         ctl: false,
         args: Vec::new(),
         initial: Initial::Any,
+        // The host keeps each aligned 4 KiB block whole, as the guest's ext4 assumes of its
+        // disk: its 1 KiB superblock spans two sectors under one checksum, and a 32 MiB
+        // ext4 has no backup. (vublk's own writes tear at 512 bytes in tests/crash_states.rs.)
+        tear_unit: 4096,
         setup: Box::new(move |dir: &Path| {
             if format == "raw" {
                 make_ext4(&dir.join(image));
@@ -594,7 +598,7 @@ fn crash_row(row: CrashRow, check_the_oracle: bool) {
     if check_the_oracle {
         // The oracles fail where they should: without vublk's syncs, what the guest saw
         // flushed is lost in some states.
-        let lost = check_row(&row, &without_syncs(&rec), &log, crash_budget(CI_STATES));
+        let lost = check_row(&row, &without_syncs(&rec), &log, CI_STATES);
         eprintln!(
             "without vublk's syncs: {} of {} states fail, e.g. {:?}",
             lost.failed,

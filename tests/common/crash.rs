@@ -64,6 +64,9 @@ pub struct CrashRow {
     pub args: Vec<String>,
     /// What the disk holds before the workload writes.
     pub initial: Initial,
+    /// Writes tear at aligned blocks of this size (512: at any sector; see
+    /// [`vublk_crash::Replay::with_tear_unit`]).
+    pub tear_unit: u64,
     /// Creates the files in the (empty) directory.
     pub setup: Box<dyn Fn(&Path) + Sync>,
 }
@@ -572,7 +575,7 @@ pub fn record_served<R>(
 /// Builds up to `budget` crash states and checks each, on two threads.
 pub fn check_row(row: &CrashRow, rec: &Recording, model: &dyn Oracle, budget: usize) -> Summary {
     model.assert_recorded_by_me(rec);
-    let replay = Replay::new(rec);
+    let replay = Replay::new(rec).with_tear_unit(row.tear_unit);
     let mut summary = Summary {
         durability_points: rec
             .records

@@ -20,7 +20,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use crate::image::{Files, SECTOR};
 use crate::record::{Op, Recording};
 
-/// How a torn write is kept: one flag per 512-byte piece, in order.
+/// How a torn write is kept: one flag per piece (512 bytes, or the replay's tear unit), in
+/// order.
 pub type Tear = Vec<bool>;
 
 #[derive(Clone, Debug)]
@@ -73,6 +74,8 @@ pub struct Replay<'a> {
     durable_at: Vec<Option<usize>>,
     /// Crash points, in order.
     points: Vec<usize>,
+    /// What a torn write keeps or loses as a whole (512: any sector).
+    unit: u64,
 }
 
 impl<'a> Replay<'a> {
@@ -126,7 +129,20 @@ impl<'a> Replay<'a> {
             rec,
             durable_at,
             points,
+            unit: SECTOR,
         }
+    }
+
+    /// Tear writes at aligned blocks of `unit` bytes (a multiple of 512) instead of at
+    /// sectors: a storage stack that keeps each aligned block whole, as the guest's file
+    /// system above it assumes of its disk.
+    pub fn with_tear_unit(mut self, unit: u64) -> Replay<'a> {
+        assert!(
+            unit >= SECTOR && unit.is_multiple_of(SECTOR),
+            "tear unit {unit}: not a multiple of 512"
+        );
+        self.unit = unit;
+        self
     }
 
     /// The crash points (record positions).
@@ -152,7 +168,7 @@ impl<'a> Replay<'a> {
 
     fn tearable(&self, i: usize) -> bool {
         match &self.rec.records[i].op {
-            Op::Write { offset, data, .. } => pieces(*offset, data.len()).len() > 1,
+            Op::Write { offset, data, .. } => pieces(*offset, data.len(), self.unit).len() > 1,
             _ => false,
         }
     }
@@ -301,7 +317,8 @@ impl<'a> Replay<'a> {
                             dsync,
                         },
                     ) => {
-                        for ((o, range), kept) in pieces(*offset, data.len()).into_iter().zip(tear)
+                        for ((o, range), kept) in
+                            pieces(*offset, data.len(), self.unit).into_iter().zip(tear)
                         {
                             if *kept {
                                 files.apply(&Op::Write {
@@ -350,7 +367,7 @@ impl<'a> Replay<'a> {
         let Op::Write { offset, data, .. } = &self.rec.records[i].op else {
             unreachable!("only writes tear")
         };
-        let n = pieces(*offset, data.len()).len();
+        let n = pieces(*offset, data.len(), self.unit).len();
         let mut t: Tear = (0..n).map(|_| rng.below(2) == 0).collect();
         if t.iter().all(|&k| k) {
             t[rng.below(n as u64) as usize] = false;
@@ -380,14 +397,14 @@ fn short(op: &Op) -> String {
     }
 }
 
-/// The 512-byte pieces of a write at `offset` (aligned to the file's sectors): each piece's
-/// file offset and its range in the data.
-fn pieces(offset: u64, len: usize) -> Vec<(u64, std::ops::Range<usize>)> {
+/// The pieces of a write at `offset` that tear apart: its parts in each aligned block of
+/// `unit` bytes, each piece's file offset and its range in the data.
+fn pieces(offset: u64, len: usize, unit: u64) -> Vec<(u64, std::ops::Range<usize>)> {
     let mut out = Vec::new();
     let mut done = 0usize;
     while done < len {
         let pos = offset + done as u64;
-        let n = ((SECTOR - pos % SECTOR) as usize).min(len - done);
+        let n = ((unit - pos % unit) as usize).min(len - done);
         out.push((pos, done..done + n));
         done += n;
     }
@@ -465,6 +482,27 @@ mod tests {
             let a = s.files.get("a").unwrap().read(512, 1024);
             a[..512].iter().all(|&b| b == 2) != a[512..].iter().all(|&b| b == 2)
         }));
+    }
+
+    #[test]
+    fn a_tear_unit_keeps_aligned_blocks_whole() {
+        // 8 KiB at 2 KiB: pieces [2K, 4K), [4K, 8K), [8K, 10K) at a 4 KiB unit.
+        let r = rec(vec![w(2048, 7, 8192)]);
+        let states: Vec<State> = Replay::new(&r)
+            .with_tear_unit(4096)
+            .states(400, 3)
+            .collect();
+        let mut torn = 0;
+        for s in &states {
+            let a = s.files.get("a").unwrap().read(0, 10240);
+            for block in [&a[2048..4096], &a[4096..8192], &a[8192..10240]] {
+                let kept = block.iter().filter(|&&b| b == 7).count();
+                assert!(kept == 0 || kept == block.len(), "{}", s.what);
+            }
+            let blocks = [2048, 4096, 8192].iter().filter(|&&o| a[o] == 7).count();
+            torn += usize::from(blocks == 1 || blocks == 2);
+        }
+        assert!(torn > 0, "no torn state among {}", states.len());
     }
 
     #[test]
