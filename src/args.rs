@@ -29,8 +29,12 @@ pub struct Args {
     pub fd: Option<i32>,
 
     /// Disk image (or block device) to serve; an NBD export: nbd://HOST[:PORT]/EXPORT or
-    /// nbd+unix:///EXPORT?socket=PATH; or a Ceph RBD image: rbd:POOL/IMAGE[@SNAPSHOT] (a
-    /// snapshot is served read-only; needs a vublk built with --features rbd).
+    /// nbd+unix:///EXPORT?socket=PATH; a Ceph RBD image: rbd:POOL/IMAGE[@SNAPSHOT] (a
+    /// snapshot is served read-only; needs a vublk built with --features rbd); or a null
+    /// disk that stores nothing, for measuring the backend alone:
+    /// null:SIZE[?read-zeroes=on|off][&latency-ns=N] (reads return zeroes, or leave the
+    /// buffers untouched with read-zeroes=off; writes are dropped; every request completes
+    /// N ns late).
     #[arg(long, value_name = "PATH")]
     pub blk_file: Option<PathBuf>,
 

@@ -430,7 +430,7 @@ impl Config {
             Some(src) => {
                 if remote_kind(&blk_file).is_some() {
                     return Err(bad(
-                        "--key-secret: NBD exports and RBD images are served as raw (no LUKS)",
+                        "--key-secret: NBD exports, RBD images and null disks are served as raw (no LUKS)",
                     ));
                 }
                 let secret = src
@@ -561,13 +561,16 @@ impl Config {
 }
 
 /// The JSON printed by `--print-capabilities` (QEMU vhost-user backend program conventions).
-/// "NBD exports" or "RBD images" where `--blk-file` names one (their URI or spec), else None.
+/// "NBD exports", "RBD images" or "null disks" where `--blk-file` names one (their URI or
+/// spec), else None.
 fn remote_kind(blk_file: &std::path::Path) -> Option<&'static str> {
     let s = blk_file.to_str()?;
     if s.starts_with("nbd://") || s.starts_with("nbd+unix://") || s.starts_with("nbds://") {
         Some("NBD exports")
     } else if s.starts_with("rbd:") {
         Some("RBD images")
+    } else if s.starts_with("null:") {
+        Some("null disks")
     } else {
         None
     }

@@ -1,5 +1,6 @@
 //! The engine a queue runs its requests on: io_uring or blocking system calls for local
-//! images (`io`), an NBD connection (`nbd::client`), librbd (`rbd`, cargo feature). All take
+//! images (`io`), an NBD connection (`nbd::client`), librbd (`rbd`, cargo feature), nothing
+//! at all for a null disk (`io::NullEngine`). All take
 //! the same [`Op`]s and report through the same [`Completion`]s, so the worker has one
 //! completion path. The image makes each queue's engine and binds it to its own storage
 //! ([`super::Image::queue_engines`], [`super::Image::bind`]): an operation names a file of the
@@ -11,7 +12,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::{Disk, ImageError, Kind};
-use crate::io::{AioMode, Completion, Op, SyncEngine, UringEngine};
+use crate::io::{AioMode, Completion, NullEngine, Op, SyncEngine, UringEngine};
 use crate::nbd::client::{NbdEngine, NbdQueue};
 #[cfg(feature = "rbd")]
 use crate::rbd::RbdEngine;
@@ -55,6 +56,8 @@ pub enum Engine {
     /// librbd's asynchronous calls (one file: the image).
     #[cfg(feature = "rbd")]
     Rbd(RbdEngine),
+    /// A null disk: nothing stored (one file: the disk).
+    Null(NullEngine),
 }
 
 impl Engine {
@@ -93,6 +96,11 @@ impl Engine {
                 // SAFETY: forwarded contract.
                 unsafe { e.push(op, user_data) }
             }
+            Engine::Null(e) => {
+                remote_file(file)?;
+                // SAFETY: forwarded contract.
+                unsafe { e.push(op, user_data) }
+            }
         }
     }
 
@@ -113,6 +121,7 @@ impl Engine {
             Engine::NbdShared(e) => e.wait_one(),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => e.wait_one(),
+            Engine::Null(e) => e.wait_one(),
         }
     }
 
@@ -125,6 +134,7 @@ impl Engine {
             Engine::NbdShared(e) => e.reap(out),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => e.reap(out),
+            Engine::Null(e) => e.reap(out),
         }
     }
 
@@ -137,6 +147,7 @@ impl Engine {
             Engine::NbdShared(e) => e.has_completions(),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => e.has_completions(),
+            Engine::Null(e) => e.has_completions(),
         }
     }
 
@@ -166,6 +177,7 @@ impl Engine {
             Engine::NbdShared(e) => Some(e.event_fd()),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => Some(e.event_fd()),
+            Engine::Null(e) => e.event_fd(),
         }
     }
 
@@ -176,7 +188,7 @@ impl Engine {
             Engine::Uring(e) => Some(e.event_fd()),
             #[cfg(feature = "rbd")]
             Engine::Rbd(e) => Some(e.event_fd()),
-            Engine::Sync(_) | Engine::Nbd(_) | Engine::NbdShared(_) => None,
+            Engine::Sync(_) | Engine::Nbd(_) | Engine::NbdShared(_) | Engine::Null(_) => None,
         }
     }
 
@@ -188,6 +200,7 @@ impl Engine {
             Engine::NbdShared(_) => "nbd (one connection for all queues)",
             #[cfg(feature = "rbd")]
             Engine::Rbd(_) => "librbd",
+            Engine::Null(_) => "null",
         }
     }
 }

@@ -1,13 +1,16 @@
-//! Remote disks: an NBD export (`nbd::client`) or a Ceph RBD image (`rbd`, cargo feature),
-//! opened through their drivers and served like raw images (the guest's byte N is the
-//! disk's byte N) by the drivers' engines. There is no file here: what a local image does
-//! with its file (sync, close, locks, resize) a remote disk does through its driver.
+//! Disks without a file here: an NBD export (`nbd::client`) or a Ceph RBD image (`rbd`,
+//! cargo feature), opened through their drivers and served like raw images (the guest's
+//! byte N is the disk's byte N) by the drivers' engines; and the null disk
+//! (`null:SIZE[?OPTIONS]`), which stores nothing, for measuring the backend alone. What a
+//! local image does with its file (sync, close, locks, resize) a remote disk does through its
+//! driver.
 
 use std::io;
 
 use super::engine::Engine;
 use super::{Disk, GrowError, Image, ImageError, ImageOpenError, ImageOptions, RawFacts};
 use crate::io::align::DioAlign;
+use crate::io::{NullEngine, NullOptions};
 use crate::nbd::client::{NbdConnection, NbdDisk, NbdEngine, OpenError as NbdOpenError};
 use crate::nbd::NbdTarget;
 
@@ -16,6 +19,52 @@ pub(super) enum Remote {
     Nbd(NbdDisk),
     #[cfg(feature = "rbd")]
     Rbd(crate::rbd::RbdDisk),
+    Null(NullOptions),
+}
+
+/// The largest null disk (QEMU's and the virtio capacity's bound, in bytes: 2^63).
+const NULL_MAX: u64 = 1 << 63;
+/// The longest latency a null disk injects.
+const NULL_MAX_LATENCY_NS: u64 = 10_000_000_000;
+
+/// `null:SIZE[?read-zeroes=on|off][&latency-ns=N]`: the size and options of a null disk, if
+/// `s` names one.
+pub fn parse_null(s: &str) -> Option<Result<(u64, NullOptions), String>> {
+    let rest = s.strip_prefix("null:")?;
+    let bad = |m: String| Some(Err(format!("{s}: {m}")));
+    let (size, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let size = match crate::args::parse_size(size) {
+        Some(n) if n > 0 && n % 512 == 0 && n <= NULL_MAX => n,
+        _ => {
+            return bad(format!(
+                "the size {size:?} must be a multiple of 512 bytes from 512 to 8E (e.g. \
+                 null:64G)"
+            ))
+        }
+    };
+    let mut opts = NullOptions::default();
+    for kv in query.split('&').filter(|kv| !kv.is_empty()) {
+        match kv.split_once('=') {
+            Some(("read-zeroes", "on")) => opts.read_zeroes = true,
+            Some(("read-zeroes", "off")) => opts.read_zeroes = false,
+            Some(("latency-ns", n)) => match n.parse::<u64>() {
+                Ok(n) if n <= NULL_MAX_LATENCY_NS => {
+                    opts.latency = std::time::Duration::from_nanos(n)
+                }
+                _ => {
+                    return bad(format!(
+                        "latency-ns={n}: a number of nanoseconds up to 10 s"
+                    ))
+                }
+            },
+            _ => {
+                return bad(format!(
+                    "{kv:?}: the options are read-zeroes=on|off and latency-ns=N"
+                ))
+            }
+        }
+    }
+    Some(Ok((size, opts)))
 }
 
 /// Open the remote disk `opts.path` names, if it names one (an NBD URI, `rbd:...`).
@@ -26,6 +75,12 @@ pub(super) fn open(
     incoming: bool,
 ) -> Option<Result<(Image, DioAlign, RawFacts), ImageOpenError>> {
     let s = opts.path.to_str()?;
+    if let Some(null) = parse_null(s) {
+        return Some(
+            null.map_err(ImageOpenError::Option)
+                .map(|(size, null)| open_null(s, size, null, opts.read_only, incoming)),
+        );
+    }
     if crate::nbd::is_nbd_uri(s) {
         return Some(
             NbdTarget::parse(s)
@@ -37,6 +92,27 @@ pub(super) fn open(
     Some(
         spec.map_err(ImageOpenError::Option)
             .and_then(|spec| open_rbd(opts, spec, incoming)),
+    )
+}
+
+fn open_null(
+    name: &str,
+    size: u64,
+    null: NullOptions,
+    read_only: bool,
+    incoming: bool,
+) -> (Image, DioAlign, RawFacts) {
+    let facts = RawFacts {
+        is_block_device: false,
+        dev_ino: identity(name),
+        file_size_bytes: size,
+        // A volatile cache, as QEMU's null-co shows: the guest flushes, which cost nothing.
+        write_cache: Some(true),
+    };
+    (
+        Image::remote(Remote::Null(null), size, read_only, !incoming),
+        DioAlign::NONE,
+        facts,
     )
 }
 
@@ -156,6 +232,9 @@ impl Remote {
             Remote::Rbd(r) => (0..queues)
                 .map(|_| crate::rbd::RbdEngine::new(r.img.clone(), r.cached).map(Engine::Rbd))
                 .collect(),
+            Remote::Null(o) => (0..queues)
+                .map(|_| NullEngine::new(*o).map(Engine::Null))
+                .collect(),
         }
     }
 
@@ -166,6 +245,7 @@ impl Remote {
         match (self, engine) {
             #[cfg(feature = "rbd")]
             (Remote::Rbd(_), Engine::Rbd(_)) => true,
+            (Remote::Null(_), Engine::Null(_)) => true,
             _ => false,
         }
     }
@@ -191,6 +271,7 @@ impl Remote {
             )),
             #[cfg(feature = "rbd")]
             Remote::Rbd(r) => Ok(r.sync()?),
+            Remote::Null(_) => Ok(()),
         }
     }
 
@@ -198,7 +279,7 @@ impl Remote {
     /// disk can tell (RBD: librbd's diff walk); None: it cannot (everything counts as data).
     pub(super) fn allocated(&self, offset: u64, len: u64) -> Option<Result<Allocated, ImageError>> {
         match self {
-            Remote::Nbd(_) => {
+            Remote::Nbd(_) | Remote::Null(_) => {
                 let _ = (offset, len);
                 None
             }
@@ -214,7 +295,7 @@ impl Remote {
     pub(super) fn close(&self) -> Result<(), ImageError> {
         match self {
             // Each queue's connection was flushed when the queue stopped.
-            Remote::Nbd(_) => Ok(()),
+            Remote::Nbd(_) | Remote::Null(_) => Ok(()),
             #[cfg(feature = "rbd")]
             Remote::Rbd(r) => Ok(r.sync()?),
         }
@@ -240,6 +321,8 @@ impl Remote {
         let _ = new;
         match self {
             Remote::Nbd(_) => Err(GrowError::Nbd),
+            // Nothing to grow: the disk is its size.
+            Remote::Null(_) => new.ok_or(GrowError::NoSize),
             #[cfg(feature = "rbd")]
             Remote::Rbd(r) => r.grow(new).map_err(GrowError::Rbd),
         }

@@ -9,6 +9,7 @@ pub mod align;
 pub mod aligned;
 mod batch;
 pub mod bounce;
+mod null;
 pub mod priority;
 pub mod ranges;
 pub mod storage;
@@ -26,6 +27,7 @@ pub enum AioMode {
     Threads,
 }
 
+pub use null::{NullEngine, NullOptions};
 pub use storage::Storage;
 pub use sync::SyncEngine;
 pub use uring::UringEngine;

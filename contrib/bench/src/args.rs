@@ -32,6 +32,12 @@ pub struct Opts {
     /// Also measure 4k random reads at depth 16 per queue with 1, 2 and 4 queues.
     #[arg(long)]
     pub scaling: bool,
+    /// Measure the backend alone: 4k random reads and writes at depth 1, 32 and 128 per queue
+    /// on 1, 2 and 4 queues (`randread-4k-2q-qd32`...), meant for `--image null:SIZE` (vublk's
+    /// null disk; qemu-storage-daemon's null-co with the same size, read-zeroes and latency)
+    /// with `--backends vublk,qsd`.
+    #[arg(long)]
+    pub null_matrix: bool,
     /// List workloads and exit.
     #[arg(long)]
     pub list: bool,
@@ -174,13 +180,13 @@ pub struct Opts {
         "size", "backends", "workloads", "variants", "scaling", "list", "vublk_args",
         "backend_queues", "zero_fill", "fresh_file", "compress_fill", "fill_data",
         "compression_types", "parallels_fill", "zero_scan", "hop", "fresh_qcow2",
-        "fresh_backing",
+        "fresh_backing", "null_matrix",
     ])]
     pub seed_check: bool,
 }
 
 /// A size in bytes, with an optional K, M or G suffix (powers of two).
-fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let (num, mult) = match s.chars().last() {
         Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),

@@ -66,11 +66,14 @@ pub fn resolve_backends(opts: &Opts) -> Vec<Backend> {
                     .unwrap_or_else(|| {
                         panic!("unknown backend {other}: file, vublk, qsd or a --variant")
                     });
-                // An RBD image (`@rbd:POOL/IMAGE`) and an NBD URI on a UNIX socket
+                // An RBD image (`@rbd:POOL/IMAGE`), a null disk (`@null:SIZE`) and an NBD URI on a UNIX socket
                 // (`@nbd+unix:///EXPORT?socket=PATH`) have colons of their own: the options
                 // start at the first colon after the image.
                 let image_end = if let Some(i) = spec.find("@rbd:") {
                     Some(i + "@rbd:".len())
+                } else if let Some(i) = spec.find("@null:") {
+                    // A null disk, `null:SIZE?read-zeroes=off&latency-ns=N`.
+                    Some(i + "@null:".len())
                 } else {
                     spec.find("?socket=")
                 };

@@ -141,6 +141,25 @@ pub fn qsd_export(node: &str, socket: &Path, queues: u32) -> String {
     )
 }
 
+/// QEMU's null-co driver for vublk's null disk `null:SIZE[?read-zeroes=on|off][&latency-ns=N]`
+/// (`spec` without `null:`): the same size, reads of zeroes unless `read-zeroes=off` (as
+/// vublk's default; QEMU's own default has changed between versions, so it is always set),
+/// the same latency.
+pub fn qsd_null(spec: &str, extra: &str) -> String {
+    let (size, query) = spec.split_once('?').unwrap_or((spec, ""));
+    let size = crate::args::parse_size(size).unwrap_or_else(|e| panic!("null:{spec}: {e}"));
+    let mut read_zeroes = "on";
+    let mut latency = String::new();
+    for kv in query.split('&').filter(|kv| !kv.is_empty()) {
+        match kv.split_once('=') {
+            Some(("read-zeroes", v @ ("on" | "off"))) => read_zeroes = v,
+            Some(("latency-ns", n)) => latency = format!(",latency-ns={n}"),
+            _ => panic!("null:{spec}: {kv:?} (read-zeroes=on|off, latency-ns=N)"),
+        }
+    }
+    format!("driver=null-co,node-name=file0,size={size},read-zeroes={read_zeroes}{latency}{extra}")
+}
+
 /// A qsd variant's `key-file=PATH` option: the image is LUKS, opened by QEMU's luks driver
 /// with the passphrase in PATH.
 fn qsd_key_file(backend: &Backend) -> Option<&str> {
@@ -171,6 +190,9 @@ pub fn qsd_blockdev(backend: &Backend, image: &Path) -> String {
     } else {
         extra
     };
+    if let Some(spec) = image.to_str().and_then(|s| s.strip_prefix("null:")) {
+        return qsd_null(spec, &extra);
+    }
     let rbd = image.to_str().and_then(|s| s.strip_prefix("rbd:"));
     let nbd_unix = image
         .to_str()

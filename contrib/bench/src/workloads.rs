@@ -92,12 +92,34 @@ fn scaling_workloads() -> Vec<Workload> {
         .collect()
 }
 
+/// `--null-matrix`: the backend's own cost on a null disk (`--image null:SIZE`): 4k random
+/// reads and writes at depth 1, 32 and 128 per queue on 1, 2 and 4 queues.
+fn null_matrix() -> Vec<Workload> {
+    let mut out = Vec::new();
+    for (dir, name) in [(Dir::Read, "randread"), (Dir::Write, "randwrite")] {
+        for q in [1, 2, 4] {
+            for d in [1, 32, 128] {
+                out.push(wl(
+                    &format!("{name}-4k-{q}q-qd{d}"),
+                    Pattern::Random,
+                    dir,
+                    4096,
+                    d,
+                    q,
+                ));
+            }
+        }
+    }
+    out
+}
+
 /// Every workload: the standard set, the scaling set, the extra ones.
 fn all_workloads() -> Vec<Workload> {
     standard_workloads()
         .into_iter()
         .chain(scaling_workloads())
         .chain(extra_workloads())
+        .chain(null_matrix())
         .collect()
 }
 
@@ -112,8 +134,12 @@ pub fn print_list() {
 }
 
 /// The workloads `--workloads` names, in its order; without it the standard set, and the
-/// scaling set too with `--scaling`. Panics on a name that is not a workload.
+/// scaling set too with `--scaling`; with `--null-matrix`, the null disk's matrix. Panics on
+/// a name that is not a workload.
 pub fn selected(opts: &Opts) -> Vec<Workload> {
+    if opts.null_matrix && opts.workloads.is_empty() {
+        return null_matrix();
+    }
     if opts.workloads.is_empty() {
         let mut workloads = standard_workloads();
         if opts.scaling {
@@ -144,7 +170,17 @@ pub fn run(opts: &Opts, workloads: &[Workload], backends: &[Backend], vublk: &Pa
                 .as_ref()
                 .is_some_and(|i| i.extension().is_some_and(|e| e == "qcow2"))
         });
-    if !only_fresh {
+    // A null disk (`--image null:SIZE`) has no file to fill.
+    let null = opts.image.to_str().is_some_and(|s| s.starts_with("null:"));
+    if null {
+        assert!(
+            backends
+                .iter()
+                .all(|b| b.kind != crate::backends::BackendKind::File),
+            "the file backend has no null disk: --backends vublk,qsd with --image null:SIZE"
+        );
+    }
+    if !only_fresh && !null {
         prepare_image(&opts.image, opts.size);
     }
 
