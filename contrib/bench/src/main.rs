@@ -25,7 +25,7 @@ mod report;
 mod server;
 mod workloads;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -49,11 +49,16 @@ fn main() -> ExitCode {
             .expect("own path")
             .with_file_name("vublk")
     });
-    let work = opts
-        .image
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
+    // Sockets and logs go beside the image; a null disk's (`null:SIZE`) to target/bench.
+    let work = match opts.image.parent() {
+        _ if opts.image.to_str().is_some_and(|s| s.starts_with("null:")) => {
+            let w = PathBuf::from("target/bench");
+            std::fs::create_dir_all(&w).expect("target/bench");
+            w
+        }
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
     if opts.seed_check {
         return if modes::seed_check::run(&opts, &vublk, &work) {
             ExitCode::SUCCESS
