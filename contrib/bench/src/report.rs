@@ -70,6 +70,42 @@ pub fn emit(opts: &Opts, report: &str) {
 }
 
 /// The workloads' report from `results[workload][backend]` (every run of that pair).
+/// A run whose backend CPU per request is more than this many times the median of the same
+/// backend on the same workload is flagged.
+pub const CPU_OUTLIER: f64 = 3.0;
+
+/// The flagged runs: "workload backend run N: X us/IO, median Y".
+pub fn cpu_outliers(
+    workloads: &[Workload],
+    backends: &[Backend],
+    results: &[Vec<Vec<RunResult>>],
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for (wi, wl) in workloads.iter().enumerate() {
+        for (bi, b) in backends.iter().enumerate() {
+            let rs = &results[wi][bi];
+            let m = median_by(rs, |r| r.cpu_us_per_io().unwrap_or(f64::NAN));
+            if rs.len() < 3 || m.is_nan() {
+                continue;
+            }
+            for (k, r) in rs.iter().enumerate() {
+                // Half a microsecond of slack: tiny medians wobble by more than 3x.
+                match r.cpu_us_per_io() {
+                    Some(c) if c > CPU_OUTLIER * m && c > m + 0.5 => out.push(format!(
+                        "{} {} run {}: {c:.2} us/IO, median {m:.2} ({:.0} IOPS)",
+                        wl.name,
+                        b.name(),
+                        k + 1,
+                        r.iops()
+                    )),
+                    _ => {}
+                }
+            }
+        }
+    }
+    out
+}
+
 pub fn workloads_report(
     opts: &Opts,
     workloads: &[Workload],
@@ -125,23 +161,43 @@ pub fn workloads_report(
     if let Some(v) = idx("vublk") {
         let _ = writeln!(
             out,
-            "\n| workload | vublk / file | vublk / QSD | QSD / file |"
+            "\n| workload | vublk / file | vublk / QSD | QSD / file | CPU per IO, vublk / QSD | p50, vublk / QSD |"
         );
-        let _ = writeln!(out, "|---|---:|---:|---:|");
+        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|");
         for (wi, wl) in workloads.iter().enumerate() {
-            let iops = |bi: usize| median_by(&results[wi][bi], |r| r.iops());
-            let ratio = |a: Option<usize>, b: Option<usize>| match (a, b) {
-                (Some(a), Some(b)) => format!("{:.2}", iops(a) / iops(b)),
+            let of = |bi: usize, f: fn(&RunResult) -> f64| median_by(&results[wi][bi], f);
+            let ratio = |a: Option<usize>, b: Option<usize>, f: fn(&RunResult) -> f64| match (a, b)
+            {
+                (Some(a), Some(b)) if of(b, f) > 0.0 && !of(a, f).is_nan() => {
+                    format!("{:.2}", of(a, f) / of(b, f))
+                }
                 _ => "-".into(),
             };
+            let iops: fn(&RunResult) -> f64 = |r| r.iops();
+            let cpu: fn(&RunResult) -> f64 = |r| r.cpu_us_per_io().unwrap_or(f64::NAN);
+            let p50: fn(&RunResult) -> f64 = |r| r.p50_us;
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} |",
                 wl.name,
-                ratio(Some(v), idx("file")),
-                ratio(Some(v), idx("qsd")),
-                ratio(idx("qsd"), idx("file")),
+                ratio(Some(v), idx("file"), iops),
+                ratio(Some(v), idx("qsd"), iops),
+                ratio(idx("qsd"), idx("file"), iops),
+                ratio(Some(v), idx("qsd"), cpu),
+                ratio(Some(v), idx("qsd"), p50),
             );
+        }
+    }
+    // Runs whose backend CPU per request is far above the same backend's median on the same
+    // workload: a backend that fell into a bad state (a poll loop, a wake-up storm).
+    let outliers = cpu_outliers(workloads, backends, results);
+    if !outliers.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nCPU OUTLIERS (backend CPU per IO over {CPU_OUTLIER}x its median on the workload):"
+        );
+        for o in outliers {
+            let _ = writeln!(out, "- {o}");
         }
     }
     // Variants of vublk against plain vublk (e.g. detect-zeroes on non-zero data).
@@ -193,4 +249,53 @@ pub fn workloads_report(
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backends::{Backend, BackendKind};
+    use crate::workloads::{Dir, Pattern, Workload};
+
+    #[test]
+    fn a_run_far_above_its_median_cpu_is_flagged() {
+        let wl = Workload {
+            name: "randread-4k-1q-qd1".into(),
+            pattern: Pattern::Random,
+            dir: Dir::Read,
+            bs: 4096,
+            depth: 1,
+            queues: 1,
+        };
+        let b = Backend {
+            name: "vublk".into(),
+            kind: BackendKind::Vublk,
+            extra: Vec::new(),
+            image: None,
+            binary: None,
+        };
+        let run = |ios: u64, cpu_us: u64| RunResult {
+            ios,
+            secs: 1.0,
+            backend_cpu_ns: Some(cpu_us * 1000),
+            ..RunResult::default()
+        };
+        // 77 us/IO three times, then 417 us/IO at a fifth of the rate (the case of issue 36).
+        let results = vec![vec![vec![
+            run(7400, 7400 * 77),
+            run(1363, 1363 * 417),
+            run(7300, 7300 * 77),
+            run(7500, 7500 * 78),
+        ]]];
+        let flagged = cpu_outliers(
+            std::slice::from_ref(&wl),
+            std::slice::from_ref(&b),
+            &results,
+        );
+        assert_eq!(flagged.len(), 1, "{flagged:?}");
+        assert!(flagged[0].contains("run 2: 417.00 us/IO"), "{flagged:?}");
+        // Tiny numbers that wobble are not.
+        let results = vec![vec![vec![run(1000, 200), run(1000, 700), run(1000, 250)]]];
+        assert!(cpu_outliers(&[wl], &[b], &results).is_empty());
+    }
 }

@@ -155,3 +155,45 @@ fn seed_check_refuses_options_it_would_ignore() {
         "{stderr}"
     );
 }
+
+/// The null matrix on vublk's null disk and, where it is installed, QEMU's null-co: every
+/// workload of the matrix gets a row, with the CPU and latency ratios.
+#[test]
+fn null_matrix_smoke_run_reports_every_workload() {
+    let mut backends = vec!["vublk"];
+    if Command::new("qemu-storage-daemon")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        backends.push("qsd");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_vublk-bench"))
+        .args(["--smoke", "--null-matrix", "--image", "null:64M"])
+        .arg("--vublk")
+        .arg(vublk_binary())
+        .arg("--backends")
+        .arg(backends.join(","))
+        .output()
+        .expect("run vublk-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "vublk-bench failed:\n{stdout}\n{stderr}"
+    );
+    for dir in ["randread", "randwrite"] {
+        for q in [1, 2, 4] {
+            for d in [1, 32, 128] {
+                let wl = format!("| {dir}-4k-{q}q-qd{d} |");
+                for b in &backends {
+                    assert!(
+                        stdout.contains(&format!("{wl} {b} |")),
+                        "no row for {wl} {b}:\n{stdout}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(stdout.contains("CPU per IO, vublk / QSD"), "{stdout}");
+}
