@@ -161,27 +161,17 @@ fn seed_check_refuses_options_it_would_ignore() {
 #[test]
 fn null_matrix_smoke_run_reports_every_workload() {
     let mut backends = vec!["vublk"];
-    if Command::new("qemu-storage-daemon")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
+    if have_qsd() {
         backends.push("qsd");
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_vublk-bench"))
-        .args(["--smoke", "--null-matrix", "--image", "null:64M"])
-        .arg("--vublk")
-        .arg(vublk_binary())
-        .arg("--backends")
-        .arg(backends.join(","))
-        .output()
-        .expect("run vublk-bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "vublk-bench failed:\n{stdout}\n{stderr}"
-    );
+    let stdout = bench_ok(&[
+        "--smoke",
+        "--null-matrix",
+        "--image",
+        "null:64M",
+        "--backends",
+        &backends.join(","),
+    ]);
     for dir in ["randread", "randwrite"] {
         for q in [1, 2, 4] {
             for d in [1, 32, 128] {
@@ -196,4 +186,28 @@ fn null_matrix_smoke_run_reports_every_workload() {
         }
     }
     assert!(stdout.contains("CPU per IO, vublk / QSD"), "{stdout}");
+}
+
+fn have_qsd() -> bool {
+    Command::new("qemu-storage-daemon")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// vublk-bench with `args` and this build's vublk; panics unless it succeeds; its stdout.
+fn bench_ok(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_vublk-bench"))
+        .args(args)
+        .arg("--vublk")
+        .arg(vublk_binary())
+        .output()
+        .expect("run vublk-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "vublk-bench {args:?} failed:\n{stdout}\n{stderr}"
+    );
+    stdout
 }
