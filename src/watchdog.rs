@@ -68,9 +68,15 @@ impl Wait {
 
 /// Microseconds since the process's first look at the clock, plus one (0: none).
 pub fn now_us() -> u64 {
+    at_us(Instant::now())
+}
+
+/// [`now_us`] of a time already read (one clock read serves a request's start and its
+/// latency).
+pub fn at_us(t: Instant) -> u64 {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
-    let epoch = *EPOCH.get_or_init(Instant::now);
-    epoch.elapsed().as_micros() as u64 + 1
+    let epoch = *EPOCH.get_or_init(|| t);
+    t.saturating_duration_since(epoch).as_micros() as u64 + 1
 }
 
 /// One slot's request as the watchdog sees it.

@@ -8,6 +8,8 @@
 #
 #   contrib/bench/profile-null.sh [WORKLOAD] [SECONDS]   (default randread-4k-1q-qd32, 8)
 #
+# VUBLK_ARGS adds vublk options (e.g. VUBLK_ARGS="--poll-us 0" to profile it sleeping).
+#
 # Needs perf (Debian's linux-perf) and root (or perf_event_paranoid <= 0); run from the
 # repository after `cargo build --release --workspace`. The machine should be otherwise idle.
 set -euo pipefail
@@ -23,6 +25,7 @@ command -v perf >/dev/null || { echo "perf is missing (apt-get install linux-per
 for b in $BACKENDS; do
 	log=$OUT/profile-$b.log
 	target/release/vublk-bench --image null:1G --backends "$b" --workloads "$WL" --runs 1 \
+		--vublk-args "${VUBLK_ARGS:-}" \
 		--seconds "$SECS" --warmup-ms 1000 >"$log" 2>&1 &
 	bench=$!
 	pid=

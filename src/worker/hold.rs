@@ -211,8 +211,7 @@ impl QueueWorker {
                 continue;
             };
             let head = r.head;
-            let mut fresh = InFlight::new(head, r.mem.clone());
-            fresh.started = r.started;
+            let mut fresh = InFlight::new(head, r.mem.clone(), r.started);
             fresh.was_held = true;
             *r = fresh;
             let req = Req::new(id, head, &slot.req);

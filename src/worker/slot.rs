@@ -194,7 +194,8 @@ pub(super) struct InFlight {
 }
 
 impl InFlight {
-    pub fn new(head: u16, mem: Arc<Mem>) -> Self {
+    /// A request taken at `started`.
+    pub fn new(head: u16, mem: Arc<Mem>, started: std::time::Instant) -> Self {
         InFlight {
             head,
             mem,
@@ -206,7 +207,7 @@ impl InFlight {
             range_key: None,
             ticket: None,
             then: Then::Finish,
-            started: std::time::Instant::now(),
+            started,
             through: None,
             decrypt_at: None,
             decrypt_pieces: Vec::new(),

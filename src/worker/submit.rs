@@ -44,13 +44,14 @@ impl QueueWorker {
             }
             return Some(used);
         }
-        slot.state = SlotState::Busy(InFlight::new(head, mem.clone()));
+        let now = std::time::Instant::now();
+        slot.state = SlotState::Busy(InFlight::new(head, mem.clone(), now));
         let (req, sector) = (Req::new(id, head, &slot.req), slot.req.sector);
         self.watch().start(
             id.get(),
             crate::stats::op_index(req.kind),
             sector,
-            crate::watchdog::now_us(),
+            crate::watchdog::at_us(now),
         );
         if !self.image.is_active() && req.kind != RequestType::GetId {
             // The image could not be taken over (a migration destination whose source did
