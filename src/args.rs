@@ -698,6 +698,11 @@ pub struct CreateArgs {
     /// qcow2 compression type for compressed clusters.
     #[arg(long, value_enum, default_value_t = Compression::Zlib)]
     pub compression_type: Compression,
+    /// qcow2 extended L2 entries (QEMU's extended_l2=on): 32 subclusters per cluster, so a
+    /// small write into an overlay copies nothing from the backing file. Needs clusters of
+    /// 16K at least.
+    #[arg(long)]
+    pub extended_l2: bool,
     /// qcow2 backing file (stored as given, relative to the new image).
     #[arg(long, value_name = "FILE")]
     pub backing: Option<PathBuf>,

@@ -240,6 +240,7 @@ pub fn fresh_qcow2(tag: &str, compression: crate::image::qcow2::Compression) -> 
         size_bytes: 8 << 20,
         cluster_bits: 16,
         compression,
+        extended_l2: false,
         backing: None,
         encrypt: None,
     };

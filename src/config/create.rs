@@ -23,6 +23,14 @@ pub fn create_request(
             .filter(|c| c.is_power_of_two() && (512..=2 << 20).contains(c))
             .ok_or_else(|| format!("--cluster-size {cs}: must be a power of two from 512 to 2M"))?
     };
+    if a.extended_l2 && a.format != Format::Qcow2 {
+        return Err("--extended-l2 needs --format qcow2".into());
+    }
+    if a.extended_l2 && cluster < 16 << 10 {
+        return Err(format!(
+            "--extended-l2 with --cluster-size {cs}: subclusters need clusters of 16K at least"
+        ));
+    }
     if a.backing.is_some() && a.format != Format::Qcow2 {
         return Err("--backing needs --format qcow2".into());
     }
@@ -53,6 +61,7 @@ pub fn create_request(
         size_bytes,
         cluster,
         compression: a.compression_type,
+        extended_l2: a.extended_l2,
         backing: a.backing.clone(),
         file: a.file.clone(),
     })

@@ -14,7 +14,8 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use super::qcow2::header::{
-    put32, put64, Header, CRYPT_LUKS, EXT_BACKING_FORMAT, EXT_CRYPTO, MAX_BACKING_NAME,
+    put32, put64, Header, CRYPT_LUKS, EXT_BACKING_FORMAT, EXT_CRYPTO, INCOMPAT_EXTL2,
+    MAX_BACKING_NAME,
 };
 use super::qcow2::{Compression, MAX_L1_BYTES};
 
@@ -27,6 +28,8 @@ pub struct CreateParams {
     pub size_bytes: u64,
     pub cluster_bits: u32,
     pub compression: Compression,
+    /// qcow2 extended L2 entries (16-byte L2 entries: 32 subclusters per cluster).
+    pub extended_l2: bool,
     /// Backing file name as it will be stored (relative to the new image), and its format.
     pub backing: Option<(String, &'static str)>,
     /// A LUKS volume around raw data.
@@ -92,7 +95,7 @@ pub fn create(path: &Path, p: &CreateParams) -> Result<(), CreateError> {
         .qcow2
         .then(|| {
             let crypt_bytes = crypt.as_ref().map_or(0, |h| h.data_offset);
-            Qcow2Layout::new(p.size_bytes, p.cluster_bits, crypt_bytes)
+            Qcow2Layout::new(p.size_bytes, p.cluster_bits, crypt_bytes, p.extended_l2)
         })
         .transpose()?;
     fail_instead_of_dying_at_the_file_size_limit();
@@ -159,10 +162,16 @@ struct Qcow2Layout {
 }
 
 impl Qcow2Layout {
-    fn new(size_bytes: u64, cluster_bits: u32, crypt_bytes: u64) -> Result<Self, CreateError> {
+    fn new(
+        size_bytes: u64,
+        cluster_bits: u32,
+        crypt_bytes: u64,
+        extended_l2: bool,
+    ) -> Result<Self, CreateError> {
         let c = 1u64 << cluster_bits;
         let crypt_clusters = crypt_bytes.div_ceil(c);
-        let per_l1 = c * (c / 8);
+        // An L2 table maps a cluster's worth of 8-byte entries, or of 16-byte extended ones.
+        let per_l1 = c * (c / if extended_l2 { 16 } else { 8 });
         let l1_size = size_bytes.div_ceil(per_l1);
         if l1_size * 8 > MAX_L1_BYTES {
             return Err(CreateError::TooLarge);
@@ -226,6 +235,9 @@ fn write_qcow2(
     let c = layout.cluster;
     let mut hdr = vec![0u8; c as usize];
     let mut h = Header::new_v3(p.cluster_bits, p.size_bytes, p.compression);
+    if p.extended_l2 {
+        h.incompatible_features |= INCOMPAT_EXTL2;
+    }
     h.l1_size = layout.l1_size as u32;
     h.l1_table_offset = layout.l1_offset();
     h.refcount_table_offset = layout.rt_offset();
@@ -299,6 +311,8 @@ pub struct CreateRequest {
     pub size_bytes: Option<u64>,
     pub cluster: u64,
     pub compression: Compression,
+    /// qcow2 extended L2 entries (subclusters).
+    pub extended_l2: bool,
     /// As given (qcow2 only: checked).
     pub backing: Option<std::path::PathBuf>,
     pub file: std::path::PathBuf,
@@ -355,6 +369,7 @@ pub fn params(req: &CreateRequest) -> Result<CreateParams, String> {
         size_bytes,
         cluster_bits: req.cluster.trailing_zeros(),
         compression: req.compression,
+        extended_l2: req.extended_l2,
         backing: backing.map(|(n, f, _)| (n, f)),
         encrypt: req.encrypt.clone(),
     })
@@ -383,6 +398,7 @@ mod tests {
             size_bytes: 10 << 30,
             cluster_bits: 16,
             compression: Compression::Zstd,
+            extended_l2: false,
             backing: None,
             encrypt: None,
         };
@@ -408,7 +424,7 @@ mod tests {
         for bits in 9..=21 {
             let c = 1u64 << bits;
             for size in [512, 1 << 30, 128 << 30, 1 << 40, 1 << 50, 1 << 60] {
-                let Ok(l) = Qcow2Layout::new(size, bits, 0) else {
+                let Ok(l) = Qcow2Layout::new(size, bits, 0, false) else {
                     assert!(size.div_ceil(c * c / 8) * 8 > MAX_L1_BYTES, "{bits} {size}");
                     continue;
                 };
@@ -417,7 +433,7 @@ mod tests {
                 assert!(l.l1_clusters * c >= l.l1_size * 8, "{l:?}");
             }
         }
-        let l = Qcow2Layout::new(128 << 30, 9, 0).unwrap();
+        let l = Qcow2Layout::new(128 << 30, 9, 0, false).unwrap();
         assert_eq!(
             (l.rt_clusters, l.rb_clusters, l.l1_clusters),
             (5, 258, 65536)
@@ -449,6 +465,7 @@ mod tests {
                 size_bytes: 1 << 20,
                 cluster_bits: 16,
                 compression: Compression::Zlib,
+                extended_l2: false,
                 backing: Some(("base.raw".into(), "raw")),
                 encrypt: None,
             },
@@ -471,6 +488,7 @@ mod tests {
                 size_bytes: 1 << 30,
                 cluster_bits: 16,
                 compression: Compression::Zlib,
+                extended_l2: false,
                 backing: None,
                 encrypt: None,
             },

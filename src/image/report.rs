@@ -36,6 +36,8 @@ impl Image {
                     "preallocations": done,
                     "preallocations_skipped": skipped,
                     "copy_on_writes_unlocked": n(&q.stats.cow_unlocked),
+                    "extended_l2": q.extended_l2(),
+                    "subcluster_writes": n(&q.stats.subcluster_writes),
                     "clusters_reused": n(&q.stats.reused_clusters),
                     "compressed_clusters": n(&q.stats.compressed_clusters),
                     "uncompressible_clusters": n(&q.stats.uncompressible_clusters),
@@ -68,8 +70,10 @@ impl Image {
                 let (done, skipped) = q.prealloc_counts();
                 out.push(format!("preallocation: {done} done, {skipped} skipped"));
                 out.push(format!(
-                    "qcow2: {} copy-on-writes done without the allocation lock",
-                    n(&q.stats.cow_unlocked)
+                    "qcow2: {} copy-on-writes done without the allocation lock, {} writes \
+                     of single subclusters",
+                    n(&q.stats.cow_unlocked),
+                    n(&q.stats.subcluster_writes)
                 ));
                 if q.compress_writes() {
                     out.push(format!(

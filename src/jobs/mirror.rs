@@ -200,6 +200,7 @@ fn file_plan(
                 size_bytes: size,
                 cluster_bits: 16,
                 compression: crate::image::qcow2::Compression::Zlib,
+                extended_l2: false,
                 backing,
                 encrypt: None,
             },

@@ -166,6 +166,7 @@ pub fn take(disk: &Disk<'_>, overlay: &Path) -> Result<Value, String> {
             size_bytes: disk.size,
             cluster_bits: OVERLAY_CLUSTER_BITS,
             compression: crate::image::qcow2::Compression::Zlib,
+            extended_l2: false,
             backing: Some((backing_name.clone(), format)),
             encrypt: None,
         },

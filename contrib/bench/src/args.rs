@@ -159,7 +159,8 @@ pub struct Opts {
     #[arg(long)]
     pub hop: bool,
     /// Recreate variant images ending in .qcow2 (empty, the size of --image) before every
-    /// run, to measure writes into a fresh qcow2.
+    /// run, to measure writes into a fresh qcow2; one whose name contains "extl2" gets
+    /// extended L2 entries (subclusters, `vublk create --extended-l2`).
     #[arg(long)]
     pub fresh_qcow2: bool,
     /// Rotate the order of the backends from run to run (round r starts with the r-th), so

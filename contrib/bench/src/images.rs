@@ -52,11 +52,18 @@ pub fn prepare_image(path: &Path, size: u64) {
 }
 
 /// `--fresh-qcow2`: replace `image` with an empty qcow2 made by `vublk create`, of `--size`
-/// or an overlay over `--fresh-backing`.
+/// or an overlay over `--fresh-backing`; with extended L2 entries (subclusters) when its
+/// file name contains "extl2".
 pub fn fresh_qcow2(image: &Path, opts: &Opts, vublk: &Path) {
     remove_settled(image, Duration::from_secs(1));
     let mut create = Command::new(vublk);
     create.args(["create", "--format", "qcow2"]);
+    if image
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().contains("extl2"))
+    {
+        create.arg("--extended-l2");
+    }
     match &opts.fresh_backing {
         Some(b) => create
             .arg("--backing")

@@ -51,6 +51,7 @@ fn fresh_image(tag: &str, size: u64, cluster: u64, refcount_bits: u32) -> Vec<u8
             size_bytes: size,
             cluster_bits: cluster.trailing_zeros(),
             compression: super::Compression::Zlib,
+            extended_l2: false,
             backing: None,
             encrypt: None,
         };
@@ -84,6 +85,7 @@ fn fresh_overlay(tag: &str, size: u64) -> Vec<u8> {
         size_bytes: size,
         cluster_bits: 16,
         compression: super::Compression::Zlib,
+        extended_l2: false,
         backing: Some(("base.raw".into(), "raw")),
         encrypt: None,
     };

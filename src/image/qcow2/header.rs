@@ -223,6 +223,11 @@ pub fn put64(b: &mut [u8], off: usize, v: u64) {
 
 impl Header {
     /// A version 3 header for a new image (16-bit refcounts, nothing else set).
+    /// Extended L2 entries: 32 subclusters per cluster, each allocated or zero on its own.
+    pub fn extended_l2(&self) -> bool {
+        self.incompatible_features & INCOMPAT_EXTL2 != 0
+    }
+
     pub fn new_v3(cluster_bits: u32, size_bytes: u64, compression: Compression) -> Self {
         Header {
             version: 3,
@@ -250,8 +255,8 @@ impl Header {
 
     /// Parse and check the header at the start of `b` (the image's first bytes, at least
     /// [`V2_LEN`]): magic, version, cluster size, encryption, the refcount order and, for
-    /// version 3, unknown incompatible features, external data files, extended L2 entries
-    /// and the compression type. Whether a dirty or corrupt image may be opened is the
+    /// version 3, unknown incompatible features, external data files, extended L2 entries'
+    /// cluster size and the compression type. Whether a dirty or corrupt image may be opened is the
     /// caller's decision.
     pub fn parse(b: &[u8]) -> Result<Self, Qcow2Error> {
         if b.len() < V2_LEN || b[off::MAGIC..off::MAGIC + 4] != MAGIC {
@@ -299,8 +304,10 @@ impl Header {
             if incompat & INCOMPAT_DATA_FILE != 0 {
                 return Err(Qcow2Error::ExternalDataFile);
             }
-            if incompat & INCOMPAT_EXTL2 != 0 {
-                return Err(Qcow2Error::ExtendedL2);
+            // Subclusters are 1/32 of a cluster and at least 512 bytes (QEMU asks for
+            // 16 KiB clusters at least).
+            if incompat & INCOMPAT_EXTL2 != 0 && h.cluster_bits < 14 {
+                return Err(Qcow2Error::ExtendedL2(h.cluster_bits));
             }
             h.incompatible_features = incompat;
             h.autoclear_features = be64(b, off::AUTOCLEAR_FEATURES);

@@ -4,6 +4,7 @@
 use std::collections::VecDeque;
 
 use super::header::be64;
+use super::map::{L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_ZERO, SUB_ALL};
 use super::{ImageError, Qcow2Image, WriteState};
 use crate::io::aligned::read_aligned;
 use crate::io::bounce::AlignedBuf;
@@ -94,21 +95,56 @@ impl Qcow2Image {
         }
     }
 
-    /// The L2 entry for the cluster containing `guest_offset` (0 = unallocated): from the
-    /// cache (which holds entries not yet written back), else from the file.
+    /// Words per L2 entry: 2 with extended L2 entries (descriptor, subcluster bitmap).
+    pub(super) fn l2_stride(&self) -> usize {
+        1 + usize::from(self.extended_l2)
+    }
+
+    /// The L2 entry for the cluster containing `guest_offset` as a plain entry (0 =
+    /// unallocated). With extended L2 entries, a cluster whose subclusters agree is shown as
+    /// the plain entry that reads the same (all allocated: data; all zero: the zero flag;
+    /// none and no host cluster: unallocated), and one whose subclusters differ as a
+    /// cluster that every write path copies whole (its host cluster, not COPIED; without
+    /// one, unallocated over a backing file, else zero): [`Self::l2_raw`] has the truth.
     pub(super) fn l2_entry(
         &self,
         file: &dyn Storage,
         guest_offset: u64,
     ) -> Result<u64, ImageError> {
-        let l2_index = self.l2_index(guest_offset);
+        let (d, bitmap) = self.l2_raw(file, guest_offset)?;
+        if !self.extended_l2 || d & L2_COMPRESSED != 0 {
+            return Ok(d);
+        }
+        let host = d & L2_OFFSET_MASK;
+        let (alloc, zero) = (bitmap & SUB_ALL, bitmap >> 32);
+        Ok(match (alloc, zero) {
+            (0, 0) if host == 0 => 0,
+            (SUB_ALL, 0) if host != 0 => d & !L2_ZERO,
+            (0, SUB_ALL) => d | L2_ZERO,
+            _ if host != 0 => d & !(L2_COPIED | L2_ZERO),
+            _ if self.backing_file.is_some() => 0,
+            _ => L2_ZERO,
+        })
+    }
+
+    /// The L2 entry for the cluster containing `guest_offset` as stored: its descriptor and,
+    /// with extended L2 entries, its subcluster bitmap (else 0). From the cache (which holds
+    /// entries not yet written back), else from the file.
+    pub(super) fn l2_raw(
+        &self,
+        file: &dyn Storage,
+        guest_offset: u64,
+    ) -> Result<(u64, u64), ImageError> {
+        let stride = self.l2_stride();
+        let w = self.l2_index(guest_offset) * stride;
         let Some(l2_offset) = self.l2_table_offset(guest_offset)? else {
-            return Ok(0);
+            return Ok((0, 0));
         };
+        let pair = |e: &[u64]| (e[w], if stride == 2 { e[w + 1] } else { 0 });
         let mut cache = self.lock_l2();
         let hit = cache.tables.iter().position(|t| t.offset == l2_offset);
         if let Some(t) = hit.and_then(|pos| cache.tables.remove(pos)) {
-            let e = t.entries[l2_index];
+            let e = pair(&t.entries);
             cache.tables.push_back(t);
             // Under the cache lock already: the counter adds no contention of its own.
             self.stats
@@ -121,7 +157,7 @@ impl Qcow2Image {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // Loaded under the cache lock, so a writer cannot change the table in between.
         let entries = self.read_l2(file, l2_offset)?;
-        let e = entries[l2_index];
+        let e = pair(&entries);
         if cache.make_room() {
             cache.tables.push_back(self.new_table(l2_offset, entries));
         }
@@ -129,6 +165,8 @@ impl Qcow2Image {
     }
 
     /// Change one L2 entry in the cached table (loading it if needed); written back later.
+    /// `entry` is a plain entry: with extended L2 entries it stands for all 32 subclusters
+    /// (data: all allocated; the zero flag: all zero; else none).
     pub(super) fn write_l2_entry(
         &self,
         ws: &mut WriteState,
@@ -137,17 +175,46 @@ impl Qcow2Image {
         index: usize,
         entry: u64,
     ) -> Result<(), ImageError> {
+        let pair = if !self.extended_l2 || entry & L2_COMPRESSED != 0 {
+            (entry, 0)
+        } else if entry & L2_ZERO != 0 {
+            (entry & !L2_ZERO, SUB_ALL << 32)
+        } else if entry & L2_OFFSET_MASK != 0 {
+            (entry, SUB_ALL)
+        } else {
+            (0, 0)
+        };
+        self.write_l2_raw(ws, file, l2, index, pair)
+    }
+
+    /// Change one L2 entry (descriptor, and with extended L2 entries its bitmap) in the
+    /// cached table (loading it if needed); written back later.
+    pub(super) fn write_l2_raw(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        l2: u64,
+        index: usize,
+        (entry, bitmap): (u64, u64),
+    ) -> Result<(), ImageError> {
         let per_chunk = (self.meta_chunk() / 8) as usize;
+        let stride = self.l2_stride();
+        let w = index * stride;
         loop {
             let mut cache = self.lock_l2();
             if let Some(t) = cache.tables.iter_mut().find(|t| t.offset == l2) {
-                let slot = t
-                    .entries
-                    .get_mut(index)
-                    .ok_or(ImageError::Corrupt("L2 index out of range"))?;
-                let old = std::mem::replace(slot, entry);
-                t.dirty[index / per_chunk] = true;
-                let v = &mut t.version[index / per_chunk];
+                if w + stride > t.entries.len() {
+                    return Err(ImageError::Corrupt("L2 index out of range"));
+                }
+                let old = std::mem::replace(&mut t.entries[w], entry);
+                let old_bitmap = if stride == 2 {
+                    std::mem::replace(&mut t.entries[w + 1], bitmap)
+                } else {
+                    0
+                };
+                // Both words of an extended entry lie in one chunk (16-byte aligned).
+                t.dirty[w / per_chunk] = true;
+                let v = &mut t.version[w / per_chunk];
                 *v = v.wrapping_add(1);
                 self.unpublished.note_change();
                 // The guest cluster read something other than zeroes of fresh space before
@@ -158,9 +225,10 @@ impl Qcow2Image {
                 // lost, or a chunk that does not decompress. In an encrypted image even
                 // fresh space does not read as zeroes (it decrypts to noise): the new data
                 // must be durable first there too.
-                let compressed = entry & super::map::L2_COMPRESSED != 0;
-                if old != entry
+                let compressed = entry & L2_COMPRESSED != 0;
+                if (old, old_bitmap) != (entry, bitmap)
                     && (old != 0
+                        || old_bitmap != 0
                         || compressed
                         || self.backing_file.is_some()
                         || self.crypt_region.is_some())

@@ -18,6 +18,19 @@ pub(super) const L2_ZERO: u64 = 1;
 pub(super) const L2_COPIED: u64 = 1 << 63;
 /// L2 entry: offset of a standard data cluster.
 pub(super) const L2_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+/// Extended L2 entries: a cluster has 32 subclusters; this mask covers the bitmap's
+/// allocation bits (0-31; the zero bits are the same shifted by 32).
+pub(super) const SUB_ALL: u64 = 0xffff_ffff;
+/// Subclusters per cluster with extended L2 entries.
+pub(super) const SUBCLUSTERS: u64 = 32;
+
+/// The bits of subclusters `first..first + n` (of 32) in one half of a bitmap.
+pub(super) fn sub_mask(first: u64, n: u64) -> u64 {
+    if n == 0 {
+        return 0;
+    }
+    (SUB_ALL >> (SUBCLUSTERS - n)) << first
+}
 
 /// A compressed cluster descriptor's host offset and its 512-byte sectors: x = 62 -
 /// (cluster_bits - 8) offset bits, then the number of additional sectors.
@@ -68,6 +81,22 @@ impl Extent {
     }
 }
 
+/// Append `ext` to `out`, merging it into the last extent where they continue each other.
+fn push_extent(out: &mut Vec<Extent>, ext: Extent) {
+    match (out.last_mut(), ext) {
+        (
+            Some(Extent::Data { host_offset, len }),
+            Extent::Data {
+                host_offset: h,
+                len: l,
+            },
+        ) if *host_offset + *len == h => *len += l,
+        (Some(Extent::Zero { len }), Extent::Zero { len: l }) => *len += l,
+        (Some(Extent::Unallocated { len }), Extent::Unallocated { len: l }) => *len += l,
+        _ => out.push(ext),
+    }
+}
+
 impl Qcow2Image {
     /// Index of `guest_offset`'s cluster in its L2 table.
     pub(super) fn l2_index(&self, guest_offset: u64) -> usize {
@@ -109,53 +138,102 @@ impl Qcow2Image {
         while pos < end {
             let in_cluster = pos & (cluster - 1);
             let n = (cluster - in_cluster).min(end - pos);
-            let e = self.l2_entry(file, pos)?;
-            let ext = if e & L2_COMPRESSED != 0 {
+            let (e, bitmap) = self.l2_raw(file, pos)?;
+            if e & L2_COMPRESSED != 0 {
                 let (host_offset, sectors) = compressed_span(e, self.cluster_bits);
                 let compressed_len = (sectors * 512).saturating_sub(host_offset & 511);
                 let file_size = self.file_len();
                 if host_offset >= file_size {
                     return Err(ImageError::Corrupt("compressed cluster outside the file"));
                 }
-                Extent::Compressed {
-                    host_offset,
-                    compressed_len: compressed_len.min(file_size - host_offset),
-                    skip: in_cluster,
-                    len: n,
-                }
+                push_extent(
+                    out,
+                    Extent::Compressed {
+                        host_offset,
+                        compressed_len: compressed_len.min(file_size - host_offset),
+                        skip: in_cluster,
+                        len: n,
+                    },
+                );
+            } else if self.extended_l2 {
+                self.map_subclusters(e, bitmap, in_cluster, n, out)?;
             } else {
                 let host = e & L2_OFFSET_MASK;
-                if e & L2_ZERO != 0 && self.version >= 3 {
+                let ext = if e & L2_ZERO != 0 && self.version >= 3 {
                     Extent::Zero { len: n }
                 } else if host == 0 {
                     Extent::Unallocated { len: n }
                 } else {
-                    if !host.is_multiple_of(cluster)
-                        || host + cluster > self.file_len().next_multiple_of(cluster)
-                    {
-                        return Err(ImageError::Corrupt(
-                            "data cluster unaligned or outside the file",
-                        ));
-                    }
+                    self.check_data_cluster(host)?;
                     Extent::Data {
                         host_offset: host + in_cluster,
                         len: n,
                     }
-                }
-            };
-            match (out.last_mut(), ext) {
-                (
-                    Some(Extent::Data { host_offset, len }),
-                    Extent::Data {
-                        host_offset: h,
-                        len: l,
-                    },
-                ) if *host_offset + *len == h => *len += l,
-                (Some(Extent::Zero { len }), Extent::Zero { len: l }) => *len += l,
-                (Some(Extent::Unallocated { len }), Extent::Unallocated { len: l }) => *len += l,
-                _ => out.push(ext),
+                };
+                push_extent(out, ext);
             }
             pos += n;
+        }
+        Ok(())
+    }
+
+    /// A data cluster's host offset must be aligned and inside the file.
+    fn check_data_cluster(&self, host: u64) -> Result<(), ImageError> {
+        let cluster = self.cluster_size();
+        if !host.is_multiple_of(cluster)
+            || host + cluster > self.file_len().next_multiple_of(cluster)
+        {
+            return Err(ImageError::Corrupt(
+                "data cluster unaligned or outside the file",
+            ));
+        }
+        Ok(())
+    }
+
+    /// [in_cluster, in_cluster + n) of a cluster with extended L2 entry (`e`, `bitmap`): a
+    /// subcluster is data at its place in the host cluster when allocated, zeroes when its
+    /// zero bit is set, else unallocated (the backing file shows through).
+    fn map_subclusters(
+        &self,
+        e: u64,
+        bitmap: u64,
+        in_cluster: u64,
+        n: u64,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), ImageError> {
+        let (alloc, zero) = (bitmap & SUB_ALL, bitmap >> 32);
+        if alloc & zero != 0 {
+            return Err(ImageError::Corrupt(
+                "a subcluster both allocated and zero in its L2 bitmap",
+            ));
+        }
+        let host = e & L2_OFFSET_MASK;
+        if alloc != 0 {
+            if host == 0 {
+                return Err(ImageError::Corrupt(
+                    "allocated subclusters without a host cluster",
+                ));
+            }
+            self.check_data_cluster(host)?;
+        }
+        let sub = self.cluster_size() / SUBCLUSTERS;
+        let mut at = in_cluster;
+        let end = in_cluster + n;
+        while at < end {
+            let k = at / sub;
+            let m = ((k + 1) * sub).min(end) - at;
+            let ext = if alloc >> k & 1 != 0 {
+                Extent::Data {
+                    host_offset: host + at,
+                    len: m,
+                }
+            } else if zero >> k & 1 != 0 {
+                Extent::Zero { len: m }
+            } else {
+                Extent::Unallocated { len: m }
+            };
+            push_extent(out, ext);
+            at += m;
         }
         Ok(())
     }
@@ -175,15 +253,23 @@ impl Qcow2Image {
         let mut start_host = None;
         while pos < end {
             let cl_start = pos & !(c - 1);
-            let e = self.l2_entry(file, cl_start)?;
-            let host = e & L2_OFFSET_MASK;
-            if e & L2_COMPRESSED != 0 || e & L2_COPIED == 0 || e & L2_ZERO != 0 || host == 0 {
-                return Ok(None);
-            }
-            if self.is_metadata(host) {
-                return Err(ImageError::Corrupt("a data cluster overlaps metadata"));
-            }
-            let here = host + (pos - cl_start);
+            let here = if self.extended_l2 {
+                let n = (cl_start + c).min(end) - pos;
+                match self.owned_subclusters(file, pos, n)? {
+                    Some(h) => h,
+                    None => return Ok(None),
+                }
+            } else {
+                let e = self.l2_entry(file, cl_start)?;
+                let host = e & L2_OFFSET_MASK;
+                if e & L2_COMPRESSED != 0 || e & L2_COPIED == 0 || e & L2_ZERO != 0 || host == 0 {
+                    return Ok(None);
+                }
+                if self.is_metadata(host) {
+                    return Err(ImageError::Corrupt("a data cluster overlaps metadata"));
+                }
+                host + (pos - cl_start)
+            };
             match start_host {
                 None => start_host = Some(here),
                 Some(h) if h + (pos - offset) != here => return Ok(None),
@@ -217,7 +303,8 @@ impl Qcow2Image {
         }
         let new = self.alloc_zeroed_cluster(ws, file)?;
         self.note_metadata(new);
-        self.install_l2(ws, file, l1_index, new, vec![0u64; 1 << self.l2_bits])?;
+        let words = (self.cluster_size() / 8) as usize;
+        self.install_l2(ws, file, l1_index, new, vec![0u64; words])?;
         Ok(new)
     }
 
@@ -248,7 +335,7 @@ impl Qcow2Image {
         // Snapshot creation already counted the snapshot's references to these clusters
         // (refcounts count references per L1 table, not per L2 copy): nothing to add, but no
         // cluster is owned alone any more.
-        for e in entries.iter_mut() {
+        for e in entries.iter_mut().step_by(self.l2_stride()) {
             if *e & L2_COMPRESSED == 0 {
                 *e &= !L2_COPIED;
             }

@@ -14,6 +14,7 @@
 //! - `cow`: writes into fresh clusters through the engine, and copy-on-write off the lock.
 //! - `write`: writes and zeroing through the format.
 //! - `compress`: compressed clusters and the compressed-write cache.
+//! - `subcluster`: extended L2 entries' writes of single subclusters.
 //! - `writeback`: metadata write-back in dependency order, flush and close.
 //! - `bitmaps`, `bitmap_store`: persistent dirty bitmaps, read and kept current.
 //!
@@ -49,6 +50,7 @@ mod open;
 mod refcount;
 pub mod relink;
 mod resize;
+mod subcluster;
 mod write;
 mod writeback;
 
@@ -109,8 +111,10 @@ pub enum Qcow2Error {
     CryptoHeader,
     #[error("qcow2 images with an external data file are not supported")]
     ExternalDataFile,
-    #[error("qcow2 images with extended L2 entries (subclusters) are not supported")]
-    ExtendedL2,
+    #[error(
+        "qcow2 extended L2 entries (subclusters) need clusters of 16 KiB at least, not 2^{0} bytes"
+    )]
+    ExtendedL2(u32),
     #[error("qcow2 image uses unknown incompatible features {0:#x}")]
     UnknownFeatures(u64),
     #[error("qcow2 image is marked corrupt: it can only be served with --read-only (repair it with qemu-img check -r all)")]
@@ -181,6 +185,8 @@ pub struct Qcow2Stats {
     pub reused_clusters: AtomicU64,
     /// Copy-on-writes done without the allocation lock.
     pub cow_unlocked: AtomicU64,
+    /// Extended L2 entries: writes that wrote only the subclusters they touch.
+    pub subcluster_writes: AtomicU64,
     /// Clusters stored compressed, and written normally because they did not compress.
     pub compressed_clusters: AtomicU64,
     pub uncompressible_clusters: AtomicU64,
@@ -246,6 +252,9 @@ pub struct Qcow2Image {
     pub version: u32,
     cluster_bits: u32,
     l2_bits: u32,
+    /// Extended L2 entries (`extended_l2=on`): each L2 entry is two words, the cluster's
+    /// descriptor and a bitmap of its 32 subclusters (bits 0-31 allocated, 32-63 zero).
+    extended_l2: bool,
     /// The guest-visible size (grows with `grow`).
     size: AtomicU64,
     pub compression: Compression,
@@ -312,6 +321,11 @@ impl Qcow2Image {
     /// Is the image open for writing?
     pub fn writable(&self) -> bool {
         self.write.is_some()
+    }
+
+    /// Does the image have extended L2 entries (subclusters)?
+    pub fn extended_l2(&self) -> bool {
+        self.extended_l2
     }
 
     /// Are clusters written whole stored compressed?

@@ -101,7 +101,8 @@ impl Qcow2Image {
         let backing_file = h.backing_file(&first)?;
         let cluster_bits = h.cluster_bits;
         let cluster_size = 1u64 << cluster_bits;
-        let l2_bits = cluster_bits - 3;
+        let extended_l2 = h.extended_l2();
+        let l2_bits = cluster_bits - 3 - u32::from(extended_l2);
         let per_l1 = 1u64 << (cluster_bits + l2_bits);
         let l1_size = u64::from(h.l1_size);
         let l1_offset = h.l1_table_offset;
@@ -176,6 +177,7 @@ impl Qcow2Image {
             version: h.version,
             cluster_bits,
             l2_bits,
+            extended_l2,
             size: AtomicU64::new(h.size_bytes),
             compression: h.compression,
             backing_file,
@@ -296,7 +298,7 @@ impl Qcow2Image {
                     end = ws.next_free;
                     break;
                 };
-                for e in entries {
+                for e in entries.into_iter().step_by(self.l2_stride()) {
                     let last = if e & L2_COMPRESSED != 0 {
                         let (host, sectors) = compressed_span(e, self.cluster_bits);
                         host + sectors * 512
@@ -368,7 +370,7 @@ impl Qcow2Image {
         // The end of the last cluster anything refers to: metadata, or an L2 entry.
         let mut in_use = self.metadata.read_locked().end().max(c);
         for &t in &tables {
-            for e in self.read_l2(file, t)? {
+            for e in self.read_l2(file, t)?.into_iter().step_by(self.l2_stride()) {
                 let end_of = if e & L2_COMPRESSED != 0 {
                     let (host, sectors) = compressed_span(e, self.cluster_bits);
                     (host + sectors * 512).next_multiple_of(c)

@@ -3,7 +3,7 @@
 //! cluster holding the old contents around the new data (copy-on-write), or compressed.
 
 use super::compress::Run;
-use super::map::{L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_ZERO};
+use super::map::{L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_ZERO, SUB_ALL};
 use super::{FillOld, ImageError, Qcow2Image, WriteState};
 use crate::image::ZeroMode;
 use crate::io::bounce::AlignedBuf;
@@ -43,8 +43,10 @@ impl Qcow2Image {
         }
         let first_cl = offset & !(c - 1);
         let n_cl = (end - 1 - first_cl) / c + 1;
+        // Extended L2 entries: a partial cluster is written without a copy, under the lock.
         if n_cl == 1
             && !self.compress_writes()
+            && !self.extended_l2
             && self.write_cow_unlocked(file, offset, data, fill_old)?
         {
             return Ok(());
@@ -95,7 +97,13 @@ impl Qcow2Image {
         let c = self.cluster_size();
         let cl = cl & !(c - 1);
         let held = |e: u64| e & L2_OFFSET_MASK != 0 || e & L2_COMPRESSED != 0 || e & L2_ZERO != 0;
-        if held(self.l2_entry(file, cl)?) {
+        let whole = if self.extended_l2 {
+            let (d, bitmap) = self.l2_raw(file, cl)?;
+            d & L2_COMPRESSED != 0 || (bitmap | bitmap >> 32) & SUB_ALL == SUB_ALL
+        } else {
+            held(self.l2_entry(file, cl)?)
+        };
+        if whole {
             return Ok(false);
         }
         // The backing chain is read-only: what it holds for the cluster cannot change, so it
@@ -112,6 +120,11 @@ impl Qcow2Image {
             drop(guard);
             self.cow.wait(busy);
         };
+        // Extended L2 entries: a cluster that holds some subclusters gets the others.
+        if let Some(filled) = self.populate_subclusters(file, cl, buf.as_mut_slice(), &mut ws)? {
+            self.maybe_write_back(&mut ws, file)?;
+            return Ok(filled);
+        }
         // Under the lock: still not the image's (a guest write may have got there).
         if held(self.l2_entry(file, cl)?) {
             return Ok(false);
@@ -172,6 +185,10 @@ impl Qcow2Image {
                     }
                 };
                 self.store_compressed(ws, file, cl_start, e, z, (buf, in_cl, src), runs)?;
+                pos += n as u64;
+                continue;
+            }
+            if !in_place && self.write_subclusters(ws, file, cl_start, in_cl, src, fill_old)? {
                 pos += n as u64;
                 continue;
             }
