@@ -11,6 +11,7 @@ use std::process::Command;
 use common::*;
 
 const WHY: &str = "qcow2 is served by vublk";
+const STOP: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn setup(name: &str) -> Option<TestDir> {
     if skip_unless_vublk(WHY) {
@@ -279,4 +280,42 @@ fn create_extended_l2_refuses_small_clusters_and_other_formats() {
         );
         assert!(!dir.join("x.img").exists());
     }
+}
+
+/// A stream job over an extended-L2 overlay QEMU half-filled (single subclusters, zeroed
+/// subclusters, whole clusters, untouched clusters): the overlay gets only what it lacks and
+/// then stands alone, holding what the chain read.
+#[test]
+fn stream_fills_the_subclusters_an_overlay_lacks() {
+    let Some(dir) = setup("subclusters-stream") else {
+        return;
+    };
+    if skip_chain_test("stream jobs") {
+        return;
+    }
+    create_pattern_image(&dir.join("base.raw"), 8 * MIB, 43);
+    qemu_create(&dir, "top.qcow2", "extended_l2=on", "8M", Some("base.raw"));
+    let img = dir.join("top.qcow2");
+    qemu_io(
+        &img,
+        &[
+            "write -P 0x41 4096 2048",
+            "write -P 0x42 70000 1000",
+            "write -z 200704 6144",
+            "write -P 0x43 1M 64k",
+            "write -z 2M 64k",
+            "write -P 0x44 3145728 512",
+        ],
+    );
+    let want = expected(&dir, &img);
+    let (backend, sock) = start_with_control(&dir, &img, 1, &[]);
+    ctl_ok(&sock, "stream", &["--id", "all"]);
+    let j = wait_job(&sock, "all");
+    assert!(j["error"].is_null(), "{j}");
+    assert_eq!(backend.sigterm_and_wait(STOP).code(), Some(0));
+    assert_eq!(chain(&img), [("top.qcow2".to_owned(), "qcow2".to_owned())]);
+    let raw = dir.join("want.raw");
+    std::fs::write(&raw, &want).unwrap();
+    assert_compare(&img, &raw, "the streamed overlay");
+    assert_check_allows_leaks(&img, "qcow2", "the streamed overlay");
 }

@@ -66,7 +66,12 @@ impl Image {
                     *p,
                     Piece::Data { layer: 0, .. } | Piece::Compressed { layer: 0, .. }
                 )
-            });
+            }) && !(d.q.extended_l2()
+                // Subclusters: the image may hold part of a cluster and not the rest.
+                && plan.pieces.iter().any(|p| match *p {
+                    Piece::Data { layer, .. } | Piece::Compressed { layer, .. } => layer > 0,
+                    Piece::Zero { .. } => false,
+                }));
             let below = keep.is_some_and(|k| {
                 plan.pieces.iter().all(|p| match *p {
                     Piece::Data { layer, .. } | Piece::Compressed { layer, .. } => layer > k,

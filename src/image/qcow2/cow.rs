@@ -143,7 +143,7 @@ impl CowClusters {
     }
 
     /// `n` guest clusters from `first` (clusters of `c` bytes) are done.
-    fn finish(&self, first: u64, n: u64, c: u64) {
+    pub(super) fn finish(&self, first: u64, n: u64, c: u64) {
         let mut busy = self.lock();
         for k in 0..n {
             busy.remove(&(first + k * c));

@@ -43,13 +43,16 @@ impl Qcow2Image {
         }
         let first_cl = offset & !(c - 1);
         let n_cl = (end - 1 - first_cl) / c + 1;
-        // Extended L2 entries: a partial cluster is written without a copy, under the lock.
-        if n_cl == 1
-            && !self.compress_writes()
-            && !self.extended_l2
-            && self.write_cow_unlocked(file, offset, data, fill_old)?
-        {
-            return Ok(());
+        // Extended L2 entries: a write inside one cluster goes to its subclusters only.
+        if n_cl == 1 && !self.compress_writes() {
+            let done = if self.extended_l2 {
+                self.write_subclusters_unlocked(file, offset, data, fill_old)?
+            } else {
+                self.write_cow_unlocked(file, offset, data, fill_old)?
+            };
+            if done {
+                return Ok(());
+            }
         }
         // Never allocate for a cluster another writer is copying without the lock.
         let mut ws_guard = loop {
@@ -249,7 +252,18 @@ impl Qcow2Image {
                 pos += n;
                 continue;
             }
-            let mut ws = self.lock_write()?;
+            // Not while the cluster is written without the allocation lock (its host
+            // cluster must stay until that write's entry is in).
+            let mut ws = loop {
+                let guard = self.lock_write()?;
+                let busy = self.cow.lock();
+                if !busy.contains(&cl_start) {
+                    drop(busy);
+                    break guard;
+                }
+                drop(guard);
+                self.cow.wait(busy);
+            };
             let e = self.l2_entry(file, cl_start)?;
             let host = e & L2_OFFSET_MASK;
             let keep =
