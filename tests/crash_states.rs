@@ -105,6 +105,28 @@ fn overlay_over_pattern(d: &Path) {
     );
 }
 
+/// `disk.qcow2` over `base.raw` (the pattern) with extended L2 entries: 32 subclusters of
+/// 2 KiB per cluster, each allocated on its own.
+fn extl2_overlay_over_pattern(d: &Path) {
+    std::fs::write(d.join("base.raw"), pattern_disk()).unwrap();
+    qemu_img_in(
+        d,
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "extended_l2=on",
+            "-b",
+            "base.raw",
+            "-F",
+            "raw",
+            "disk.qcow2",
+        ],
+    );
+}
+
 /// Records the random mix (`batches` of it, set up further by `tune`) on `row` and checks up
 /// to `budget` crash states.
 fn record_and_check(
@@ -275,6 +297,33 @@ fn qcow2_overlay() {
         &["--format", "qcow2"],
         overlay_over_pattern,
     ));
+}
+
+/// An overlay with subclusters: single subclusters written through the ring (marked
+/// allocated when their write completes) or the pool (partial ones merged), zeroes and
+/// discards, over the backing file.
+#[test]
+fn qcow2_extl2_overlay() {
+    run_row(row(
+        "qcow2-extl2-overlay",
+        "disk.qcow2",
+        Initial::Pattern,
+        &["--format", "qcow2"],
+        extl2_overlay_over_pattern,
+    ));
+}
+
+/// A stream job into an overlay with subclusters that holds some of them.
+#[test]
+fn qcow2_extl2_stream() {
+    run_row_with(
+        ctl_row(
+            "qcow2-extl2-stream",
+            Initial::Pattern,
+            extl2_overlay_over_pattern,
+        ),
+        stream_tune,
+    );
 }
 
 /// Zero clusters: all-zero writes turned into zero clusters, write-zeroes and discards

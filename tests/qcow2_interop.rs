@@ -428,6 +428,13 @@ fn random_writes_to_qcow2_match_model_and_check_clean() {
         ("c512", vec!["--cluster-size", "512"], false),
         ("c2m", vec!["--cluster-size", "2M"], false),
         ("backed", vec!["--backing", "base.raw"], true),
+        // Subclusters: single ones written through the ring or the pool, partial ones
+        // merged, zeroes, all over the backing file.
+        (
+            "extl2-backed",
+            vec!["--extended-l2", "--backing", "base.raw"],
+            true,
+        ),
     ] {
         let file = format!("{name}.qcow2");
         let img = dir.join(&file);
@@ -518,6 +525,26 @@ fn two_queue_random_writes_to_qcow2_match_model_and_check_clean() {
             vec!["--cluster-size", "4K"],
             false,
             vec!["--l2-cache-size", "16K"],
+        ),
+        // Subclusters (512 B at 16 KiB clusters, 2 KiB at 64 KiB): both queues write
+        // subclusters of the same clusters at once, over the backing file.
+        (
+            "extl2-16k",
+            vec![
+                "--extended-l2",
+                "--cluster-size",
+                "16K",
+                "--backing",
+                "base.raw",
+            ],
+            true,
+            vec!["--l2-cache-size", "64K"],
+        ),
+        (
+            "extl2-64k",
+            vec!["--extended-l2", "--backing", "base.raw"],
+            true,
+            vec![],
         ),
     ] {
         let file = format!("{name}.qcow2");

@@ -187,3 +187,134 @@ mod publication_tests {
         assert!(!p.pending());
     }
 }
+
+/// Data syncs shared between threads (group commit): a thread that needs the writes it
+/// has completed to be durable waits for a sync that started after them, and one sync
+/// serves every thread waiting meanwhile, instead of one `fdatasync` each (the
+/// copy-on-write pool's threads, each after its own cluster's write).
+#[derive(Debug, Default)]
+pub struct GroupSync {
+    state: std::sync::Mutex<SyncRounds>,
+    done: std::sync::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SyncRounds {
+    /// Rounds (syncs) finished, numbered from 1.
+    finished: u64,
+    /// A round is running (number `finished + 1`).
+    running: bool,
+    /// The latest round that failed, and its error number.
+    failed: Option<(u64, i32)>,
+    /// Rounds run, and callers served (for the statistics).
+    calls: u64,
+}
+
+impl GroupSync {
+    /// Make every write this thread completed before the call durable: with a sync of
+    /// `sync` that starts after the call, run here or by another thread. A failure of any
+    /// round from that one on is this call's failure.
+    pub fn sync(&self, sync: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
+        use crate::locks::Locked;
+        let mut st = self.state.locked();
+        st.calls += 1;
+        // A round running now may have started before this thread's writes: the next one.
+        let need = st.finished + 1 + u64::from(st.running);
+        let mut sync = Some(sync);
+        loop {
+            if st.finished >= need {
+                return match st.failed {
+                    Some((round, errno)) if round >= need => {
+                        Err(io::Error::from_raw_os_error(errno))
+                    }
+                    _ => Ok(()),
+                };
+            }
+            if !st.running {
+                if let Some(f) = sync.take() {
+                    st.running = true;
+                    let round = st.finished + 1;
+                    drop(st);
+                    let r = f();
+                    st = self.state.locked();
+                    st.running = false;
+                    st.finished = round;
+                    if let Err(e) = &r {
+                        st.failed = Some((round, e.raw_os_error().unwrap_or(libc::EIO)));
+                    }
+                    self.done.notify_all();
+                    continue;
+                }
+            }
+            st = self
+                .done
+                .wait(st)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// Callers so far, and syncs run for them.
+    pub fn counts(&self) -> (u64, u64) {
+        use crate::locks::Locked;
+        let st = self.state.locked();
+        (st.calls, st.finished)
+    }
+}
+
+#[cfg(test)]
+mod group_sync_tests {
+    use super::GroupSync;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// Every caller returns only after a sync that started after its call; callers that
+    /// overlap share syncs.
+    #[test]
+    fn callers_wait_for_a_sync_that_started_after_them_and_share_it() {
+        let g = Arc::new(GroupSync::default());
+        // Each sync takes 5 ms and records when it started (ticks of a counter that
+        // callers also read when they arrive).
+        let clock = Arc::new(AtomicU64::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (g, clock) = (g.clone(), clock.clone());
+                std::thread::spawn(move || {
+                    let mut starts = Vec::new();
+                    for _ in 0..10 {
+                        let arrived = clock.fetch_add(1, Ordering::SeqCst);
+                        let started = Arc::new(AtomicU64::new(u64::MAX));
+                        let s = started.clone();
+                        let c = clock.clone();
+                        g.sync(|| {
+                            s.store(c.fetch_add(1, Ordering::SeqCst), Ordering::SeqCst);
+                            std::thread::sleep(Duration::from_millis(5));
+                            Ok(())
+                        })
+                        .unwrap();
+                        starts.push((arrived, started.load(Ordering::SeqCst)));
+                    }
+                    starts
+                })
+            })
+            .collect();
+        for t in threads {
+            for (arrived, ran) in t.join().unwrap() {
+                // A caller that ran the sync itself started it after arriving.
+                assert!(ran == u64::MAX || ran > arrived);
+            }
+        }
+        let (calls, syncs) = g.counts();
+        assert_eq!(calls, 80);
+        assert!(syncs < 60, "{syncs} syncs for 80 overlapping calls");
+    }
+
+    #[test]
+    fn a_failed_sync_fails_its_callers_and_not_later_ones() {
+        let g = GroupSync::default();
+        let e = g.sync(|| Err(std::io::Error::from_raw_os_error(libc::EIO)));
+        assert_eq!(e.unwrap_err().raw_os_error(), Some(libc::EIO));
+        g.sync(|| Ok(())).unwrap();
+        assert_eq!(g.counts(), (2, 2));
+    }
+}

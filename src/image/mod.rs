@@ -512,10 +512,16 @@ impl Image {
                 }
                 // Fresh clusters whose old contents are zeroes (or whole clusters over the
                 // backing file): allocated here, written through the engine.
-                let fresh = if writeback {
-                    q.plan_fresh_write(file, offset, len, !d.backing.is_empty())?
-                } else {
+                let fresh = if !writeback {
                     None
+                } else if q.extended_l2() && !d.backing.is_empty() {
+                    // Subclusters over the backing file: only the ones written.
+                    match q.plan_subcluster_write(file, offset, len)? {
+                        Some(w) => Some(w),
+                        None => q.plan_fresh_write(file, offset, len, true)?,
+                    }
+                } else {
+                    q.plan_fresh_write(file, offset, len, !d.backing.is_empty())?
                 };
                 let Some(fw) = fresh else {
                     return Ok(WritePlan::Format(Offload::Cow));

@@ -49,6 +49,16 @@ pub struct CowInstall {
     pub clusters: u64,
     /// First new host cluster (the rest follow it).
     pub host: u64,
+    /// Extended L2 entries: the write covers only these subclusters of its one cluster
+    /// (bits 0-31), in `host`, which was allocated for it (`fresh`) or is the image's own.
+    pub sub: Option<SubInstall>,
+}
+
+/// The subclusters a [`CowInstall`] of one cluster marks allocated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SubInstall {
+    pub mask: u64,
+    pub fresh: bool,
 }
 
 /// A whole-cluster first write of fresh clusters.
@@ -318,6 +328,7 @@ impl Qcow2Image {
                     guest: first_cl,
                     clusters: n,
                     host: first,
+                    sub: None,
                 }),
             }));
         }
@@ -348,6 +359,9 @@ impl Qcow2Image {
         let c = self.cluster_size();
         let mut ws = self.lock_write()?;
         let r = (|| -> Result<(), ImageError> {
+            if let Some(sub) = install.sub {
+                return self.install_subclusters(&mut ws, file, install, sub, ok);
+            }
             for k in 0..install.clusters {
                 let (cl, host) = (install.guest + k * c, install.host + k * c);
                 if !ok {
@@ -363,7 +377,9 @@ impl Qcow2Image {
             Ok(())
         })();
         self.cow.finish(install.guest, install.clusters, c);
-        self.fills.end();
+        if install.sub.is_none() {
+            self.fills.end();
+        }
         r?;
         self.maybe_write_back(&mut ws, file)
     }
@@ -458,7 +474,9 @@ impl Qcow2Image {
                 // before its L2 entry is. Synced here, on this pool thread and without any
                 // lock, so the queue thread's publish need not wait for a sync (several pool
                 // threads' syncs run at once, and the block layer merges their flushes).
-                file.sync_data().map_err(ImageError::Io)?;
+                self.data_sync
+                    .sync(|| file.sync_data())
+                    .map_err(ImageError::Io)?;
                 Ok(true)
             }
         })();

@@ -72,7 +72,7 @@ use super::ImageError;
 use crate::locks::{Locked, RwLocked};
 
 pub use compress::DEFAULT_COMPRESSED_CACHE_CLUSTERS;
-pub use cow::{CowInstall, Fill, FillGate, FreshWrite};
+pub use cow::{CowInstall, Fill, FillGate, FreshWrite, SubInstall};
 pub use header::{Compression, MAGIC};
 pub use map::Extent;
 
@@ -284,6 +284,9 @@ pub struct Qcow2Image {
     punch_freed: bool,
     /// L2 entries changed in the cache and not yet in the file (see [`Qcow2Image::publish`]).
     unpublished: crate::image::durable::Publication,
+    /// The copy-on-write pool's data syncs (a new cluster's data before its entry), one
+    /// `fdatasync` shared by the threads waiting at once.
+    data_sync: crate::image::durable::GroupSync,
     /// Held by a write-back from copying the dirty L2 chunks until they are written (a
     /// publish writes them without the allocation lock), so that write-backs reach the file
     /// one at a time, in the order they copied. Taken after the allocation lock.

@@ -48,10 +48,12 @@ const HEADER_READ: usize = 4096;
 
 impl Qcow2Image {
     /// The default L2 cache for an image: [`DEFAULT_L2_CACHE_BYTES`], or enough for
-    /// [`DEFAULT_L2_COVERAGE`] when that is more, capped at all of the image's L2 tables.
-    pub fn default_l2_cache_bytes(cluster_bits: u32, size_bytes: u64) -> u64 {
-        let coverage = DEFAULT_L2_COVERAGE >> (cluster_bits - 3);
-        let whole_image = size_bytes.div_ceil(1 << cluster_bits) * 8;
+    /// [`DEFAULT_L2_COVERAGE`] when that is more, capped at all of the image's L2 tables
+    /// (whose entries are 16 bytes with extended L2 entries, else 8).
+    pub fn default_l2_cache_bytes(cluster_bits: u32, size_bytes: u64, extended_l2: bool) -> u64 {
+        let entry_bits = 3 + u32::from(extended_l2);
+        let coverage = DEFAULT_L2_COVERAGE >> (cluster_bits - entry_bits);
+        let whole_image = size_bytes.div_ceil(1 << cluster_bits) << entry_bits;
         DEFAULT_L2_CACHE_BYTES
             .max(coverage)
             .min(whole_image.next_multiple_of(1 << cluster_bits))
@@ -169,9 +171,9 @@ impl Qcow2Image {
         if writable && stored.is_empty() && h.autoclear_features != 0 {
             clear_autoclear(file)?;
         }
-        let cache_bytes = opts
-            .l2_cache_bytes
-            .unwrap_or_else(|| Self::default_l2_cache_bytes(cluster_bits, h.size_bytes));
+        let cache_bytes = opts.l2_cache_bytes.unwrap_or_else(|| {
+            Self::default_l2_cache_bytes(cluster_bits, h.size_bytes, extended_l2)
+        });
         let capacity = (cache_bytes >> cluster_bits).clamp(4, 1 << 22) as usize;
         let img = Qcow2Image {
             version: h.version,
@@ -200,6 +202,7 @@ impl Qcow2Image {
             punch_freed: opts.punch_freed,
             unpublished: Default::default(),
             write_back_io: Mutex::new(()),
+            data_sync: Default::default(),
             stats: Qcow2Stats::default(),
             stored: Mutex::new(stored),
             crypt_region,

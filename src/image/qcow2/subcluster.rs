@@ -8,6 +8,7 @@
 //! plain image copies the whole cluster from the backing file); a stream job's step fills
 //! only the subclusters the image does not hold.
 
+use super::cow::{CowInstall, FreshWrite, SubInstall};
 use super::map::{sub_mask, L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, SUBCLUSTERS, SUB_ALL};
 use super::refcount::RefChange;
 use super::{FillOld, ImageError, Qcow2Image, WriteState};
@@ -182,7 +183,9 @@ impl Qcow2Image {
             // file (or zeroes) read before. Here, on the pool thread, rather than by the
             // queue's publish for the whole batch (measured: 22k against 19k IOPS at depth
             // 32, BENCHMARKS.md).
-            file.sync_data().map_err(ImageError::Io)?;
+            self.data_sync
+                .sync(|| file.sync_data())
+                .map_err(ImageError::Io)?;
             Ok(true)
         })();
         // Infallible from here: the cluster must leave `cow` whatever happens.
@@ -222,6 +225,102 @@ impl Qcow2Image {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.maybe_write_back(&mut ws, file)?;
         Ok(true)
+    }
+
+    /// Extended L2 entries, a write inside one cluster over a backing file that covers
+    /// whole subclusters: its host place (the image's own host cluster, or a new one
+    /// allocated now), to be written through the engine; the subclusters are marked
+    /// allocated when it completes ([`Self::finish_cow`]), so reads see what they read
+    /// before until then, and the guest cluster is busy meanwhile (its other writers,
+    /// zeroing and streaming wait). The entry's change waits for the data to be durable
+    /// (the publish syncs first: `write_l2_raw`). None: not such a write.
+    ///
+    /// Writers through the format wait for busy clusters, not for these writes as they
+    /// do for fills (which make their clusters visible before their data lands).
+    pub fn plan_subcluster_write(
+        &self,
+        file: &dyn Storage,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<FreshWrite>, ImageError> {
+        let c = self.cluster_size();
+        let sub = c / SUBCLUSTERS;
+        let cl_start = offset & !(c - 1);
+        let in_cl = offset - cl_start;
+        if !self.extended_l2
+            || self.write.is_none()
+            || len == 0
+            || in_cl + len > c
+            || !in_cl.is_multiple_of(sub)
+            || !len.is_multiple_of(sub)
+        {
+            return Ok(None);
+        }
+        let mut ws = self.lock_write()?;
+        if self.cow_busy(cl_start, 1) {
+            return Ok(None);
+        }
+        let Some((host, _, _)) = self.own_subclusters(file, cl_start)? else {
+            return Ok(None);
+        };
+        let fresh = host == 0;
+        let host = if fresh {
+            self.alloc_data_cluster(&mut ws, file)?.0
+        } else {
+            host
+        };
+        let (first, n) = self.subclusters_of(in_cl, len);
+        // Not a fill: it writes only subclusters nothing reads until it is installed, and
+        // every writer of the guest cluster (through the format too) waits for it; so
+        // writes through the format need not drain it, nor it wait for their gate.
+        self.cow.lock().insert(cl_start);
+        Ok(Some(FreshWrite {
+            host: host + in_cl,
+            fill: None,
+            install: Some(CowInstall {
+                guest: cl_start,
+                clusters: 1,
+                host,
+                sub: Some(SubInstall {
+                    mask: sub_mask(first, n),
+                    fresh,
+                }),
+            }),
+        }))
+    }
+
+    /// [`Self::finish_cow`] of a [`Self::plan_subcluster_write`]: mark its subclusters
+    /// allocated (`ok`), or give a new host cluster back.
+    pub(super) fn install_subclusters(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        install: CowInstall,
+        sub: SubInstall,
+        ok: bool,
+    ) -> Result<(), ImageError> {
+        let (cl, host) = (install.guest, install.host);
+        if !ok {
+            if sub.fresh {
+                // Never referenced: safe to write back at any time.
+                self.set_refcount(ws, file, host, RefChange::Dec)?;
+            }
+            return Ok(());
+        }
+        let (d, bitmap) = self.l2_raw(file, cl)?;
+        if d & L2_OFFSET_MASK != if sub.fresh { 0 } else { host } || d & L2_COMPRESSED != 0 {
+            return Err(ImageError::Corrupt(
+                "a cluster changed while its subclusters were written",
+            ));
+        }
+        let m = sub.mask;
+        let bitmap = (bitmap & SUB_ALL | m) | ((bitmap >> 32 & !m) << 32);
+        let l2 = self.ensure_l2(ws, file, cl)?;
+        self.write_l2_raw(ws, file, l2, self.l2_index(cl), (host | L2_COPIED, bitmap))?;
+        self.stats
+            .subcluster_writes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 
     /// Extended L2 entries: the host offset of [offset, offset + len) inside one cluster
