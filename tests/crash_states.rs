@@ -88,43 +88,22 @@ fn create(fmt: &'static str, name: &'static str) -> impl Fn(&Path) + Sync + 'sta
 
 /// `disk.qcow2` over `base.raw`, which holds the pattern.
 fn overlay_over_pattern(d: &Path) {
-    std::fs::write(d.join("base.raw"), pattern_disk()).unwrap();
-    qemu_img_in(
-        d,
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            "base.raw",
-            "-F",
-            "raw",
-            "disk.qcow2",
-        ],
-    );
+    overlay_over_pattern_with(d, &[]);
 }
 
-/// `disk.qcow2` over `base.raw` (the pattern) with extended L2 entries: 32 subclusters of
-/// 2 KiB per cluster, each allocated on its own.
+/// The same with extended L2 entries: 32 subclusters of 2 KiB per cluster, each allocated
+/// on its own.
 fn extl2_overlay_over_pattern(d: &Path) {
+    overlay_over_pattern_with(d, &["-o", "extended_l2=on"]);
+}
+
+/// `disk.qcow2` over `base.raw` (the pattern), made by `qemu-img create` with `opts`.
+fn overlay_over_pattern_with(d: &Path, opts: &[&str]) {
     std::fs::write(d.join("base.raw"), pattern_disk()).unwrap();
-    qemu_img_in(
-        d,
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-o",
-            "extended_l2=on",
-            "-b",
-            "base.raw",
-            "-F",
-            "raw",
-            "disk.qcow2",
-        ],
-    );
+    let mut a = vec!["create", "-q", "-f", "qcow2"];
+    a.extend(opts);
+    a.extend(["-b", "base.raw", "-F", "raw", "disk.qcow2"]);
+    qemu_img_in(d, &a);
 }
 
 /// Records the random mix (`batches` of it, set up further by `tune`) on `row` and checks up

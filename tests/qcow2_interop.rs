@@ -462,35 +462,14 @@ fn random_writes_to_qcow2_match_model_and_check_clean() {
                 let len = (rng.range(1, 512) * 512) as usize;
                 (len, rng.below((SIZE - len as u64) / 512 + 1) * 512)
             };
-            match rng.below(6) {
-                0..=2 => {
-                    let mut data = vec![0u8; len];
-                    rng.fill(&mut data);
-                    assert_eq!(
-                        c.write_at(0, off, &data),
-                        0,
-                        "{name} op {i}: write {len} at {off}"
-                    );
-                    model[off as usize..off as usize + len].copy_from_slice(&data);
-                }
-                3 => {
-                    let op = Op::WriteZeroes {
-                        offset: off,
-                        len: len as u64,
-                        flags: blkio::ReqFlags::empty(),
-                    };
-                    assert_eq!(c.submit(0, op), 0, "{name} op {i}: write zeroes");
-                    model[off as usize..off as usize + len].fill(0);
-                }
-                _ => {
-                    let got = c.read_at(0, off, len).unwrap();
-                    assert_same(
-                        &got,
-                        &model[off as usize..off as usize + len],
-                        &format!("{name} op {i}: read {len} at {off}"),
-                    );
-                }
-            }
+            model_request(
+                &mut c,
+                &mut model,
+                &mut rng,
+                off,
+                len,
+                &format!("{name} op {i}"),
+            );
         }
         assert_eq!(c.submit(0, Op::Flush), 0);
         assert_same(&c.read_all(0), &model, &format!("{name}: whole disk"));

@@ -205,31 +205,14 @@ fn vublk_writes_subclusters_that_qemu_reads() {
                 rng.range(1, 16) * 512
             } as usize;
             let off = rng.below((SIZE - len as u64) / 512 + 1) * 512;
-            match rng.below(6) {
-                0..=2 => {
-                    let mut data = vec![0u8; len];
-                    rng.fill(&mut data);
-                    assert_eq!(c.write_at(0, off, &data), 0, "{name} op {i}");
-                    model[off as usize..off as usize + len].copy_from_slice(&data);
-                }
-                3 => {
-                    let op = Op::WriteZeroes {
-                        offset: off,
-                        len: len as u64,
-                        flags: blkio::ReqFlags::empty(),
-                    };
-                    assert_eq!(c.submit(0, op), 0, "{name} op {i}: write zeroes");
-                    model[off as usize..off as usize + len].fill(0);
-                }
-                _ => {
-                    let got = c.read_at(0, off, len).unwrap();
-                    assert_same(
-                        &got,
-                        &model[off as usize..off as usize + len],
-                        &format!("{name} op {i}: read {len} at {off}"),
-                    );
-                }
-            }
+            model_request(
+                &mut c,
+                &mut model,
+                &mut rng,
+                off,
+                len,
+                &format!("{name} op {i}"),
+            );
         }
         assert_eq!(c.submit(0, Op::Flush), 0);
         check_reads(&mut c, &model, name);

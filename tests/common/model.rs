@@ -119,3 +119,38 @@ pub fn random_requests(c: &mut Client, size: u64, ops: usize, seed: u64) -> Mode
     );
     m
 }
+
+/// One request of the plain model mix on queue 0 of `c` at [off, off + len): a write of
+/// random bytes (half of them), write-zeroes (a sixth) or a read checked against `model`
+/// (a third); `model` follows.
+pub fn model_request(
+    c: &mut Client,
+    model: &mut [u8],
+    rng: &mut Rng,
+    off: u64,
+    len: usize,
+    what: &str,
+) {
+    let r = off as usize..off as usize + len;
+    match rng.below(6) {
+        0..=2 => {
+            let mut data = vec![0u8; len];
+            rng.fill(&mut data);
+            assert_eq!(c.write_at(0, off, &data), 0, "{what}: write {len} at {off}");
+            model[r].copy_from_slice(&data);
+        }
+        3 => {
+            let op = Op::WriteZeroes {
+                offset: off,
+                len: len as u64,
+                flags: ReqFlags::empty(),
+            };
+            assert_eq!(c.submit(0, op), 0, "{what}: write zeroes {len} at {off}");
+            model[r].fill(0);
+        }
+        _ => {
+            let got = c.read_at(0, off, len).unwrap();
+            assert_same(&got, &model[r], &format!("{what}: read {len} at {off}"));
+        }
+    }
+}

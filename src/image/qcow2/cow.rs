@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use super::map::{L2_COMPRESSED, L2_COPIED, L2_OFFSET_MASK, L2_ZERO};
 use super::refcount::RefChange;
-use super::{FillOld, ImageError, Qcow2Image};
+use super::{FillOld, ImageError, Qcow2Image, WriteState};
 use crate::io::bounce::AlignedBuf;
 use crate::io::ranges::{Holder, RangeLocks};
 use crate::io::Storage;
@@ -405,6 +405,23 @@ impl Qcow2Image {
         Ok(old_is_zero)
     }
 
+    /// The allocation lock, once guest cluster `cl` is not being written without it (a
+    /// copy-on-write or a subcluster write in flight: its entry must go in first).
+    pub(super) fn lock_write_idle(
+        &self,
+        cl: u64,
+    ) -> Result<std::sync::MutexGuard<'_, WriteState>, ImageError> {
+        loop {
+            let guard = self.lock_write()?;
+            let busy = self.cow.lock();
+            if !busy.contains(&cl) {
+                return Ok(guard);
+            }
+            drop(guard);
+            self.cow.wait(busy);
+        }
+    }
+
     /// Is any of the `n` guest clusters from `first` being copied on write? (Called with the
     /// allocation lock held.)
     pub(super) fn cow_busy(&self, first: u64, n: u64) -> bool {
@@ -427,29 +444,19 @@ impl Qcow2Image {
         data: &[u8],
         fill_old: &mut FillOld<'_>,
     ) -> Result<bool, ImageError> {
-        let Some(ws_lock) = self.write.as_ref() else {
-            return Err(ImageError::ReadOnly);
-        };
         let c = self.cluster_size();
         let cl_start = offset & !(c - 1);
         let in_cl = (offset - cl_start) as usize;
         let n = data.len();
-        let (new, reused) = loop {
-            let mut ws = ws_lock.locked();
-            let busy = self.cow.lock();
-            if busy.contains(&cl_start) {
-                drop(ws);
-                self.cow.wait(busy);
-                continue;
-            }
-            drop(busy);
+        let (new, reused) = {
+            let mut ws = self.lock_write_idle(cl_start)?;
             let e = self.l2_entry(file, cl_start)?;
             if e & L2_OFFSET_MASK != 0 || e & L2_COMPRESSED != 0 {
                 return Ok(false);
             }
             let got = self.alloc_data_cluster(&mut ws, file)?;
             self.cow.lock().insert(cl_start);
-            break got;
+            got
         };
         // The I/O, without the allocation lock.
         // Ok(true): the data written is durable.
@@ -480,30 +487,44 @@ impl Qcow2Image {
                 Ok(true)
             }
         })();
-        // Infallible from here: the cluster must leave `cow` whatever happens.
-        let mut ws = ws_lock.locked();
-        let installed = io.and_then(|durable| {
+        self.install_unlocked_write(file, cl_start, Some(new), io, |ws, durable| {
             let cur = self.l2_entry(file, cl_start)?;
-            let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
+            let l2 = self.ensure_l2(ws, file, cl_start)?;
             let others_unsynced = ws.unsynced_data;
-            self.write_l2_entry(&mut ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
+            self.write_l2_entry(ws, file, l2, self.l2_index(cl_start), new | L2_COPIED)?;
             if durable {
                 // This entry's data is durable already; other entries' need is unchanged.
                 ws.unsynced_data = others_unsynced;
             }
             // Whatever the entry held by now (a concurrent zeroing may have changed it) is
             // released once the new entry is durable.
-            self.release_old(&mut ws, cur);
+            self.release_old(ws, cur);
             Ok(())
-        });
-        if installed.is_err() {
-            // Never referenced: give the cluster back (safe to write at any time).
+        })?;
+        self.stats.cow_unlocked.fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// The end of a write into guest cluster `cl_start` done without the allocation lock
+    /// (`io`: its result, true if its data is durable): under the lock, `install` its
+    /// entry; if that (or the I/O) failed, give back the host cluster allocated for it
+    /// (`new`: never referenced, so safe to write back at any time); the cluster leaves
+    /// the busy set whatever happened.
+    pub(super) fn install_unlocked_write(
+        &self,
+        file: &dyn Storage,
+        cl_start: u64,
+        new: Option<u64>,
+        io: Result<bool, ImageError>,
+        install: impl FnOnce(&mut WriteState, bool) -> Result<(), ImageError>,
+    ) -> Result<(), ImageError> {
+        let mut ws = self.lock_write()?;
+        let installed = io.and_then(|durable| install(&mut ws, durable));
+        if let (Err(_), Some(new)) = (&installed, new) {
             let _ = self.set_refcount(&mut ws, file, new, RefChange::Dec);
         }
-        self.cow.finish(cl_start, 1, c);
+        self.cow.finish(cl_start, 1, self.cluster_size());
         installed?;
-        self.stats.cow_unlocked.fetch_add(1, Ordering::Relaxed);
-        self.maybe_write_back(&mut ws, file)?;
-        Ok(true)
+        self.maybe_write_back(&mut ws, file)
     }
 }

@@ -14,7 +14,6 @@ use super::refcount::RefChange;
 use super::{FillOld, ImageError, Qcow2Image, WriteState};
 use crate::io::bounce::AlignedBuf;
 use crate::io::Storage;
-use crate::locks::Locked;
 
 impl Qcow2Image {
     /// The first subcluster and how many the bytes [in_cl, in_cl + len) of a cluster touch.
@@ -127,24 +126,14 @@ impl Qcow2Image {
         src: &[u8],
         fill_old: &mut FillOld<'_>,
     ) -> Result<bool, ImageError> {
-        let Some(ws_lock) = self.write.as_ref() else {
-            return Err(ImageError::ReadOnly);
-        };
         let c = self.cluster_size();
         let cl_start = offset & !(c - 1);
         let in_cl = offset - cl_start;
         if !self.extended_l2 || src.is_empty() || in_cl + src.len() as u64 > c {
             return Ok(false);
         }
-        let (host, fresh, reused) = loop {
-            let mut ws = ws_lock.locked();
-            let busy = self.cow.lock();
-            if busy.contains(&cl_start) {
-                drop(ws);
-                self.cow.wait(busy);
-                continue;
-            }
-            drop(busy);
+        let (host, fresh, reused) = {
+            let mut ws = self.lock_write_idle(cl_start)?;
             let Some((host, _, _)) = self.own_subclusters(file, cl_start)? else {
                 return Ok(false);
             };
@@ -155,7 +144,7 @@ impl Qcow2Image {
                 (host, false, false)
             };
             self.cow.lock().insert(cl_start);
-            break got;
+            got
         };
         let sub = c / SUBCLUSTERS;
         let (first, n) = self.subclusters_of(in_cl, src.len() as u64);
@@ -188,43 +177,46 @@ impl Qcow2Image {
                 .map_err(ImageError::Io)?;
             Ok(true)
         })();
-        // Infallible from here: the cluster must leave `cow` whatever happens.
-        let mut ws = ws_lock.locked();
-        let installed = io.and_then(|durable| {
-            let (d, bitmap) = self.l2_raw(file, cl_start)?;
-            let cur_host = d & L2_OFFSET_MASK;
-            if cur_host != if fresh { 0 } else { host } || d & L2_COMPRESSED != 0 {
-                return Err(ImageError::Corrupt(
-                    "a cluster changed while its subclusters were written",
-                ));
-            }
-            let m = sub_mask(first, n);
-            let bitmap = (bitmap & SUB_ALL | m) | ((bitmap >> 32 & !m) << 32);
-            let l2 = self.ensure_l2(&mut ws, file, cl_start)?;
-            let others_unsynced = ws.unsynced_data;
-            self.write_l2_raw(
-                &mut ws,
-                file,
-                l2,
-                self.l2_index(cl_start),
-                (host | L2_COPIED, bitmap),
-            )?;
-            if durable {
-                ws.unsynced_data = others_unsynced;
-            }
-            Ok(())
-        });
-        if installed.is_err() && fresh {
-            // Never referenced: give the cluster back (safe to write at any time).
-            let _ = self.set_refcount(&mut ws, file, host, RefChange::Dec);
+        let m = sub_mask(first, n);
+        self.install_unlocked_write(file, cl_start, fresh.then_some(host), io, |ws, durable| {
+            self.set_subclusters(ws, file, cl_start, host, fresh, m, durable)
+        })?;
+        Ok(true)
+    }
+
+    /// Mark subclusters `mask` of the guest cluster at `cl` allocated in `host` (allocated
+    /// for them, `fresh`, or the image's own), their zero bits cleared; the entry must still
+    /// name that host cluster (or none, when fresh). `durable`: their data is durable
+    /// already, so the entry waits for no sync.
+    #[allow(clippy::too_many_arguments)]
+    fn set_subclusters(
+        &self,
+        ws: &mut WriteState,
+        file: &dyn Storage,
+        cl: u64,
+        host: u64,
+        fresh: bool,
+        mask: u64,
+        durable: bool,
+    ) -> Result<(), ImageError> {
+        let (d, bitmap) = self.l2_raw(file, cl)?;
+        if d & L2_OFFSET_MASK != if fresh { 0 } else { host } || d & L2_COMPRESSED != 0 {
+            return Err(ImageError::Corrupt(
+                "a cluster changed while its subclusters were written",
+            ));
         }
-        self.cow.finish(cl_start, 1, c);
-        installed?;
+        let bitmap = (bitmap & SUB_ALL | mask) | ((bitmap >> 32 & !mask) << 32);
+        let l2 = self.ensure_l2(ws, file, cl)?;
+        let others_unsynced = ws.unsynced_data;
+        self.write_l2_raw(ws, file, l2, self.l2_index(cl), (host | L2_COPIED, bitmap))?;
+        if durable {
+            // This entry's data is durable already; other entries' need is unchanged.
+            ws.unsynced_data = others_unsynced;
+        }
         self.stats
             .subcluster_writes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.maybe_write_back(&mut ws, file)?;
-        Ok(true)
+        Ok(())
     }
 
     /// Extended L2 entries, a write inside one cluster over a backing file that covers
@@ -307,20 +299,7 @@ impl Qcow2Image {
             }
             return Ok(());
         }
-        let (d, bitmap) = self.l2_raw(file, cl)?;
-        if d & L2_OFFSET_MASK != if sub.fresh { 0 } else { host } || d & L2_COMPRESSED != 0 {
-            return Err(ImageError::Corrupt(
-                "a cluster changed while its subclusters were written",
-            ));
-        }
-        let m = sub.mask;
-        let bitmap = (bitmap & SUB_ALL | m) | ((bitmap >> 32 & !m) << 32);
-        let l2 = self.ensure_l2(ws, file, cl)?;
-        self.write_l2_raw(ws, file, l2, self.l2_index(cl), (host | L2_COPIED, bitmap))?;
-        self.stats
-            .subcluster_writes
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        self.set_subclusters(ws, file, cl, host, sub.fresh, sub.mask, false)
     }
 
     /// Extended L2 entries: the host offset of [offset, offset + len) inside one cluster

@@ -113,16 +113,7 @@ impl Qcow2Image {
         // is read before the allocation lock is taken (guest writes go on meanwhile).
         let mut buf = AlignedBuf::new(c as usize, 4096).map_err(ImageError::Io)?;
         fill_old(cl, buf.as_mut_slice())?;
-        let mut ws = loop {
-            let guard = self.lock_write()?;
-            let busy = self.cow.lock();
-            if !busy.contains(&cl) {
-                drop(busy);
-                break guard;
-            }
-            drop(guard);
-            self.cow.wait(busy);
-        };
+        let mut ws = self.lock_write_idle(cl)?;
         // Extended L2 entries: a cluster that holds some subclusters gets the others.
         if let Some(filled) = self.populate_subclusters(file, cl, buf.as_mut_slice(), &mut ws)? {
             self.maybe_write_back(&mut ws, file)?;
@@ -254,16 +245,7 @@ impl Qcow2Image {
             }
             // Not while the cluster is written without the allocation lock (its host
             // cluster must stay until that write's entry is in).
-            let mut ws = loop {
-                let guard = self.lock_write()?;
-                let busy = self.cow.lock();
-                if !busy.contains(&cl_start) {
-                    drop(busy);
-                    break guard;
-                }
-                drop(guard);
-                self.cow.wait(busy);
-            };
+            let mut ws = self.lock_write_idle(cl_start)?;
             let e = self.l2_entry(file, cl_start)?;
             let host = e & L2_OFFSET_MASK;
             let keep =
