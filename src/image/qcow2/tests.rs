@@ -385,3 +385,80 @@ fn header_claims_beyond_the_limits_are_refused() {
         assert_eq!(ro.unwrap(), 512, "{tag}: read-only");
     }
 }
+
+#[test]
+fn sub_mask_names_the_subclusters() {
+    use super::map::sub_mask;
+    assert_eq!(sub_mask(0, 32), 0xffff_ffff);
+    assert_eq!(sub_mask(3, 2), 0b11000);
+    assert_eq!(sub_mask(31, 1), 1 << 31);
+    assert_eq!(sub_mask(5, 0), 0);
+}
+
+/// Extended L2 entries on a hand-built image: each subcluster maps as data, zero or
+/// unallocated; the plain view of a mixed cluster is one every write path copies; bitmaps
+/// that contradict themselves or their entry are refused, not followed.
+#[test]
+fn extended_l2_entries_map_each_subcluster_and_refuse_contradictions() {
+    let mut h = header();
+    let put64 = |h: &mut [u8], at: usize, v: u64| h[at..at + 8].copy_from_slice(&v.to_be_bytes());
+    put64(&mut h, off::INCOMPATIBLE_FEATURES, header::INCOMPAT_EXTL2);
+    // An L2 table of 16-byte entries maps 256 MiB: one L1 entry.
+    put64(&mut h, off::SIZE, 1 << 28);
+    let copied = 1u64 << 63;
+    // Cluster 0: subclusters 0-1 allocated, 2 zero, the rest unallocated.
+    put64(&mut h, 0x40000, 0x40000 | copied);
+    put64(&mut h, 0x40008, 0b11 | (0b100 << 32));
+    // Cluster 1: subcluster 0 both allocated and zero.
+    put64(&mut h, 0x40010, 0x40000 | copied);
+    put64(&mut h, 0x40018, 1 | (1 << 32));
+    // Cluster 2: allocated subclusters without a host cluster.
+    put64(&mut h, 0x40028, 0b1);
+    // Cluster 3: every subcluster zero, no host cluster.
+    put64(&mut h, 0x40038, 0xffff_ffff << 32);
+    let (p, f) = temp("extl2", &h);
+    let q = Qcow2Image::open_read_only(&f).unwrap();
+    assert!(q.extended_l2());
+    let mut out = Vec::new();
+    q.map(&f, 0, 65536, &mut out).unwrap();
+    assert_eq!(
+        out,
+        vec![
+            Extent::Data {
+                host_offset: 0x40000,
+                len: 4096
+            },
+            Extent::Zero { len: 2048 },
+            Extent::Unallocated { len: 65536 - 6144 },
+        ]
+    );
+    // A read inside one subcluster.
+    q.map(&f, 4096 + 512, 1024, &mut out).unwrap();
+    assert_eq!(out, vec![Extent::Zero { len: 1024 }]);
+    // The plain view: mixed, so not owned (not COPIED) and not zero.
+    let view = q.l2_entry(&f, 0).unwrap();
+    assert_eq!(view & map::L2_OFFSET_MASK, 0x40000);
+    assert_eq!(view & (map::L2_COPIED | map::L2_ZERO), 0);
+    assert_eq!(q.l2_entry(&f, 3 * 65536).unwrap(), map::L2_ZERO);
+    for cl in [1u64, 2] {
+        assert!(matches!(
+            q.map(&f, cl * 65536, 4096, &mut out),
+            Err(ImageError::Corrupt(_))
+        ));
+    }
+    q.map(&f, 3 * 65536, 65536, &mut out).unwrap();
+    assert_eq!(out, vec![Extent::Zero { len: 65536 }]);
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn extended_l2_needs_16k_clusters() {
+    let mut h = header();
+    h[off::INCOMPATIBLE_FEATURES..off::INCOMPATIBLE_FEATURES + 8]
+        .copy_from_slice(&header::INCOMPAT_EXTL2.to_be_bytes());
+    h[off::CLUSTER_BITS..off::CLUSTER_BITS + 4].copy_from_slice(&13u32.to_be_bytes());
+    assert!(matches!(
+        header::Header::parse(&h),
+        Err(Qcow2Error::ExtendedL2(13))
+    ));
+}
