@@ -472,6 +472,10 @@ pub enum CtlMethod {
         /// to it, with its format.
         #[arg(long, value_name = "PATH")]
         overlay: String,
+        /// Give the overlay extended L2 entries (subclusters, QEMU 5.2+'s extended_l2=on):
+        /// the guest's small writes into it then copy nothing from the old image.
+        #[arg(long)]
+        extended_l2: bool,
     },
     /// Start a stream job: copy into the image served what it reads from its backing
     /// chain (down to NODE, or all of it), then drop the backing link (or point it at

@@ -19,10 +19,15 @@ const STOP: Duration = Duration::from_secs(10);
 
 /// A snapshot under a writer, for a disk of `fmt`; then a restart that serves the overlay.
 fn snapshot_under_writes(fmt: &str) {
+    snapshot_under_writes_with(fmt, &[]);
+}
+
+/// [`snapshot_under_writes`] with more `snapshot` arguments.
+fn snapshot_under_writes_with(fmt: &str, more: &[&str]) {
     if skip_chain_test("snapshots") {
         return;
     }
-    let dir = TestDir::new(&format!("snapshot-{fmt}"));
+    let dir = TestDir::new(&format!("snapshot-{fmt}{}", more.len()));
     let img = make_disk(&dir, fmt, SIZE);
     let (backend, sock) = start_with_control(&dir, &img, 2, &[]);
     let writer = Writer::start(connect_queues(&backend.socket, 2), 3);
@@ -33,7 +38,9 @@ fn snapshot_under_writes(fmt: &str) {
     // Paused between two writes: the disk now is what the old image must keep.
     let (at_switch, answer) = writer.paused(|c| {
         let r = c.read_all(1);
-        let a = ctl_ok(&sock, "snapshot", &["--overlay", &ov]);
+        let mut a = vec!["--overlay", ov.as_str()];
+        a.extend(more);
+        let a = ctl_ok(&sock, "snapshot", &a);
         // The guest reads the same disk right after the switch.
         assert_same(&c.read_all(0), &r, "the disk right after the switch");
         (r, a)
@@ -71,6 +78,13 @@ fn snapshot_under_writes(fmt: &str) {
         ]
     );
     assert_check_allows_leaks(&overlay, "qcow2", "the overlay");
+    let info = qemu_img(&["info", "-U", "--output=json"], &[&overlay]);
+    let extended = more.contains(&"--extended-l2");
+    assert_eq!(
+        info.contains("\"extended-l2\": true"),
+        extended,
+        "the overlay's extended L2 entries: {info}"
+    );
     if fmt != "raw" {
         assert_check_allows_leaks(&img, fmt, "the old image");
     }
@@ -117,6 +131,13 @@ fn a_snapshot_of_a_qcow2_disk_under_writes() {
 #[test]
 fn a_snapshot_of_a_parallels_disk_under_writes() {
     snapshot_under_writes("parallels");
+}
+
+/// `snapshot --extended-l2`: the overlay has subclusters, and the guest's writes after the
+/// switch land in them.
+#[test]
+fn a_snapshot_with_subclusters_under_writes() {
+    snapshot_under_writes_with("raw", &["--extended-l2"]);
 }
 
 /// Persistent bitmaps go on recording in the overlay: a change after the snapshot is in

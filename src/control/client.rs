@@ -85,11 +85,18 @@ pub fn request_of(m: &crate::args::CtlMethod) -> Result<(String, Value), String>
         M::Top { .. } => return Err("top is not a request".into()),
         M::Bitmap(b) => bitmap_request(b)?,
         M::Backup(b) => backup_request(b)?,
-        M::Snapshot { overlay } => {
+        M::Snapshot {
+            overlay,
+            extended_l2,
+        } => {
             // As the daemon sees it (its working directory is not ours).
             let abs = std::path::absolute(overlay)
                 .map_or_else(|_| overlay.clone(), |a| a.display().to_string());
-            ("snapshot".to_owned(), json!({ "overlay": abs }))
+            let mut p = json!({ "overlay": abs });
+            if *extended_l2 {
+                p["extended_l2"] = json!(true);
+            }
+            ("snapshot".to_owned(), p)
         }
         M::Stream { base, job } => {
             let mut p = job_params(job)?;

@@ -47,7 +47,8 @@ pub struct Disk<'a> {
     pub bitmaps: &'a crate::bitmaps::Bitmaps,
 }
 
-/// `snapshot` with its parameters: `{"overlay": PATH}`.
+/// `snapshot` with its parameters: `{"overlay": PATH, "extended_l2": BOOL}` (the latter
+/// optional, default false).
 pub fn call(params: &Value, disk: &Disk<'_>) -> Result<Value, CallError> {
     let overlay = params
         .get("overlay")
@@ -56,13 +57,19 @@ pub fn call(params: &Value, disk: &Disk<'_>) -> Result<Value, CallError> {
         .ok_or_else(|| CallError::Params("snapshot takes {\"overlay\": PATH}".into()))?;
     if let Some(k) = params
         .as_object()
-        .and_then(|m| m.keys().find(|k| *k != "overlay"))
+        .and_then(|m| m.keys().find(|k| *k != "overlay" && *k != "extended_l2"))
     {
         return Err(CallError::Params(format!(
             "snapshot: unknown parameter {k:?}"
         )));
     }
-    take(disk, Path::new(overlay)).map_err(CallError::Refused)
+    let extended_l2 = match params.get("extended_l2") {
+        None => false,
+        Some(v) => v.as_bool().ok_or_else(|| {
+            CallError::Params("snapshot: \"extended_l2\" must be true or false".into())
+        })?,
+    };
+    take(disk, Path::new(overlay), extended_l2).map_err(CallError::Refused)
 }
 
 /// Why a `snapshot` call failed.
@@ -72,8 +79,9 @@ pub enum CallError {
     Refused(String),
 }
 
-/// Take the snapshot: see the module's note.
-pub fn take(disk: &Disk<'_>, overlay: &Path) -> Result<Value, String> {
+/// Take the snapshot (the overlay with extended L2 entries if `extended_l2`): see the
+/// module's note.
+pub fn take(disk: &Disk<'_>, overlay: &Path, extended_l2: bool) -> Result<Value, String> {
     if !overlay.is_absolute() {
         return Err(format!(
             "--overlay {}: give an absolute path (vublk ctl makes it one)",
@@ -166,7 +174,7 @@ pub fn take(disk: &Disk<'_>, overlay: &Path) -> Result<Value, String> {
             size_bytes: disk.size,
             cluster_bits: OVERLAY_CLUSTER_BITS,
             compression: crate::image::qcow2::Compression::Zlib,
-            extended_l2: false,
+            extended_l2,
             backing: Some((backing_name.clone(), format)),
             encrypt: None,
         },
