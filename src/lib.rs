@@ -78,6 +78,7 @@ pub mod stats;
 pub mod testing;
 pub mod throttle;
 pub mod top;
+pub mod units;
 pub mod virtio_blk;
 pub mod watchdog;
 pub mod worker;

@@ -213,6 +213,7 @@ fn lower_layers_do_not_reach_up() {
         "virtio_blk",
         "locks",
         "throttle",
+        "units",
     ] {
         let reach: Vec<_> = top
             .get(low)

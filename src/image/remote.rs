@@ -27,25 +27,13 @@ const NULL_MAX: u64 = 1 << 63;
 /// The longest latency a null disk injects.
 const NULL_MAX_LATENCY_NS: u64 = 10_000_000_000;
 
-/// A size in bytes with an optional K, M, G or T suffix (powers of two).
-fn null_size(s: &str) -> Option<u64> {
-    let (num, shift) = match s.chars().last()? {
-        'k' | 'K' => (&s[..s.len() - 1], 10),
-        'm' | 'M' => (&s[..s.len() - 1], 20),
-        'g' | 'G' => (&s[..s.len() - 1], 30),
-        't' | 'T' => (&s[..s.len() - 1], 40),
-        _ => (s, 0),
-    };
-    num.parse::<u64>().ok()?.checked_mul(1u64 << shift)
-}
-
 /// `null:SIZE[?read-zeroes=on|off][&latency-ns=N]`: the size and options of a null disk, if
 /// `s` names one.
 pub fn parse_null(s: &str) -> Option<Result<(u64, NullOptions), String>> {
     let rest = s.strip_prefix("null:")?;
     let bad = |m: String| Some(Err(format!("{s}: {m}")));
     let (size, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let size = match null_size(size) {
+    let size = match crate::units::parse_size(size) {
         Some(n) if n > 0 && n % 512 == 0 && n <= NULL_MAX => n,
         _ => {
             return bad(format!(
