@@ -14,7 +14,7 @@ use vhost::vhost_user::message::{
 };
 use vhost_user_backend::{VhostUserBackend, VringRwLock};
 use virtio_bindings::virtio_blk::*;
-use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_config::{VIRTIO_F_IN_ORDER, VIRTIO_F_VERSION_1};
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 use vm_memory::GuestMemoryAtomic;
 use vmm_sys_util::epoll::EventSet;
@@ -236,6 +236,7 @@ impl VhostUserBlkBackend {
         let mut f = (1 << VIRTIO_F_VERSION_1)
             | (1 << VIRTIO_RING_F_EVENT_IDX)
             | (1 << VIRTIO_RING_F_INDIRECT_DESC)
+            | (1 << VIRTIO_F_IN_ORDER)
             | (1 << VIRTIO_BLK_F_SIZE_MAX)
             | (1 << VIRTIO_BLK_F_SEG_MAX)
             | (1 << VIRTIO_BLK_F_BLK_SIZE)
@@ -278,6 +279,18 @@ impl VhostUserBackend for VhostUserBlkBackend {
         // durable, so it gets write-through (5.2.5.1).
         let flush = features & (1 << VIRTIO_BLK_F_FLUSH) != 0;
         self.dev.reset_writeback(flush);
+        // VIRTIO_F_IN_ORDER: queues started from now on use buffers in the available order.
+        let in_order = features & (1 << VIRTIO_F_IN_ORDER) != 0;
+        if self.dev.in_order.swap(in_order, Ordering::AcqRel) != in_order {
+            info!(
+                "VIRTIO_F_IN_ORDER {}",
+                if in_order {
+                    "negotiated: buffers are used in the order they were made available"
+                } else {
+                    "not negotiated"
+                }
+            );
+        }
         // VHOST_F_LOG_ALL: the frontend is migrating the guest and wants every page vublk
         // writes in its log, including those the kernel writes for us.
         let log = features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0;

@@ -147,6 +147,9 @@ pub struct Device {
     /// The frontend negotiated VHOST_F_LOG_ALL (it migrates the guest): guest pages the
     /// kernel writes for a request are marked in its dirty log by hand.
     pub dirty_log: AtomicBool,
+    /// VIRTIO_F_IN_ORDER was negotiated: each queue uses buffers in the order they were made
+    /// available (read by a queue when it starts).
+    pub in_order: AtomicBool,
     /// Request counters, one set per queue (`stats`).
     pub queue_stats: Vec<crate::stats::QueueCounters>,
     /// I/O limits (`--throttle-*`, `set-throttle`).
@@ -248,6 +251,7 @@ impl Device {
             writeback: AtomicBool::new(writeback),
             no_zero_range: AtomicBool::new(false),
             dirty_log: AtomicBool::new(false),
+            in_order: AtomicBool::new(false),
             throttle: crate::throttle::Throttle::default(),
             frontend_connected: AtomicBool::new(false),
             frontend_channel: std::sync::Mutex::new(FrontendChannel(None, 0)),

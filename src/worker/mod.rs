@@ -26,6 +26,7 @@ mod failure;
 #[cfg(any(test, feature = "testing"))]
 pub mod fuzz;
 mod hold;
+mod in_order;
 pub mod poll;
 mod publish;
 mod read;
@@ -92,6 +93,9 @@ pub struct QueueWorker {
     completions: Vec<Completion>,
     /// Requests finished while the vring was not at hand: (head, used_len) to add.
     deferred_used: Vec<(u16, u32)>,
+    /// VIRTIO_F_IN_ORDER negotiated when the queue started: finished requests wait here for
+    /// those taken before them.
+    order: Option<in_order::InOrder>,
     /// Scratch for read plans, and the (file, host offset) of each piece read through the
     /// engine.
     read_plan: ReadPlan,
@@ -197,6 +201,7 @@ impl QueueWorker {
             vring: None,
             completions: Vec::with_capacity(n),
             deferred_used: Vec::with_capacity(n),
+            order: None,
             read_plan: ReadPlan::default(),
             piece_reads: Vec::new(),
             stalled: false,
@@ -453,6 +458,7 @@ impl QueueWorker {
         self.broken = None;
         self.started = false;
         self.resubmit.clear();
+        self.order = None;
     }
 
     /// Block until something in flight may have completed; false if waiting failed.
@@ -564,6 +570,9 @@ impl QueueWorker {
                 taken += 1;
                 if let Some(t) = self.inflight.as_mut() {
                     t.taken(head);
+                }
+                if let Some(o) = self.order.as_mut() {
+                    o.taken(head);
                 }
                 let descs = chain.map(|d| Desc {
                     addr: d.addr().0,

@@ -40,6 +40,13 @@ impl QueueWorker {
             return;
         }
         self.held_since = None;
+        if let Some(o) = self.order.as_mut() {
+            // VIRTIO_F_IN_ORDER: only the run that continues the used ring goes on it.
+            o.reorder(&mut self.deferred_used);
+            if self.deferred_used.is_empty() {
+                return;
+            }
+        }
         if let Err(e) = self.image.publish() {
             log_limited!(
                 log::Level::Error,

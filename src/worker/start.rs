@@ -24,6 +24,11 @@ impl QueueWorker {
     pub(super) fn start(&mut self, q: &mut virtio_queue::Queue, mem: &Mem) {
         self.started = true;
         self.signal_on_start = true;
+        self.order = self
+            .dev
+            .in_order
+            .load(Ordering::Acquire)
+            .then(|| super::in_order::InOrder::new(q.size()));
         self.take_image(crate::image::handover::TAKE_OVER_WAIT);
         if let Some(why) = ring_problem(q, mem) {
             self.mark_broken(why);
@@ -182,6 +187,9 @@ impl QueueWorker {
             let Some(head) = self.resubmit.pop() else {
                 break;
             };
+            if let Some(o) = self.order.as_mut() {
+                o.taken(head);
+            }
             let chain = virtio_queue::DescriptorChain::new(
                 &**mem,
                 vm_memory::GuestAddress(q.desc_table()),

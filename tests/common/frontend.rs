@@ -84,10 +84,15 @@ impl Guest {
 /// A connected frontend with its features and protocol features set (REPLY_ACK: every
 /// message is answered, so a refusal is seen).
 pub fn frontend(socket: &Path) -> Frontend {
+    frontend_acking(socket, |f| f)
+}
+
+/// As [`frontend`], acking `ack(offered)` of the virtio features offered.
+pub fn frontend_acking(socket: &Path, ack: impl Fn(u64) -> u64) -> Frontend {
     let mut fe = Frontend::connect(socket, 1).unwrap();
     fe.set_owner().unwrap();
     let features = fe.get_features().unwrap();
-    fe.set_features(features).unwrap();
+    fe.set_features(ack(features)).unwrap();
     let proto = fe.get_protocol_features().unwrap();
     fe.set_protocol_features(proto & VhostUserProtocolFeatures::REPLY_ACK | proto)
         .unwrap();
