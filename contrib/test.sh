@@ -35,6 +35,8 @@ tools=(
 	"dpkg-shlibdeps dpkg-dev"
 	"cryptsetup cryptsetup-bin"
 	"gcore gdb"
+	"virsh libvirt-clients"
+	"libvirtd libvirt-daemon-system"
 )
 missing=()
 for t in "${tools[@]}"; do

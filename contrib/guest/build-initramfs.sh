@@ -320,6 +320,12 @@ exec </dev/console >/dev/console 2>&1
 
 finish() {
 	sync
+	# E2E_HOLD=1: stay up once the result is out, for the host to stop the machine (a
+	# libvirt domain the test destroys).
+	if [ "${E2E_HOLD:-0}" = 1 ]; then
+		echo "VUBLK-E2E: HOLDING"
+		while :; do sleep 3600; done
+	fi
 	/bin/busybox poweroff -f
 	# not reached; if poweroff failed, let the kernel panic (panic=-1 + -no-reboot ends QEMU)
 	exit 1
