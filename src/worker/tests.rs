@@ -670,3 +670,59 @@ fn a_full_ring_does_not_leave_notifications_off() {
         );
     }
 }
+
+/// The cost of the ring layer alone, per request, as the queue thread pays it through the
+/// rust-vmm crates (virtio-queue's chain iterator and `add_used`, vm-memory's accessors on
+/// vublk's guest-memory type): pop a 3-descriptor chain, read its descriptors and 16-byte
+/// header, write the status byte, add it to the used ring. No parsing, no I/O, no vublk
+/// bookkeeping. BENCHMARKS.md compares it with qemu-storage-daemon's whole cost per request
+/// on the null disk: `cargo test --release --lib ring_layer_cost -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, run by hand"]
+fn ring_layer_cost() {
+    use virtio_queue::QueueOwnedT;
+    use vm_memory::GuestAddressSpace;
+    let mut d = Driver::new();
+    let batch = 5u16; // 15 descriptors of the 16
+    let rounds = 400_000u32;
+    let mut spent = std::time::Duration::ZERO;
+    let mem = d.atomic.memory();
+    for _ in 0..rounds {
+        d.next_desc = 0;
+        d.hdr_next = HDRS;
+        for _ in 0..batch {
+            d.request(req_type::IN, 0, &[(DATA, 4096, true)]);
+        }
+        let start = std::time::Instant::now();
+        let mut state = d.vring.get_mut();
+        let mut n = 0;
+        loop {
+            let popped = match state.get_queue_mut().iter(&*mem) {
+                Ok(mut chains) => chains.next(),
+                Err(_) => None,
+            };
+            let Some(chain) = popped else {
+                break;
+            };
+            let head = chain.head_index();
+            let mut descs = [(0u64, 0u32, false); 4];
+            let mut k = 0;
+            for desc in chain {
+                if k < descs.len() {
+                    descs[k] = (desc.addr().0, desc.len(), desc.is_write_only());
+                    k += 1;
+                }
+            }
+            let hdr: [u8; 16] = mem.read_obj(GuestAddress(descs[0].0)).unwrap();
+            std::hint::black_box(hdr);
+            mem.write_obj(0u8, GuestAddress(descs[k - 1].0)).unwrap();
+            state.add_used(head, 4097).unwrap();
+            n += 1;
+        }
+        drop(state);
+        spent += start.elapsed();
+        assert_eq!(n, batch);
+    }
+    let per = spent.as_nanos() as f64 / (f64::from(rounds) * f64::from(batch));
+    println!("ring layer: {per:.0} ns per request (pop, descriptors, header, status, add_used)");
+}
