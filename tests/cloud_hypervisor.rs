@@ -166,6 +166,21 @@ fn guest_written_pages() -> Vec<(u64, u64)> {
     v
 }
 
+/// SET_VRING_ADDR's rings of queue `q`: the VMM's own addresses of the rings in boot memory;
+/// `logged`: with VHOST_VRING_F_LOG and the used ring's guest address as the log address
+/// (`set_vring_logging`).
+fn ring_config(ram: &Ram, q: usize, logged: bool) -> VringConfigData {
+    VringConfigData {
+        queue_max_size: QSIZE,
+        queue_size: QSIZE,
+        flags: u32::from(logged),
+        desc_table_addr: ram.hva + desc_at(q) - ram.gpa,
+        used_ring_addr: ram.hva + used_at(q) - ram.gpa,
+        avail_ring_addr: ram.hva + avail_at(q) - ram.gpa,
+        log_addr: logged.then(|| used_at(q)),
+    }
+}
+
 /// A tiny deterministic generator (the test must replay the same way every run).
 struct Rng(u64);
 impl Rng {
@@ -484,15 +499,7 @@ impl Device {
         self.kicks.clear();
         self.calls.clear();
         for (q, &base) in bases.iter().enumerate().take(QUEUES) {
-            let config = VringConfigData {
-                queue_max_size: QSIZE,
-                queue_size: QSIZE,
-                flags: 0,
-                desc_table_addr: ram.hva + desc_at(q) - ram.gpa,
-                used_ring_addr: ram.hva + used_at(q) - ram.gpa,
-                avail_ring_addr: ram.hva + avail_at(q) - ram.gpa,
-                log_addr: None,
-            };
+            let config = ring_config(ram, q, false);
             fe.set_vring_addr(q, &config).unwrap();
             fe.set_vring_base(q, base).unwrap();
             let call = EventFd::new(0).unwrap();
@@ -733,15 +740,7 @@ fn reactivate(dev: &mut Device, run: &Run) {
     let bases = avail_indices(&run.ram);
     for q in 0..QUEUES {
         let ram = &run.ram;
-        let config = VringConfigData {
-            queue_max_size: QSIZE,
-            queue_size: QSIZE,
-            flags: 0,
-            desc_table_addr: ram.hva + desc_at(q) - ram.gpa,
-            used_ring_addr: ram.hva + used_at(q) - ram.gpa,
-            avail_ring_addr: ram.hva + avail_at(q) - ram.gpa,
-            log_addr: None,
-        };
+        let config = ring_config(ram, q, false);
         fe.set_vring_addr(q, &config).unwrap();
         fe.set_vring_base(q, bases[q]).unwrap();
         fe.set_vring_call(q, &calls[q]).unwrap();
@@ -908,15 +907,7 @@ fn cloud_hypervisor_migrates_the_guest_to_another_vublk() {
         .unwrap();
     let ram = run.ram.clone();
     for q in 0..QUEUES {
-        let config = VringConfigData {
-            queue_max_size: QSIZE,
-            queue_size: QSIZE,
-            flags: 1, // VHOST_VRING_F_LOG
-            desc_table_addr: ram.hva + desc_at(q) - ram.gpa,
-            used_ring_addr: ram.hva + used_at(q) - ram.gpa,
-            avail_ring_addr: ram.hva + avail_at(q) - ram.gpa,
-            log_addr: Some(used_at(q)),
-        };
+        let config = ring_config(&ram, q, true);
         src.fe.set_vring_addr(q, &config).unwrap();
     }
     // Precopy: everything, then passes while the guest runs.

@@ -8,7 +8,7 @@
 mod common;
 
 use std::os::fd::AsRawFd;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vhost::vhost_user::message::VhostUserInflight;
 use vhost::vhost_user::VhostUserFrontend;
@@ -43,37 +43,6 @@ fn status(g: &Guest, k: u16) -> u8 {
     g.r::<u8>(HDRS + u64::from(k) * 32 + 16)
 }
 
-fn publish(g: &Guest, heads: &[u16]) {
-    for (i, h) in heads.iter().enumerate() {
-        g.w(AVAIL + 4 + 2 * i as u64, *h);
-    }
-    g.w(AVAIL + 2, heads.len() as u16);
-}
-
-fn used_idx(g: &Guest) -> u16 {
-    g.r::<u16>(USED + 2)
-}
-
-fn used_heads(g: &Guest) -> Vec<u16> {
-    (0..used_idx(g))
-        .map(|i| g.r::<u32>(USED + 4 + 8 * u64::from(i)) as u16)
-        .collect()
-}
-
-fn wait_used(g: &Guest, n: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while used_idx(g) < n {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: used idx {} < {n}",
-            used_idx(g)
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(used_idx(g), n, "{what}: more completions than requests");
-}
-
 /// Reads wait `latency_ms` on a null disk; GET_ID completes at once.
 fn null_backend(dir: &TestDir, latency_ms: u64) -> Backend {
     let spec = format!("null:64M?latency-ns={}", latency_ms * 1_000_000);
@@ -106,9 +75,9 @@ fn the_used_ring_follows_the_available_ring_once_in_order_is_acked() {
             .enumerate()
             .map(|(k, &t)| request(&g, k as u16, t))
             .collect();
-        publish(&g, &heads);
+        publish_heads(&g, &heads);
         let _kicks = start_queue(&mut fe, &g, USED);
-        wait_used(&g, 5, "requests");
+        wait_used(&g, 5, 20, "requests");
         for k in 0..5 {
             assert_eq!(status(&g, k), 0, "request {k} (in_order {in_order})");
         }
@@ -148,7 +117,7 @@ fn a_request_held_for_order_survives_a_killed_vublk() {
         .enumerate()
         .map(|(k, &t)| request(&g, k as u16, t))
         .collect();
-    publish(&g, &heads);
+    publish_heads(&g, &heads);
 
     let first = null_backend(&dir, 3000);
     let mut fe = frontend(&first.socket);
@@ -175,7 +144,7 @@ fn a_request_held_for_order_survives_a_killed_vublk() {
     fe.set_inflight_fd(&info, region.as_raw_fd()).unwrap();
     fe.set_mem_table(&[g.region()]).unwrap();
     let _kicks = start_queue_at(&mut fe, &g, USED, 0);
-    wait_used(&g, 3, "after the restart");
+    wait_used(&g, 3, 20, "after the restart");
     assert_eq!(used_heads(&g), heads);
     for k in 0..3 {
         assert_eq!(status(&g, k), 0, "request {k}");

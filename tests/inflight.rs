@@ -139,39 +139,6 @@ fn status(g: &Guest, k: u16) -> u8 {
     g.r::<u8>(HDRS + u64::from(k) * 32 + 16)
 }
 
-/// Publish `heads` at avail positions 0.. and set the avail index.
-fn publish(g: &Guest, heads: &[u16]) {
-    for (i, h) in heads.iter().enumerate() {
-        g.w(AVAIL + 4 + 2 * i as u64, *h);
-    }
-    g.w(AVAIL + 2, heads.len() as u16);
-}
-
-fn used_idx(g: &Guest) -> u16 {
-    g.r::<u16>(USED + 2)
-}
-
-fn used_heads(g: &Guest) -> Vec<u16> {
-    (0..used_idx(g))
-        .map(|i| g.r::<u32>(USED + 4 + 8 * u64::from(i)) as u16)
-        .collect()
-}
-
-fn wait_used(g: &Guest, n: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while used_idx(g) < n {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: used idx {} < {n}",
-            used_idx(g)
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // Nothing more than expected arrives.
-    std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(used_idx(g), n, "{what}: more completions than requests");
-}
-
 fn opts() -> BackendOpts {
     BackendOpts {
         // The blocking engine completes in submission order: the used ring shows the
@@ -206,9 +173,9 @@ fn completed_requests_leave_the_region_clean() {
     let heads: Vec<u16> = (0..4)
         .map(|k| write_request(&g, k, 8 * u64::from(k), 0x40 + k as u8))
         .collect();
-    publish(&g, &heads);
+    publish_heads(&g, &heads);
     let _kicks = start_queue(&mut fe, &g, USED);
-    wait_used(&g, 4, "first process");
+    wait_used(&g, 4, 10, "first process");
     for k in 0..4 {
         assert_eq!(status(&g, k), 0, "request {k}");
         assert_eq!(
@@ -249,7 +216,7 @@ fn a_new_process_resubmits_what_the_killed_one_had_in_flight() {
     let heads: Vec<u16> = (0..4)
         .map(|k| write_request(&g, k, 8 * u64::from(k), 0x60 + k as u8))
         .collect();
-    publish(&g, &[heads[2], heads[0], heads[1], heads[3]]);
+    publish_heads(&g, &[heads[2], heads[0], heads[1], heads[3]]);
     g.w(USED + 4, u32::from(heads[0]));
     g.w(USED + 8, 1u32);
     g.w(USED + 2, 1u16);
@@ -273,7 +240,7 @@ fn a_new_process_resubmits_what_the_killed_one_had_in_flight() {
         .unwrap();
     fe.set_mem_table(&[g.region()]).unwrap();
     let _kicks = start_queue_at(&mut fe, &g, USED, 1);
-    wait_used(&g, 4, "after the restart");
+    wait_used(&g, 4, 10, "after the restart");
     assert_eq!(used_heads(&g), vec![heads[0], heads[2], heads[1], heads[3]]);
     for k in 1..4 {
         assert_eq!(status(&g, k), 0, "request {k}");
@@ -314,7 +281,7 @@ fn a_completion_the_dead_process_published_is_not_run_again() {
     let heads: Vec<u16> = (0..2)
         .map(|k| write_request(&g, k, 8 * u64::from(k), 0x70 + k as u8))
         .collect();
-    publish(&g, &heads);
+    publish_heads(&g, &heads);
     // The used ring holds request 1 (its status written, as the dead process did).
     g.w(USED + 4, u32::from(heads[1]));
     g.w(USED + 8, 1u32);
@@ -340,7 +307,7 @@ fn a_completion_the_dead_process_published_is_not_run_again() {
         .unwrap();
     fe.set_mem_table(&[g.region()]).unwrap();
     let _kicks = start_queue_at(&mut fe, &g, USED, 1);
-    wait_used(&g, 2, "after the restart");
+    wait_used(&g, 2, 10, "after the restart");
     assert_eq!(used_heads(&g), vec![heads[1], heads[0]]);
     assert_eq!(region.u16_at(OFF_USED_IDX), 2);
     drop(fe);
@@ -417,20 +384,20 @@ fn a_disabled_ring_takes_no_requests() {
     let g = guest();
     fe.set_mem_table(&[g.region()]).unwrap();
     let h0 = write_request(&g, 0, 0, 0x51);
-    publish(&g, &[h0]);
+    publish_heads(&g, &[h0]);
     let (kick, _call) = start_queue(&mut fe, &g, USED);
-    wait_used(&g, 1, "enabled");
+    wait_used(&g, 1, 10, "enabled");
     // Disabled: a second request published and kicked is not taken.
     fe.set_vring_enable(0, false).unwrap();
     let h1 = write_request(&g, 1, 8, 0x52);
-    publish(&g, &[h0, h1]);
+    publish_heads(&g, &[h0, h1]);
     kick.write(1).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(used_idx(&g), 1, "a disabled ring was processed");
     assert_eq!(status(&g, 1), 0xff);
     fe.set_vring_enable(0, true).unwrap();
     kick.write(1).unwrap();
-    wait_used(&g, 2, "enabled again");
+    wait_used(&g, 2, 10, "enabled again");
     assert_eq!(status(&g, 1), 0);
     drop(fe);
     assert_eq!(backend.sigterm_and_wait(EXIT_DEADLINE).code(), Some(0));
@@ -483,9 +450,9 @@ fn a_restarted_vublk_interrupts_the_guest_at_queue_start_with_event_idx() {
     );
     call.read().unwrap();
     let h = write_request(&g, 0, 0, 0x31);
-    publish(&g, &[h]);
+    publish_heads(&g, &[h]);
     kick.write(1).unwrap();
-    wait_used(&g, 1, "first process");
+    wait_used(&g, 1, 10, "first process");
     assert_eq!(status(&g, 0), 0);
     // The window: the completion is on the used ring, and no interrupt came (as asked).
     assert!(
@@ -565,7 +532,7 @@ fn held_requests_stay_in_the_region_for_the_next_process() {
     let heads: Vec<u16> = (0..4)
         .map(|k| write_request(&g, k, 64 * u64::from(k), 0x90 + k as u8))
         .collect();
-    publish(&g, &heads);
+    publish_heads(&g, &heads);
 
     // First: held, then a SIGTERM.
     let first = Backend::start(&dir, &img, &o);
@@ -622,7 +589,7 @@ fn held_requests_stay_in_the_region_for_the_next_process() {
         .unwrap();
     fe.set_mem_table(&[g.region()]).unwrap();
     let _kicks = start_queue_at(&mut fe, &g, USED, 0);
-    wait_used(&g, 4, "with space again");
+    wait_used(&g, 4, 10, "with space again");
     for (k, h) in heads.iter().enumerate() {
         assert_eq!(status(&g, k as u16), 0, "request {k}");
         assert_eq!(region.inflight(*h), 0);

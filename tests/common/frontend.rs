@@ -139,3 +139,37 @@ impl Guest {
         self.mem.read_obj(GuestAddress(GPA + off)).unwrap()
     }
 }
+
+/// Put `heads` at available positions 0.. and set the available index.
+pub fn publish_heads(g: &Guest, heads: &[u16]) {
+    for (i, h) in heads.iter().enumerate() {
+        g.w(AVAIL + 4 + 2 * i as u64, *h);
+    }
+    g.w(AVAIL + 2, heads.len() as u16);
+}
+
+pub fn used_idx(g: &Guest) -> u16 {
+    g.r::<u16>(USED + 2)
+}
+
+/// The heads on the used ring so far, in its order.
+pub fn used_heads(g: &Guest) -> Vec<u16> {
+    (0..used_idx(g))
+        .map(|i| g.r::<u32>(USED + 4 + 8 * u64::from(i)) as u16)
+        .collect()
+}
+
+/// Wait (up to `secs`) until `n` requests are used, then check for 100 ms that no more are.
+pub fn wait_used(g: &Guest, n: u16, secs: u64, what: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while used_idx(g) < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: used idx {} < {n}",
+            used_idx(g)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(used_idx(g), n, "{what}: more completions than requests");
+}
