@@ -17,8 +17,9 @@
 pub(super) struct InOrder {
     /// Per head: the number it was taken under, while in flight.
     seq_of: Vec<Option<u16>>,
-    /// Per number modulo the queue size: the finished request (head, used length), or a
-    /// number given up (`Skip`).
+    /// Per number modulo a power of two at least the queue size (so that the numbers'
+    /// wrap at 65536 keeps consecutive numbers in distinct places): the finished request
+    /// (head, used length), or a number given up (`Skip`).
     parked: Vec<Parked>,
     /// The number the next request taken gets.
     next_taken: u16,
@@ -42,7 +43,7 @@ impl InOrder {
         let n = usize::from(size.max(1));
         InOrder {
             seq_of: vec![None; n],
-            parked: vec![Parked::Empty; n],
+            parked: vec![Parked::Empty; n.next_power_of_two()],
             next_taken: 0,
             next_used: 0,
             scratch: Vec::with_capacity(n),
@@ -85,7 +86,7 @@ impl InOrder {
             let at = self.slot(earlier);
             self.parked[at] = Parked::Skip;
         }
-        if self.outstanding() >= self.parked.len() {
+        if self.outstanding() >= self.seq_of.len() {
             // More in flight than the ring holds: only a driver reusing heads gets here.
             // This head is not ordered; it is used when it finishes.
             return;
@@ -185,6 +186,25 @@ mod tests {
         }
         let per = start.elapsed().as_nanos() as f64 / (f64::from(rounds) * 32.0);
         println!("order book: {per:.1} ns per request");
+    }
+
+    /// A queue size that is not a power of two (packed rings allow them) across the
+    /// numbers' wrap at 65536.
+    #[test]
+    fn order_holds_across_the_wrap_with_any_queue_size() {
+        let mut o = InOrder::new(3);
+        let mut out = Vec::new();
+        for round in 0..70_000u32 {
+            let heads = [0u16, 1, 2];
+            for h in heads {
+                o.taken(h);
+            }
+            let mut list: Vec<(u16, u32)> = heads.iter().rev().map(|&h| (h, round)).collect();
+            o.reorder(&mut list);
+            out.clear();
+            out.extend(list.iter().map(|&(h, _)| h));
+            assert_eq!(out, heads, "round {round}");
+        }
     }
 
     proptest! {
